@@ -1,0 +1,1 @@
+"""The sharding engine: imports torch only, knows nothing of the front end."""
