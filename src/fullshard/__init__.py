@@ -23,6 +23,8 @@ from fullshard.engine.api import (
     StateDictSettings,
     StateDictType,
 )
+from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,9 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "FSDP",
+    "FSDPModule",
+    "FullyShardedDataParallel",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
@@ -45,4 +50,5 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "fully_shard",
 ]

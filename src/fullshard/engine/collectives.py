@@ -1,0 +1,78 @@
+"""The collectives the engine issues, as free functions over flat buffers, with byte accounting.
+
+Every function skips the collective when its group has one rank (the result is the input) and records
+the bytes this rank sends and receives over the wire in :data:`COMM_STATS`, so that benchmarks can put the
+measured traffic next to the theoretical figure. For a group of ``n`` ranks and an unsharded size of ``B``
+bytes, ring algorithms move ``B * (n - 1) / n`` for an all-gather or a reduce-scatter and twice that for
+an all-reduce; that is what is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["COMM_STATS", "CommStats", "all_gather_flat", "all_reduce_flat", "reduce_scatter_flat"]
+
+
+@dataclass
+class CommStats:
+    """Bytes moved per kind of collective since the last :meth:`reset`, and how many were issued."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
+    calls: dict[str, int] = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
+
+    def add(self, kind: str, nbytes: float) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        for kind in self.bytes:
+            self.bytes[kind] = 0
+            self.calls[kind] = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+COMM_STATS = CommStats()
+
+
+def _size(pg: dist.ProcessGroup | None) -> int:
+    return 1 if pg is None else dist.get_world_size(pg)
+
+
+def all_gather_flat(
+    output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool
+) -> dist.Work | None:
+    """``output`` (1D, ``n * shard.numel()``) receives every rank's ``shard`` (1D) in rank order."""
+    n = _size(pg)
+    if n == 1:
+        output.copy_(shard)
+        return None
+    COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
+    return dist.all_gather_into_tensor(output, shard, group=pg, async_op=async_op)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool
+) -> dist.Work | None:
+    """``output`` (1D) receives the sum over ranks of this rank's chunk of ``full`` (1D, ``n`` chunks)."""
+    n = _size(pg)
+    if n == 1:
+        output.copy_(full)
+        return None
+    COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
+    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+
+
+def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool) -> dist.Work | None:
+    """Sum ``tensor`` over the ranks of ``pg`` in place."""
+    n = _size(pg)
+    if n == 1:
+        return None
+    COMM_STATS.add("all_reduce", 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)

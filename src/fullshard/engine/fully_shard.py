@@ -1,0 +1,122 @@
+"""``fully_shard``: the per-module entry point (torch FSDP2's surface) on the same engine.
+
+``fully_shard(module)`` shards the parameters of ``module`` not already claimed by a ``fully_shard``
+submodule, registers them as ``DTensor``s sharded on dim 0 over the mesh, and changes the module's class
+to a subclass of both its class and :class:`FSDPModule` (so ``isinstance`` checks against either hold)
+that adds ``unshard()``, ``reshard()``, ``set_requires_gradient_sync()`` and friends. Apply it bottom-up:
+each block first, then the root.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
+from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
+from fullshard.engine.unit import Ignored, build_unit, resolve_device
+
+__all__ = ["FSDPModule", "fully_shard"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+class FSDPModule:
+    """Methods gained by a module passed to :func:`fully_shard`."""
+
+    def _fullshard_state(self) -> UnitState:
+        state = unit_state(self)  # type: ignore[arg-type]
+        if state is None:
+            raise AssertionError(f"{type(self).__name__} is an FSDPModule without unit state")
+        return state
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather this module's parameters now (to overlap with other work when ``async_op``)."""
+        group = self._fullshard_state().group
+        if group is not None:
+            group.unshard(async_op=async_op)
+            if not async_op:
+                group.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """Free this module's gathered parameters; the sharded ones are registered again."""
+        group = self._fullshard_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients locally (like ``no_sync()``); on: reduce them."""
+        states = unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
+        set_gradient_sync(states, requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        states = unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
+        for state in states:
+            state.config = _replace(state.config, reshard_after_forward=bool(reshard_after_forward))
+
+
+def _replace(config: UnitConfig, **changes: Any) -> UnitConfig:
+    from dataclasses import replace
+
+    return replace(config, **changes)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
+
+
+_DEFAULT_MESHES: dict[str, DeviceMesh] = {}
+
+
+def _default_mesh(device: torch.device) -> DeviceMesh:
+    if device.type not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES[device.type] = init_device_mesh(device.type, (dist.get_world_size(),))
+    return _DEFAULT_MESHES[device.type]
+
+
+def fully_shard(
+    module: M,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+) -> M:
+    """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): pass True (free parameters after "
+            "forward, gather again in backward) or False (keep them until backward ends)."
+        )
+    if unit_state(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
+    require_process_group("fully_shard")
+    device = resolve_device(None, module)
+    mesh = mesh if mesh is not None else _default_mesh(device)
+    shard_group = shard_group_from_mesh(mesh, device)
+    config = UnitConfig(
+        reshard_after_forward=reshard_after_forward,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch=False,
+    )
+    ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
+    state = build_unit(module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False)
+    module.__class__ = _fsdp_class(type(module))
+    module.register_forward_pre_hook(lambda m, args, kwargs: state.pre_forward(), prepend=True, with_kwargs=True)
+    module.register_forward_hook(lambda m, args, output: state.post_forward(output))
+    return module

@@ -1,0 +1,65 @@
+"""Gradient norm clipping across shards.
+
+Each rank holds a disjoint slice of every sharded gradient, repeated on ``data_parallel_size /
+shard_size`` ranks (replicas under HYBRID_SHARD, every rank under NO_SHARD). The global norm sums each
+rank's ``|g|^p`` scaled by ``shard_size / world``, so that every distinct element counts exactly once;
+parameters outside any unit (ignored ones) are held whole by every rank and are scaled by ``1 / world``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fullshard.engine.state import UnitState
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def clip_grad_norm_(
+    states: list[UnitState], other_params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip the gradients of ``states``' sharded parameters and ``other_params`` to a global norm.
+
+    Returns the total norm (before clipping) as a tensor, equal on every rank.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0 and not math.isinf(norm_type):
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) must be positive, or inf.")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    weighted: list[tuple[list[torch.Tensor], float]] = []
+    for state in states:
+        if state.group is None:
+            continue
+        grads = [_local(sp.sharded_param.grad) for sp in state.group.params if sp.sharded_param.grad is not None]
+        weighted.append((grads, state.group.shard_group.shard_size / world))
+    weighted.append(([_local(p.grad) for p in other_params if p.grad is not None], 1.0 / world))
+    all_grads = [g for grads, _ in weighted for g in grads]
+    device = all_grads[0].device if all_grads else torch.device("cpu")
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in all_grads:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        if world > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        total = local
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for grads, weight in weighted:
+            if grads:
+                norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+                local += weight * torch.stack([n.float() for n in norms]).pow(norm_type).sum()
+        if world > 1:
+            dist.all_reduce(local)
+        total = local.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if all_grads:
+        torch._foreach_mul_(all_grads, coef.to(all_grads[0].dtype))
+    return total

@@ -1,0 +1,344 @@
+"""ParamGroup: the parameters of one unit, which are gathered, freed and reduced together.
+
+[Note: group buffers]
+A group of ``P`` parameters over a shard group of ``N`` ranks keeps these buffers (``s_i`` is parameter
+``i``'s padded shard size, ``G = sum(s_i)``, see [Note: dim-0 layout] in ``layout.py``):
+
+- ``flat_shard`` (1D, ``G``, parameter dtype): this rank's padded shards, back to back. The sharded
+  parameters the optimizer steps on are views of it, so the all-gather reads it without a copy-in.
+- ``flat_full`` (1D, ``N * G``, compute dtype): one autograd leaf; parameter ``i`` owns the block
+  ``[N * o_i, N * (o_i + s_i))`` holding its padded full tensor, and modules see views of that block.
+  Its storage is freed (resized to 0) while the group is sharded. Being one leaf, it has one
+  ``AccumulateGrad`` node: its post-accumulate hook fires exactly once per backward, when every
+  parameter of the group has its gradient: that is the group's post-backward signal.
+- transient: the all-gather output (``N * G``, rank-major) until it is copied into ``flat_full``; the
+  reduce-scatter input (``N * G``) and output (``G``) until the reduction completes. The reduced output
+  becomes the storage of the sharded gradients (views again, no copy).
+
+Alive in each state (besides ``flat_shard`` and any sharded gradients):
+
+- ``SHARDED``: nothing else.
+- ``UNSHARDING``: the all-gather output, being filled.
+- ``UNSHARDED``: ``flat_full``; modules see its views.
+
+With one rank per shard group and no dtype cast (NO_SHARD), ``flat_full`` aliases ``flat_shard``:
+unsharding is registering views, and resharding frees nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.engine.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.layout import ShardLayout, group_offsets
+from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.param import ShardedParam, retire, set_owner
+
+__all__ = ["GroupPrecision", "ParamGroup", "ShardState"]
+
+
+class ShardState(enum.Enum):
+    """See [Note: group buffers] for what is alive in each state."""
+
+    SHARDED = enum.auto()
+    UNSHARDING = enum.auto()
+    UNSHARDED = enum.auto()
+
+
+@dataclass(frozen=True)
+class GroupPrecision:
+    """Dtypes resolved once per group: compute (gathered parameters), reduction and sharded gradients."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype
+
+
+@dataclass
+class _PendingReduce:
+    work: dist.Work | None
+    output: torch.Tensor  # 1D, G, reduce dtype
+    keep_alive: torch.Tensor | None  # the reduce-scatter input, until the work completes
+    divided: bool
+
+
+class ParamGroup:
+    """The parameters of one unit; see [Note: group buffers]."""
+
+    def __init__(
+        self,
+        label: str,
+        entries: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]],
+        shard_group: ShardGroup,
+        precision: GroupPrecision | None = None,
+        *,
+        use_dtensor: bool = False,
+    ) -> None:
+        """Shard ``entries`` (name, registrations, original parameter); the originals are retired."""
+        self.label = label
+        self.shard_group = shard_group
+        self.device = shard_group.device
+        dtypes = {p.dtype for _, _, p in entries}
+        if len(dtypes) != 1:
+            names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries)
+            raise ValueError(
+                f"unit {label!r} mixes parameter dtypes ({names}); a unit shards parameters of one dtype. "
+                "Cast the module to one dtype before wrapping, or wrap the differing submodules separately."
+            )
+        self.dtype = dtypes.pop()
+        self.precision = precision or GroupPrecision(self.dtype, self.dtype, self.dtype)
+        world, rank = shard_group.shard_size, shard_group.shard_rank
+        self.params = [
+            ShardedParam(name, regs, ShardLayout(tuple(p.shape), world, rank), p.dtype, p.requires_grad)
+            for name, regs, p in entries
+        ]
+        offsets = group_offsets([sp.layout.padded_shard_numel for sp in self.params])
+        for sp, offset in zip(self.params, offsets):
+            sp.offset = offset
+        self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
+        self.world = world
+        self.use_dtensor = use_dtensor
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        self._fill_shard([p for _, _, p in entries])
+        self.requires_grad = any(sp.requires_grad for sp in self.params)
+        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype
+        self.flat_full = self._new_flat_full()
+        self.state = ShardState.SHARDED
+        self.summoned = False  # full-precision copies registered by summon_full_params
+        self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._pending: list[_PendingReduce] = []
+        self._unsharded_version = -1
+        for sp, (_, _, original) in zip(self.params, entries):
+            retire(original, sp.sharded_param)
+            set_owner(sp.sharded_param, label)
+            sp.register_sharded()
+
+    # --- construction -------------------------------------------------------------------------------
+
+    def _fill_shard(self, originals: list[nn.Parameter]) -> None:
+        with torch.no_grad():
+            for sp, original in zip(self.params, originals):
+                lay = sp.layout
+                rows = original.detach().reshape(lay.dim0, lay.row_numel)
+                local = rows.narrow(0, lay.row_offset, lay.local_rows).reshape(-1)
+                self.flat_shard.narrow(0, sp.offset, lay.local_numel).copy_(local)
+                sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
+
+    def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's rows of ``sp``) as the sharded tensor type: plain, or a DTensor."""
+        if not self.use_dtensor:
+            return local
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        mesh = self.shard_group.get_mesh()
+        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        shape = torch.Size(sp.shape)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
+
+    def _new_flat_full(self) -> torch.Tensor:
+        if self.alias_full:
+            return self.flat_shard.detach().requires_grad_(self.requires_grad)
+        full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
+        full.untyped_storage().resize_(0)
+        return full.requires_grad_(self.requires_grad)
+
+    # --- unshard / reshard --------------------------------------------------------------------------
+
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Start gathering the full parameters (no-op if they are gathered and still current).
+
+        Postcondition (after :meth:`wait_for_unshard`): state is ``UNSHARDED``, every registration
+        resolves to a view of ``flat_full`` equal to the current shards.
+        """
+        if self.state is ShardState.UNSHARDING:
+            return
+        if self.state is ShardState.UNSHARDED:
+            if self._unsharded_version == self.flat_shard._version:
+                return
+            self.state = ShardState.SHARDED  # the shards changed since the gather: gather again
+        send = self.flat_shard
+        if send.dtype != self.precision.param_dtype:
+            send = send.to(self.precision.param_dtype)
+        if self.world == 1:
+            self._gather = (None, send)
+        else:
+            out = torch.empty(self.world * self.shard_numel, dtype=send.dtype, device=self.device)
+            self._gather = (all_gather_flat(out, send, self.shard_group.shard_pg, async_op=async_op), out)
+        self._unsharded_version = self.flat_shard._version
+        self.state = ShardState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Finish a gather started by :meth:`unshard` and register the full parameters."""
+        if self.state is not ShardState.UNSHARDING:
+            return
+        if self._gather is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: UNSHARDING without a gather")
+        work, gathered = self._gather
+        self._gather = None
+        if work is not None:
+            work.wait()
+        if not self.alias_full:
+            self._copy_out(gathered)
+        self._register_full_views()
+        self.state = ShardState.UNSHARDED
+
+    def _copy_out(self, gathered: torch.Tensor) -> None:
+        full = self.flat_full
+        storage = full.untyped_storage()
+        nbytes = full.numel() * full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+        # The copy must not bump the version counter: autograd saved views of flat_full in forward and
+        # checks the counter in backward, and this write restores exactly the data they saw.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+            if self.world == 1:
+                full.copy_(gathered)
+                return
+            blocks = [self._full_block(sp).view(self.world, -1) for sp in self.params]
+            sizes = [sp.layout.padded_shard_numel for sp in self.params]
+            torch.split_with_sizes_copy(gathered.view(self.world, self.shard_numel), sizes, dim=1, out=blocks)
+
+    def _full_block(self, sp: ShardedParam) -> torch.Tensor:
+        return self.flat_full.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel)
+
+    def _register_full_views(self) -> None:
+        sizes: list[int] = []
+        for sp in self.params:
+            sizes += [sp.layout.numel, self.world * sp.layout.padded_shard_numel - sp.layout.numel]
+        # One split (not one slice per parameter): its backward writes the whole flat gradient at once.
+        with torch.enable_grad():
+            pieces = torch.split(self.flat_full, sizes)
+            for i, sp in enumerate(self.params):
+                view = pieces[2 * i].view(sp.shape)
+                sp.register(view if sp.requires_grad else view.detach())
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the full ones.
+
+        Postcondition: state is ``SHARDED``; only ``flat_shard`` (and gradients) hold memory.
+        """
+        if self.state is ShardState.SHARDED:
+            return
+        if self.state is ShardState.UNSHARDING:
+            self.wait_for_unshard()
+        for sp in self.params:
+            sp.register_sharded()
+        if not self.alias_full:
+            self.flat_full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    # --- gradients ----------------------------------------------------------------------------------
+
+    def reduce_grads(self, *, async_op: bool = True) -> None:
+        """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
+
+        The unsharded gradient is freed here; :meth:`finish_reduce` lands the result in the sharded
+        parameters' ``.grad``.
+        """
+        if not self.requires_grad:
+            return
+        grad = self.flat_full.grad
+        self.flat_full.grad = None
+        rdtype = self.precision.reduce_dtype
+        if grad is None:
+            grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+        dp = self.shard_group.data_parallel_size
+        # Low-precision sums can overflow: divide before reducing then, after reducing otherwise.
+        predivide = rdtype in (torch.float16, torch.bfloat16) and dp > 1
+        if self.world == 1:
+            output = grad.to(rdtype, copy=True)
+            if predivide:
+                output.div_(dp)
+            work = all_reduce_flat(output, self.shard_group.replicate_pg, async_op=async_op)
+            self._pending.append(_PendingReduce(work, output, None, predivide))
+            return
+        rank_major = torch.empty(self.world, self.shard_numel, dtype=rdtype, device=self.device)
+        blocks = [
+            grad.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel) for sp in self.params
+        ]
+        torch.cat([b.view(self.world, -1) for b in blocks], dim=1, out=rank_major)
+        del grad, blocks
+        if predivide:
+            rank_major.div_(dp)
+        output = torch.empty(self.shard_numel, dtype=rdtype, device=self.device)
+        work = reduce_scatter_flat(output, rank_major.view(-1), self.shard_group.shard_pg, async_op=async_op)
+        self._pending.append(_PendingReduce(work, output, rank_major, predivide))
+
+    @property
+    def has_pending_reduce(self) -> bool:
+        return bool(self._pending)
+
+    def finish_reduce(self) -> None:
+        """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
+        while self._pending:
+            pending = self._pending.pop(0)
+            if pending.work is not None:
+                pending.work.wait()
+            output = pending.output
+            if self.world > 1 and self.shard_group.replicate_pg is not None:
+                all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
+            if not pending.divided:
+                output.div_(self.shard_group.data_parallel_size)
+            if output.dtype != self.precision.grad_dtype:
+                output = output.to(self.precision.grad_dtype)
+            self._accumulate_sharded_grads(output)
+
+    def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
+        for sp in self.params:
+            if not sp.requires_grad:
+                continue
+            local = sp.local_view(flat_grad)
+            param = sp.sharded_param
+            if param.grad is None:
+                param.grad = self._as_sharded(sp, local)
+            else:
+                existing = param.grad
+                target = existing._local_tensor if self.use_dtensor else existing  # type: ignore[attr-defined]
+                target.add_(local)
+
+    # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
+
+    def gather_full(self, source: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Every parameter's full tensor gathered from ``source`` (default: ``flat_shard``), new storage."""
+        source = self.flat_shard if source is None else source
+        gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
+        all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
+        by_rank = gathered.view(self.world, self.shard_numel)
+        fulls = []
+        for sp in self.params:
+            lay = sp.layout
+            block = by_rank.narrow(1, sp.offset, lay.padded_shard_numel)
+            rows = block.reshape(self.world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0)
+            fulls.append(rows.reshape(sp.shape).clone())
+        return fulls
+
+    def sharded_grad_flat(self) -> torch.Tensor:
+        """The sharded gradients in ``flat_shard``'s layout (zeros where a parameter has none)."""
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        for sp in self.params:
+            grad = sp.sharded_param.grad
+            if grad is not None:
+                local = grad._local_tensor if self.use_dtensor else grad  # type: ignore[attr-defined]
+                sp.local_view(flat).copy_(local)
+        return flat
+
+    def write_back(self, fulls: list[torch.Tensor]) -> None:
+        """Copy this rank's rows of each full tensor into the shards."""
+        with torch.no_grad():
+            for sp, full in zip(self.params, fulls):
+                lay = sp.layout
+                rows = full.detach().reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows)
+                sp.local_view(self.flat_shard).copy_(rows.reshape(lay.local_shape))
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

@@ -1,0 +1,185 @@
+"""Which ranks a unit shards over and which it replicates over.
+
+A :class:`ShardGroup` is the engine's view of the process topology for one unit:
+
+- ``shard_pg``: the ranks that split parameters between them (``None`` when nothing is sharded, as in
+  NO_SHARD: every rank then holds everything and ``shard_size == 1``);
+- ``replicate_pg``: the ranks that hold identical shards and all-reduce gradients (``None`` for FULL_SHARD
+  and SHARD_GRAD_OP over the whole world);
+- ``mesh``: the ``DeviceMesh`` the sharded parameters are ``DTensor``s over, for ``fully_shard`` and for
+  sharded state dicts (dims ``(shard,)`` or ``(replicate, shard)``).
+
+Gradients are averaged over ``data_parallel_size = shard_size * replicate_size`` ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from fullshard.engine.api import ShardingStrategy
+
+__all__ = ["ShardGroup", "build_shard_group", "require_process_group", "shard_group_from_mesh"]
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The process groups one unit communicates over; see the module docstring."""
+
+    shard_pg: dist.ProcessGroup | None
+    replicate_pg: dist.ProcessGroup | None
+    device: torch.device
+    mesh: DeviceMesh | None = None
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.shard_pg is None else dist.get_world_size(self.shard_pg)
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_pg is None else dist.get_rank(self.shard_pg)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_pg is None else dist.get_world_size(self.replicate_pg)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    def get_mesh(self) -> DeviceMesh:
+        """The mesh sharded parameters live on (built on first use for FullyShardedDataParallel)."""
+        if self.mesh is not None:
+            return self.mesh
+        mesh = _mesh_for(self)
+        object.__setattr__(self, "mesh", mesh)
+        return mesh
+
+
+def require_process_group(where: str) -> None:
+    """Raise a how-to-launch message when no default process group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{where} needs an initialised process group, but torch.distributed has none. Launch one "
+            "process per rank, e.g. `torchrun --nproc_per_node 2 train.py` or `fullshard launch "
+            "--num_processes 2 train.py`, and call torch.distributed.init_process_group('gloo' on CPU, "
+            "'nccl' on GPU) before wrapping the model."
+        )
+
+
+_GROUP_CACHE: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _hybrid_groups(pg: dist.ProcessGroup, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Shard groups of ``shard_size`` consecutive ranks of ``pg`` and the matching replicate groups.
+
+    Every rank creates every group, in the same order (``new_group`` is collective), once per layout.
+    """
+    ranks = dist.get_process_group_ranks(pg)
+    key = (*ranks, -shard_size)
+    if key in _GROUP_CACHE:
+        return _GROUP_CACHE[key]
+    me = dist.get_rank()
+    shard_mine = replicate_mine = None
+    for start in range(0, len(ranks), shard_size):
+        group = dist.new_group(ranks[start : start + shard_size])
+        if me in ranks[start : start + shard_size]:
+            shard_mine = group
+    for offset in range(shard_size):
+        members = ranks[offset::shard_size]
+        group = dist.new_group(members)
+        if me in members:
+            replicate_mine = group
+    if shard_mine is None or replicate_mine is None:
+        raise AssertionError(f"[rank {me}] not found among ranks {ranks} of the process group")
+    _GROUP_CACHE[key] = (shard_mine, replicate_mine)
+    return shard_mine, replicate_mine
+
+
+def _auto_shard_size(world: int) -> int:
+    """Ranks per node for HYBRID_SHARD without explicit groups: LOCAL_WORLD_SIZE as set by torchrun."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local <= 0 and torch.cuda.is_available():
+        local = torch.cuda.device_count()
+    if local <= 0 or world % local != 0:
+        raise ValueError(
+            f"sharding_strategy=HYBRID_SHARD needs the ranks per node to build shard groups, but "
+            f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')!r} does not divide the world size {world}. "
+            "Launch with torchrun (which sets it), or pass process_group=(shard_group, replicate_group) "
+            "or a 2-D device_mesh of shape (replicate, shard)."
+        )
+    return local
+
+
+def build_shard_group(
+    strategy: ShardingStrategy,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+    device: torch.device,
+) -> ShardGroup:
+    """Resolve FullyShardedDataParallel's ``process_group`` / ``device_mesh`` for ``strategy``."""
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("FullyShardedDataParallel got both process_group and device_mesh; pass only one of them.")
+        return shard_group_from_mesh(device_mesh, device, hybrid=strategy in HYBRID_STRATEGIES)
+    if strategy in HYBRID_STRATEGIES:
+        if isinstance(process_group, tuple):
+            if len(process_group) != 2:
+                raise ValueError(
+                    f"process_group for {strategy.name} must be a (shard_group, replicate_group) pair, "
+                    f"got a tuple of {len(process_group)}."
+                )
+            shard_pg, replicate_pg = process_group
+        else:
+            pg = process_group or dist.group.WORLD
+            shard_pg, replicate_pg = _hybrid_groups(pg, _auto_shard_size(dist.get_world_size(pg)))
+        return ShardGroup(shard_pg, replicate_pg if dist.get_world_size(replicate_pg) > 1 else None, device)
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            f"process_group is a tuple, which only HYBRID_SHARD and _HYBRID_SHARD_ZERO2 take; got "
+            f"sharding_strategy={strategy.name}. Pass a single process group."
+        )
+    pg = process_group or dist.group.WORLD
+    if strategy is ShardingStrategy.NO_SHARD:
+        return ShardGroup(None, pg if dist.get_world_size(pg) > 1 else None, device)
+    return ShardGroup(pg, None, device)
+
+
+def shard_group_from_mesh(mesh: DeviceMesh, device: torch.device, *, hybrid: bool | None = None) -> ShardGroup:
+    """A 1-D mesh shards over all its ranks; a 2-D mesh is ``(replicate, shard)``."""
+    if mesh.ndim == 1:
+        if hybrid:
+            raise ValueError(
+                "a hybrid sharding strategy needs a 2-D device_mesh of shape (replicate, shard); got a 1-D "
+                f"mesh of size {mesh.size()}. Build one with init_device_mesh(device, (replicas, shards))."
+            )
+        return ShardGroup(mesh.get_group(0), None, device, mesh)
+    if mesh.ndim == 2:
+        replicate_pg = mesh.get_group(0)
+        return ShardGroup(
+            mesh.get_group(1), replicate_pg if dist.get_world_size(replicate_pg) > 1 else None, device, mesh
+        )
+    raise ValueError(f"device_mesh has {mesh.ndim} dimensions; fullshard takes a 1-D or a 2-D mesh.")
+
+
+def _mesh_for(group: ShardGroup) -> DeviceMesh:
+    device_type = group.device.type
+    if group.shard_pg is None:
+        pg = group.replicate_pg
+        if pg is None:
+            return DeviceMesh(device_type, torch.arange(1) + dist.get_rank(), _init_backend=False)
+        return DeviceMesh.from_group(pg, device_type)
+    if group.replicate_pg is None:
+        return DeviceMesh.from_group(group.shard_pg, device_type)
+    shard_ranks = dist.get_process_group_ranks(group.shard_pg)
+    replicate_ranks = dist.get_process_group_ranks(group.replicate_pg)
+    me = dist.get_rank()
+    # Rows are replicas, columns are positions within a shard group (same layout in every replica).
+    grid = torch.tensor([[r - me + s for s in shard_ranks] for r in replicate_ranks], dtype=torch.int)
+    return DeviceMesh.from_group([group.replicate_pg, group.shard_pg], device_type, mesh=grid)

@@ -1,0 +1,132 @@
+"""One original parameter under sharding: where it is registered, its layout and its sharded form.
+
+A :class:`ShardedParam` never owns storage. Its sharded parameter is a view into its group's flat shard
+(see ``group.py``), and what modules see during compute is a view into the group's flat unsharded buffer.
+The original ``nn.Parameter`` is *retired* when sharding starts: its storage is freed and it is recorded,
+so that an optimizer built over it before wrapping is detected at its first ``step()`` with a message
+instead of silently stepping on nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.engine.layout import ShardLayout
+
+__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "set_owner"]
+
+
+@dataclass
+class ShardedParam:
+    """An original parameter of a unit.
+
+    - ``fqn``: its name relative to the unit's module (the first name, for tied parameters).
+    - ``registrations``: every ``(module, attribute)`` it is registered under (several when tied).
+    - ``layout``: its dim-0 split over the shard group (see [Note: dim-0 layout] in ``layout.py``).
+    - ``offset``: where its padded shard starts in the group's flat shard.
+    - ``sharded_param``: the ``nn.Parameter`` the optimizer steps on, ``layout.local_shape``; a view of the
+      group's flat shard (a ``DTensor`` over the unit's mesh under ``fully_shard``).
+    """
+
+    fqn: str
+    registrations: list[tuple[nn.Module, str]]
+    layout: ShardLayout
+    dtype: torch.dtype
+    requires_grad: bool
+    offset: int = 0
+    sharded_param: nn.Parameter | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` what every registration of this parameter resolves to.
+
+        Writes ``module._parameters`` directly: during compute the registered tensor is a non-leaf view,
+        which ``nn.Module.__setattr__`` would refuse.
+        """
+        for module, name in self.registrations:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+
+    def register_sharded(self) -> None:
+        if self.sharded_param is None:
+            raise AssertionError(f"{self.fqn}: sharded parameter not built yet")
+        self.register(self.sharded_param)
+
+    def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows inside a flat shard-sized buffer (a view; no copy)."""
+        return flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape)
+
+
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak
+# reference confirms the id still names the same object; the finalizer drops entries with their tensor.
+_REPLACEMENTS: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+_GUARD_INSTALLED = False
+
+
+def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
+    """Free ``original``'s storage and remember that ``replacement`` now stands for it."""
+    key = id(original)
+    _REPLACEMENTS[key] = (weakref.ref(original), replacement)
+    weakref.finalize(original, _REPLACEMENTS.pop, key, None)
+    original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+    _install_optimizer_guard()
+
+
+def owner_label(param: torch.Tensor) -> str | None:
+    """The unit whose sharded parameter ``param`` is, if it is one."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]
+
+
+def set_owner(param: nn.Parameter, label: str) -> None:
+    key = id(param)
+    _OWNERS[key] = (weakref.ref(param), label)
+    weakref.finalize(param, _OWNERS.pop, key, None)
+
+
+def replacement_for(original: torch.Tensor) -> nn.Parameter | None:
+    """The sharded parameter that replaced ``original`` when its module was sharded, if any."""
+    entry = _REPLACEMENTS.get(id(original))
+    if entry is None or entry[0]() is not original:
+        return None
+    return entry[1]
+
+
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuse to step an optimizer that holds parameters retired by sharding."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return
+    retired = sum(1 for p in params if replacement_for(p) is not None)
+    if retired:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {retired} of its {len(params)} parameters are the original, "
+            "unsharded parameters of a model that was sharded after the optimizer was created; they no longer "
+            "hold data and would never be updated. Create the optimizer after wrapping, from the sharded "
+            "model's parameters: model = FullyShardedDataParallel(model) (or fully_shard(model)), then "
+            "optimizer = torch.optim.AdamW(model.parameters(), ...)."
+        )
+    _CHECKED[optimizer] = len(params)
+
+
+def _install_optimizer_guard() -> None:
+    global _GUARD_INSTALLED
+    if not _GUARD_INSTALLED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _GUARD_INSTALLED = True

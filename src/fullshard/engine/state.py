@@ -1,0 +1,331 @@
+"""Per-unit runtime state and the hooks that drive gather, free and reduce around forward and backward.
+
+[Note: one iteration]
+- Root pre-forward (lazy init on the first call): the outermost unit called becomes the root; it finds
+  every unit below it, checks that all ranks built the same units (one ``all_gather_object``), and on the
+  first iteration records the order units run forward in.
+- Unit pre-forward: gather the unit's parameters (unless prefetched), then prefetch the next unit in the
+  recorded forward order when ``forward_prefetch`` is on.
+- Unit post-forward: free the gathered parameters when ``reshard_after_forward`` (never for the root,
+  whose parameters backward needs at once), and hook the unit's output tensors so that the unit's
+  pre-backward runs when their gradient is ready.
+- Unit pre-backward: gather again if freed; with ``BACKWARD_PRE`` prefetch the unit that runs backward
+  next (the previous one in forward order). The first pre-backward of a backward pass queues the root's
+  final callback.
+- Unit post-backward (the unit's flat-gradient hook, see [Note: group buffers]): start the reduce-scatter
+  asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
+  and with ``BACKWARD_POST`` prefetch the next unit. At most two reductions are left in flight.
+- Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
+  so that every rank issues the same collectives), wait for every reduction and land it in ``.grad``,
+  free anything still gathered. So ``optimizer.step()`` right after ``backward()`` sees final gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from fullshard.engine.api import BackwardPrefetch
+from fullshard.engine.group import ParamGroup, ShardState
+
+__all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+@dataclass(frozen=True)
+class UnitConfig:
+    """How one unit behaves at runtime (resolved from the entry point's arguments once)."""
+
+    reshard_after_forward: bool = True
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
+
+
+def unit_state(module: nn.Module) -> UnitState | None:
+    """The unit state of ``module`` if it is a unit (an FSDP wrapper or a ``fully_shard`` module)."""
+    return _STATES.get(module)
+
+
+def unit_states_in(module: nn.Module) -> list[UnitState]:
+    """The unit states in ``module``'s tree, pre-order (parents before children)."""
+    return [s for m in module.modules() if (s := _STATES.get(m)) is not None]
+
+
+@dataclass
+class RootContext:
+    """What the root unit shares with every unit below it for one model."""
+
+    root: UnitState
+    states: list[UnitState]
+    forward_order: list[UnitState] = field(default_factory=list)
+    order_frozen: bool = False
+    callback_queued: bool = False
+    in_backward: bool = False
+    in_flight: list[ParamGroup] = field(default_factory=list)
+
+    def next_in_forward(self, state: UnitState) -> UnitState | None:
+        order = self.forward_order
+        if state not in order:
+            return None
+        i = order.index(state)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    def next_in_backward(self, state: UnitState) -> UnitState | None:
+        order = self.forward_order
+        if state not in order:
+            return None
+        i = order.index(state)
+        return order[i - 1] if i > 0 else None
+
+
+class UnitState:
+    """The runtime state of one unit; see [Note: one iteration]."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup | None, config: UnitConfig, label: str) -> None:
+        self.module = module
+        self.group = group
+        self.config = config
+        self.label = label
+        self.ctx: RootContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.requires_gradient_sync = True
+        self.ran_forward = False
+        self.reduced = False
+        if group is not None and group.requires_grad:
+            group.flat_full.register_post_accumulate_grad_hook(lambda _: self.post_backward())
+        _STATES[module] = self
+
+    def signature(self) -> tuple[Any, ...]:
+        """What every rank must agree on: the unit's name and its parameters' names, shapes and dtypes."""
+        params = [] if self.group is None else [(sp.fqn, sp.shape, str(sp.dtype)) for sp in self.group.params]
+        return (self.label, tuple(params))
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def __repr__(self) -> str:
+        return f"UnitState({self.label!r})"
+
+    # --- lazy init ----------------------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """Make this unit the root of every unit in its tree and check all ranks agree on them."""
+        states = unit_states_in(self.module)
+        ctx = RootContext(self, states)
+        names = {
+            id(m): n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+            for n, m in self.module.named_modules()
+        }
+        for state in states:
+            state.ctx = ctx
+            state.label = names.get(id(state.module)) or f"<root {type(self.module).__name__}>"
+        _check_same_units_on_all_ranks(states)
+
+    # --- forward ------------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        if self.ctx is None:
+            self._lazy_init()
+        ctx = self.ctx
+        if ctx is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: no root context after lazy init")
+        if ctx.in_backward:
+            # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
+            self._unshard_now()
+            return
+        self.training_state = TrainingState.FORWARD
+        self.ran_forward = True
+        if self.is_root and not ctx.order_frozen:
+            ctx.forward_order.clear()
+        self._unshard_now()
+        if not ctx.order_frozen:
+            ctx.forward_order.append(self)
+        elif self.config.forward_prefetch:
+            _prefetch(ctx.next_in_forward(self))
+
+    def post_forward(self, output: Any) -> Any:
+        ctx = self.ctx
+        if ctx is None or ctx.in_backward:
+            return output
+        if self.group is not None:
+            no_backward = not torch.is_grad_enabled()
+            if no_backward or (self.config.reshard_after_forward and not self.is_root):
+                self.group.reshard()
+        if self.is_root:
+            ctx.order_frozen = True
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            _register_on_tensors(output, self._pre_backward_hook)
+        return output
+
+    def _unshard_now(self) -> None:
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+
+    # --- backward -----------------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self.pre_backward()
+        return grad
+
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            return
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            ctx.in_backward = True
+            Variable._execution_engine.queue_callback(ctx.root._final_callback)
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._unshard_now()
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            _prefetch(ctx.next_in_backward(self))
+
+    def post_backward(self) -> None:
+        """Runs when every parameter of the unit has its gradient for this backward pass."""
+        ctx, group = self.ctx, self.group
+        if ctx is None or group is None:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.requires_gradient_sync:
+            group.reduce_grads()
+            self.reduced = True
+            ctx.in_flight.append(group)
+            while len(ctx.in_flight) > 2:
+                ctx.in_flight.pop(0).finish_reduce()
+        group.reshard()
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch(ctx.next_in_backward(self))
+
+    def _final_callback(self) -> None:
+        ctx = self.ctx
+        if ctx is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: final callback without a root context")
+        try:
+            for state in ctx.states:
+                group = state.group
+                if group is None or not state.requires_gradient_sync:
+                    continue
+                if state.ran_forward and not state.reduced and group.requires_grad:
+                    group.reduce_grads()
+            for state in ctx.states:
+                if state.group is not None:
+                    state.group.finish_reduce()
+                    state.group.reshard()
+        finally:
+            ctx.in_flight.clear()
+            ctx.callback_queued = False
+            ctx.in_backward = False
+            for state in ctx.states:
+                state.training_state = TrainingState.IDLE
+                state.ran_forward = False
+                state.reduced = False
+
+
+def _prefetch(state: UnitState | None) -> None:
+    if state is not None and state.group is not None and state.group.state is ShardState.SHARDED:
+        state.group.unshard(async_op=True)
+
+
+def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    for tensor in _tensors_in(output):
+        if tensor.requires_grad:
+            tensor.register_hook(hook)
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors_in(getattr(obj, name))
+
+
+def _check_same_units_on_all_ranks(states: list[UnitState]) -> None:
+    """Raise on every rank, naming the first rank and unit that differ from rank 0 (no hang later)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = [s.signature() for s in states]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            ours = reference[i] if i < len(reference) else None
+            other = theirs[i] if i < len(theirs) else None
+            if ours != other:
+                raise RuntimeError(_describe_difference(rank, ours, other))
+    return
+
+
+def _describe_difference(rank: int, ours: Any, other: Any) -> str:
+    def text(sig: Any) -> str:
+        if sig is None:
+            return "no unit"
+        label, params = sig
+        shown = ", ".join(f"{n} {tuple(s)} {d}" for n, s, d in params[:6])
+        more = f", ... ({len(params)} in all)" if len(params) > 6 else ""
+        return f"unit {label!r} with parameters [{shown}{more}]"
+
+    where = (other or ours)[0]
+    return (
+        f"the sharded model differs across ranks at module {where!r}: rank {rank} has {text(other)}, but rank 0 "
+        f"has {text(ours)}. Every rank must build the same model (same config and sizes) and wrap it with the "
+        "same policy before training."
+    )
+
+
+def set_gradient_sync(states: list[UnitState], enabled: bool) -> list[bool]:
+    """Set gradient sync on ``states``; return the previous values (for restoring)."""
+    previous = [s.requires_gradient_sync for s in states]
+    for s in states:
+        s.requires_gradient_sync = enabled
+    return previous
+
+
+def guard_direct_calls(unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]) -> None:
+    """Make a forward of ``modules`` (inside the unit) fail clearly unless the unit's parameters are gathered."""
+
+    def make_hook(fqn: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if group.state is not ShardState.UNSHARDED and not group.summoned:
+                raise RuntimeError(
+                    f"{type(module).__name__} at {fqn!r} was called directly, but its parameters belong to the "
+                    f"sharded unit {unit_label!r} and are sharded right now, so it would compute with one rank's "
+                    f"slice of each weight. Call the unit's forward instead, wrap {fqn!r} as a unit of its own, or "
+                    "call it inside FullyShardedDataParallel.summon_full_params(model)."
+                )
+
+        return hook
+
+    for fqn, module in modules:
+        module.register_forward_pre_hook(make_hook(fqn))
