@@ -40,6 +40,10 @@ class CommStats:
 
 COMM_STATS = CommStats()
 
+# torch 2.13 renamed the flat collectives; older releases (2.11 on some GPU machines) have the old names only.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def _size(pg: dist.ProcessGroup | None) -> int:
     return 1 if pg is None else dist.get_world_size(pg)
@@ -54,7 +58,7 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
-    return dist.all_gather_into_tensor(output, shard, group=pg, async_op=async_op)
+    return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
 def reduce_scatter_flat(
@@ -66,7 +70,7 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
-    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
 
 
 def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool) -> dist.Work | None:

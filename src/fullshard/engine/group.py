@@ -203,8 +203,10 @@ class ParamGroup:
             sizes = [sp.layout.padded_shard_numel for sp in self.params]
             torch.split_with_sizes_copy(gathered.view(self.world, self.shard_numel), sizes, dim=1, out=blocks)
 
-    def _full_block(self, sp: ShardedParam) -> torch.Tensor:
-        return self.flat_full.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel)
+    def _full_block(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """``sp``'s padded full block inside ``flat`` (default ``flat_full``), in ``flat_full``'s layout."""
+        flat = self.flat_full if flat is None else flat
+        return flat.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel)
 
     def _register_full_views(self) -> None:
         sizes: list[int] = []

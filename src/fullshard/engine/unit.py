@@ -52,7 +52,8 @@ def resolve_ignored(
             modules.append(item)
         else:
             raise TypeError(
-                f"ignored_modules/ignored_states must hold nn.Module or nn.Parameter objects, got {type(item).__name__}."
+                "ignored_modules/ignored_states must hold nn.Module or nn.Parameter objects, "
+                f"got {type(item).__name__}."
             )
     for m in modules:
         params.extend(m.parameters())

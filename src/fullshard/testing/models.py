@@ -59,6 +59,8 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # One element: smaller than any world size, so some ranks hold none of it.
+        self.logit_scale = nn.Parameter(torch.ones(1))
         if cfg.tie_weights:
             self.head.weight = self.wte.weight
 
@@ -67,7 +69,7 @@ class TinyGPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x)) * self.logit_scale
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

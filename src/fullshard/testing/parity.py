@@ -1,0 +1,120 @@
+"""Training runs to compare: single-process on the full batch (the reference) and sharded across ranks.
+
+Every rank of a sharded run trains on its contiguous slice of the same global batch that the reference
+trains on whole, so with gradient averaging the two must agree up to floating-point reassociation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.engine.summon import summon_full_params
+from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
+
+__all__ = ["RunResult", "TrainSpec", "reference_run", "sharded_run"]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What to train: model sizes, steps, global batch, learning rate, micro-batches per step, clipping."""
+
+    cfg: GPTConfig = field(default_factory=GPTConfig)
+    steps: int = 3
+    batch: int = 8
+    lr: float = 1e-2
+    accumulate: int = 1
+    clip: float | None = None
+    clip_norm_type: float = 2.0
+    seed: int = 0
+
+    def model(self) -> TinyGPT:
+        torch.manual_seed(self.seed)
+        return TinyGPT(self.cfg)
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = make_batch(self.cfg, self.batch * self.accumulate, seed=1000 * self.seed + step)
+        return [
+            (x[i * self.batch : (i + 1) * self.batch], y[i * self.batch : (i + 1) * self.batch])
+            for i in range(self.accumulate)
+        ]
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    grad_norms: list[float]
+
+
+def reference_run(spec: TrainSpec) -> RunResult:
+    """Single process, full batch; gradients of micro-batches averaged like the sharded run's."""
+    model = spec.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    losses, norms = [], []
+    for step in range(spec.steps):
+        total = 0.0
+        for x, y in spec.micro_batches(step):
+            loss = model(x, y) / spec.accumulate
+            loss.backward()
+            total += loss.item()
+        if spec.clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, spec.clip_norm_type)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return RunResult(losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms)
+
+
+def sharded_run(
+    rank: int,
+    world: int,
+    spec: TrainSpec,
+    shard: Callable[[nn.Module], nn.Module],
+    *,
+    use_no_sync: bool = False,
+    clip: Callable[[nn.Module, float, float], torch.Tensor] | None = None,
+) -> RunResult:
+    """Train ``shard(model)`` on this rank's slice of every batch; return losses and gathered parameters."""
+    model = shard(spec.model())
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    per = spec.batch // world
+    losses, norms = [], []
+    for step in range(spec.steps):
+        total = torch.zeros(())
+        micro = spec.micro_batches(step)
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            ctx = _without_sync(model) if use_no_sync and not last else contextlib.nullcontext()
+            with ctx:
+                loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]) / spec.accumulate
+                loss.backward()
+            total += loss.detach()
+        if spec.clip is not None and clip is not None:
+            norms.append(float(clip(model, spec.clip, spec.clip_norm_type)))
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    with summon_full_params(model, writeback=False):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return RunResult(losses, params, norms)
+
+
+@contextlib.contextmanager
+def _without_sync(model: nn.Module) -> Iterator[None]:
+    """``no_sync()`` for a wrapper, ``set_requires_gradient_sync(False)`` for a ``fully_shard`` module."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
