@@ -138,10 +138,11 @@ def build_unit(
     precision: GroupPrecision | None = None,
     use_dtensor: bool = False,
     guard_unit_module: bool = True,
+    label: str | None = None,
 ) -> UnitState:
     """Shard ``module``'s own parameters into a group and attach a :class:`UnitState` to it."""
     entries, holders = _collect(module, ignored)
-    label = type(module).__name__
+    label = label or type(module).__name__
     group = None
     if entries:
         for _, _, param in entries:

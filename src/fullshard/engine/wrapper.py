@@ -100,7 +100,7 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=bool(forward_prefetch),
         )
         self.sharding_strategy = strategy
-        self._unit = build_unit(self, shard_group, config, ignored=ignored)
+        self._unit = build_unit(self, shard_group, config, ignored=ignored, label=type(module).__name__)
 
     # --- module plumbing ----------------------------------------------------------------------------
 

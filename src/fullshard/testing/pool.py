@@ -8,8 +8,8 @@ Invariants:
 - Every call runs ``fn(rank, world_size, *args)`` on every rank with the default process group
   initialised (gloo, CPU) and returns the per-rank results in rank order.
 - If any rank raises, the call raises :class:`RankFailure` carrying that rank's traceback. Ranks that
-  are left waiting in a collective are given ``grace_s`` seconds to fail too, then the pool is torn
-  down and the next call starts a fresh one: a failing test never poisons the next.
+  are left waiting in a collective are given ``grace_s`` seconds to fail too; if any is still running
+  then, the pool is torn down and the next call starts a fresh one: a failing test never poisons the next.
 - A call that takes longer than ``timeout_s`` tears the pool down and raises ``TimeoutError``.
 """
 
@@ -137,7 +137,10 @@ class WorkerPool:
                         deadline = min(deadline, time.monotonic() + self.grace_s)
                     failures[rank] = payload
         if failures or pending:
-            self.close()
+            # When every rank returned (even with an error) no collective is left half-done, so the
+            # ranks stay usable; a rank still running is stuck and the pool must be rebuilt.
+            if pending:
+                self.close()
             if failures:
                 raise RankFailure(failures)
             raise TimeoutError(f"ranks {sorted(pending)} did not finish {fn.__name__} in {self.timeout_s}s")
