@@ -1,0 +1,220 @@
+"""Train one GPT-style model on 2 gloo CPU ranks under fullshard and its peers, side by side, in one run.
+
+    python benchmarks/bench_engine.py [--steps 12] [--layers 4] [--width 256]
+
+For each system it prints the median step time and its ratio to torch's FSDP2 (``fully_shard``), the bytes
+each rank holds in parameters + gradients + optimizer states (and that figure over model-state bytes / N),
+and the bytes each rank moved through collectives per step next to the theoretical figure:
+FULL_SHARD 3 x model bytes x (N-1)/N (all-gather in forward and in backward, reduce-scatter),
+SHARD_GRAD_OP and NO_SHARD/DDP 2 x. Collectives are counted by a dispatch mode on the c10d ops, the same
+way for every system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fullshard import FullyShardedDataParallel as OurFSDP
+from fullshard import fully_shard as our_fully_shard
+from fullshard.testing import run_on_ranks
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.wrap import ModuleWrapPolicy
+
+WORLD = 2
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes this rank moves through c10d collectives, as ring algorithms move them."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world = world
+        self.bytes = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        if func.namespace == "c10d":
+            self.bytes += self._bytes(name, args)
+        return func(*args, **(kwargs or {}))
+
+    def _bytes(self, name: str, args: tuple) -> float:
+        share = (self.world - 1) / self.world
+
+        def nbytes(t: Any) -> int:
+            if isinstance(t, torch.Tensor):
+                return t.numel() * t.element_size()
+            if isinstance(t, (list, tuple)):
+                return sum(nbytes(x) for x in t)
+            return 0
+
+        if name.startswith(("_allgather_base", "allgather_into_tensor")):
+            return nbytes(args[0]) * share  # output: the full tensor
+        if name.startswith("allgather"):
+            return nbytes(args[0]) * share
+        if name.startswith(("_reduce_scatter_base", "reduce_scatter_tensor")):
+            return nbytes(args[1]) * share  # input: the full tensor
+        if name.startswith("reduce_scatter"):
+            return nbytes(args[1]) * share
+        if name.startswith("allreduce"):
+            return 2 * nbytes(args[0]) * share
+        return 0.0
+
+
+def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in model.parameters():
+        total += local(p).numel() * p.element_size()
+        if p.grad is not None:
+            total += local(p.grad).numel() * p.grad.element_size()
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += local(value).numel() * value.element_size()
+    return total
+
+
+# --- systems: each returns the wrapped model --------------------------------------------------------
+
+
+def ours_fsdp(model: nn.Module, strategy: str) -> nn.Module:
+    return OurFSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def ours_fully_shard(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        our_fully_shard(block)
+    return our_fully_shard(model)
+
+
+def torch_fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def torch_fsdp1(model: nn.Module, strategy: str) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    return FullyShardedDataParallel(
+        model,
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=TorchPolicy({Block}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),  # FSDP1 refuses CPU unless told explicitly
+    )
+
+
+def ddp(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
+    "fullshard FSDP FULL_SHARD": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
+    "fullshard FSDP SHARD_GRAD_OP": (functools.partial(ours_fsdp, strategy="SHARD_GRAD_OP"), "SHARD_GRAD_OP"),
+    "fullshard FSDP NO_SHARD": (functools.partial(ours_fsdp, strategy="NO_SHARD"), "NO_SHARD"),
+    "fullshard fully_shard": (ours_fully_shard, "FULL_SHARD"),
+    "torch FSDP2 fully_shard": (torch_fsdp2, "FULL_SHARD"),
+    "torch FSDP1 FULL_SHARD": (functools.partial(torch_fsdp1, strategy="FULL_SHARD"), "FULL_SHARD"),
+    "torch DDP": (ddp, "NO_SHARD"),
+}
+THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
+
+
+def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = SYSTEMS[name][0](model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per = batch // world
+    times, comm = [], []
+    for step in range(steps):
+        x, y = make_batch(cfg, batch, seed=step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        dist.barrier()
+        counter = CollectiveBytes(world)
+        start = time.perf_counter()
+        with counter:
+            loss = model(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - start)
+        comm.append(counter.bytes)
+    warm = max(2, steps // 4)
+    return {
+        "step_s": statistics.median(times[warm:]),
+        "state_bytes": _state_bytes(model, opt),
+        "model_bytes": model_bytes,
+        "comm_bytes": statistics.median(comm[warm:]),
+    }
+
+
+def _bench_all(rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {name: _bench_one(rank, world, name, cfg, steps, batch) for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
+    args = parser.parse_args()
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.width)
+    results = run_on_ranks(_bench_all, WORLD, args.systems, cfg, args.steps, args.batch)
+    report(results, args.systems)
+
+
+def report(results: list[dict[str, Any]], names: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    baseline = "torch FSDP2 fully_shard"
+    table = Table(title=f"{WORLD} gloo CPU ranks; medians; bytes per rank")
+    for col in ("system", "step ms", "vs FSDP2", "state MB", "state / (model-state/N)", "comm MB/step", "theory MB"):
+        table.add_column(col, justify="right")
+    base = max(r[baseline]["step_s"] for r in results) if baseline in names else None
+    for name in names:
+        step = max(r[name]["step_s"] for r in results)  # the slowest rank sets the pace
+        state = max(r[name]["state_bytes"] for r in results)
+        model_bytes = results[0][name]["model_bytes"]
+        strategy = SYSTEMS[name][1]
+        shards = 1 if strategy == "NO_SHARD" else WORLD
+        ideal = 4 * model_bytes / shards  # params + grads + Adam's two moments, fp32
+        comm = max(r[name]["comm_bytes"] for r in results)
+        theory = THEORY_FACTOR[strategy] * model_bytes * (WORLD - 1) / WORLD
+        table.add_row(
+            name,
+            f"{step * 1e3:.1f}",
+            f"{step / base:.2f}" if base else "-",
+            f"{state / 1e6:.2f}",
+            f"{state / ideal:.3f}",
+            f"{comm / 1e6:.2f}",
+            f"{theory / 1e6:.2f}",
+        )
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    main()
