@@ -32,7 +32,7 @@ class Block(nn.Module):
 
 
 class TinyModel(nn.Module):
-    _no_split_modules = ["Block"]
+    _no_split_modules = ("Block",)
 
     def __init__(self) -> None:
         super().__init__()
@@ -339,7 +339,7 @@ BAD_ARGUMENTS = [
     (
         dict(mixed_precision_policy={"param_dtype": torch.bfloat16, "output_dtype": torch.float32}),
         ValueError,
-        f"unknown keys ['output_dtype'] for fsdp_version=1. Use keys among param_dtype, reduce_dtype, buffer_dtype",
+        "unknown keys ['output_dtype'] for fsdp_version=1. Use keys among param_dtype, reduce_dtype, buffer_dtype",
     ),
     (
         dict(mixed_precision_policy={"param_dtype": "int8"}),
