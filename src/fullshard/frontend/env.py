@@ -37,6 +37,8 @@ __all__ = [
     "format_env",
     "is_bool_text",
     "parse_bool",
+    "parse_int",
+    "set_variables",
     "read_env",
     "read_launch_env",
     "write_field",
@@ -67,7 +69,7 @@ def parse_bool(value: object, *, where: str = "value") -> bool:
     raise ValueError(f"{where}={value!r}: not a boolean. Use one of true, false (also 1/0, yes/no, on/off).")
 
 
-def _parse_int(value: object, *, where: str = "value") -> int:
+def parse_int(value: object, *, where: str = "value") -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -186,7 +188,7 @@ def _choice_var(field: str, env: str, key: str, choices: tuple[str, ...], help: 
 
 
 def _version(value: object, *, where: str = "value") -> int:
-    version = _parse_int(value, where=where)
+    version = parse_int(value, where=where)
     if version not in (1, 2):
         raise ValueError(f"{where}={value!r}: FSDP version must be 1 or 2.")
     return version
@@ -204,7 +206,7 @@ FSDP_VARS: tuple[EnvVar, ...] = (
     ),
     _var("cpu_offload", "FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", parse_bool,
          "Offload parameters and gradients to the CPU (true/false)."),
-    _var("min_num_params", "FSDP_MIN_NUM_PARAMS", "fsdp_min_num_params", _parse_int,
+    _var("min_num_params", "FSDP_MIN_NUM_PARAMS", "fsdp_min_num_params", parse_int,
          "Minimum parameters of a unit for SIZE_BASED_WRAP."),
     _choice_var("auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", "fsdp_auto_wrap_policy", AUTO_WRAP_POLICIES,
                 "Auto wrap policy."),
@@ -305,3 +307,9 @@ def write_field(field: str, value: object, environ: MutableMapping[str, str] | N
     environ = os.environ if environ is None else environ
     var = by_field(field)
     environ[var.env] = var.format(value)
+
+
+def set_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of both tables that are set in ``environ`` (default ``os.environ``), as raw text."""
+    environ = os.environ if environ is None else environ
+    return {v.env: environ[v.env] for v in (*LAUNCH_VARS, *FSDP_VARS) if v.env in environ}
