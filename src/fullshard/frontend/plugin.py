@@ -50,22 +50,13 @@ from fullshard.engine.api import (
     StateDictConfig,
     StateDictType,
 )
-from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from fullshard.frontend import env
+from fullshard.frontend import plugin_values as values
 
 __all__ = ["FullyShardedDataParallelPlugin"]
 
-_PLUGIN = "FullyShardedDataParallelPlugin"
-MIXED_PRECISION_DTYPES: dict[str, torch.dtype] = {
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-}
-_DTYPE_ALIASES: dict[str, torch.dtype] = {
-    **MIXED_PRECISION_DTYPES,
-    **{str(d).removeprefix("torch."): d for d in MIXED_PRECISION_DTYPES.values()},
-}
+_PLUGIN = values.PLUGIN
 # state_dict_type → (model config class, optim config class, default model config, default optim config)
 _STATE_DICT_KINDS: dict[StateDictType, tuple[type, type, StateDictConfig, OptimStateDictConfig]] = {
     StateDictType.FULL_STATE_DICT: (
@@ -95,10 +86,6 @@ _BOOL_FIELDS = (
     "activation_checkpointing",
     "cpu_ram_efficient_loading",
 )
-
-
-def _error(field: str, value: object, problem: str, fix: str, cls: type[Exception] = ValueError) -> Exception:
-    return cls(f"{_PLUGIN}.{field}={value!r}: {problem}. {fix}")
 
 
 @dataclass
@@ -158,7 +145,7 @@ class FullyShardedDataParallelPlugin:
     def __post_init__(self) -> None:
         given = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
         from_env = env.read_env()
-        self.fsdp_version = _parse_version(
+        self.fsdp_version = values.parse_version(
             self.fsdp_version if "fsdp_version" in given else from_env.get("fsdp_version")
         )
         _resolve_sharding(self, from_env)
@@ -185,9 +172,9 @@ class FullyShardedDataParallelPlugin:
             self.state_dict_type = state_dict_type
         if self.state_dict_type is None:
             self.state_dict_type = "FULL_STATE_DICT" if self.fsdp_version == 1 else "SHARDED_STATE_DICT"
-        self.state_dict_type = _parse_choice("state_dict_type", self.state_dict_type, StateDictType)
+        self.state_dict_type = values.parse_choice("state_dict_type", self.state_dict_type, StateDictType)
         if self.fsdp_version == 2 and self.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            raise _error(
+            raise values.error(
                 "state_dict_type",
                 self.state_dict_type.name,
                 "fsdp_version=2 has no local state dict",
@@ -226,7 +213,7 @@ class FullyShardedDataParallelPlugin:
         Leaves an existing policy alone unless ``override``; a dict policy is turned into the policy object.
         ``buffer_autocast`` keeps buffers in float32 (version 1).
         """
-        dtype = _parse_dtype("mixed_precision_policy", mixed_precision)
+        dtype = values.parse_dtype("mixed_precision_policy", mixed_precision)
         if override or self.mixed_precision_policy is None:
             if self.fsdp_version == 1:
                 buffer_dtype = torch.float32 if buffer_autocast else dtype
@@ -240,7 +227,7 @@ class FullyShardedDataParallelPlugin:
         """Raise ``TypeError`` unless the policy is ``None`` or the object this ``fsdp_version`` takes."""
         wanted = MixedPrecision if self.fsdp_version == 1 else MixedPrecisionPolicy
         if self.mixed_precision_policy is not None and not isinstance(self.mixed_precision_policy, wanted):
-            raise _error(
+            raise values.error(
                 "mixed_precision_policy",
                 self.mixed_precision_policy,
                 f"fsdp_version={self.fsdp_version} takes a {wanted.__name__}",
@@ -331,36 +318,14 @@ class FullyShardedDataParallelPlugin:
         if isinstance(policy, (str, torch.dtype)):
             self.set_mixed_precision(policy, override=True)
         elif isinstance(policy, dict):
-            self.mixed_precision_policy = _policy_from_dict(policy, self.fsdp_version)
+            self.mixed_precision_policy = values.policy_from_dict(policy, self.fsdp_version)
         else:
-            self.mixed_precision_policy = _coerce_config(
+            self.mixed_precision_policy = values.coerce_config(
                 "mixed_precision_policy", policy, (MixedPrecision, MixedPrecisionPolicy)
             )
 
 
-# --- parsing: one small function per kind of field ----------------------------------------------------
-
-
-def _parse_version(value: object) -> int:
-    if value is None:
-        return 1
-    return env.by_field("fsdp_version").parse(value, where=f"{_PLUGIN}.fsdp_version")
-
-
-def _parse_choice(field: str, value: object, enum_cls: type[Any]) -> Any:
-    """A string/number through the env table's choices, or an enum (ours or a same-named one) → our enum."""
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
-        name = env.by_field(field).parse(value, where=f"{_PLUGIN}.{field}")
-        return None if name == "NO_PREFETCH" else next(m for m in enum_cls if m.name.lstrip("_") == name)
-    return coerce_enum(value, enum_cls, arg=f"{_PLUGIN}.{field}")
-
-
-def _to_strategy(field: str, value: object) -> ShardingStrategy:
-    """A sharding strategy, or a reshard-after-forward bool (True ↔ FULL_SHARD, False ↔ SHARD_GRAD_OP)."""
-    if env.is_bool_text(value):
-        resharded = env.parse_bool(value)
-        return ShardingStrategy.FULL_SHARD if resharded else ShardingStrategy.SHARD_GRAD_OP
-    return _parse_choice(field, value, ShardingStrategy)
+# --- applying the values to the plugin ----------------------------------------------------
 
 
 def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str, Any]) -> None:
@@ -370,12 +335,12 @@ def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str
     an FSDP1 config becomes), then FSDP_SHARDING_STRATEGY, then a bool in FSDP_RESHARD_AFTER_FORWARD.
     """
     given = {
-        name: _to_strategy(name, getattr(plugin, name))
+        name: values.to_strategy(name, getattr(plugin, name))
         for name in ("sharding_strategy", "reshard_after_forward")
         if getattr(plugin, name) is not None
     }
     if len(set(given.values())) > 1:
-        raise _error(
+        raise values.error(
             "sharding_strategy",
             plugin.sharding_strategy,
             f"contradicts reshard_after_forward={plugin.reshard_after_forward!r}",
@@ -384,18 +349,18 @@ def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str
     env_raf = from_env.get("reshard_after_forward")
     candidates = [
         *given.values(),
-        *([_to_strategy("reshard_after_forward", env_raf)] if isinstance(env_raf, str) else []),
+        *([values.to_strategy("reshard_after_forward", env_raf)] if isinstance(env_raf, str) else []),
         *(
-            [_to_strategy("sharding_strategy", from_env["sharding_strategy"])]
+            [values.to_strategy("sharding_strategy", from_env["sharding_strategy"])]
             if "sharding_strategy" in from_env
             else []
         ),
-        *([_to_strategy("reshard_after_forward", env_raf)] if env_raf is not None else []),
+        *([values.to_strategy("reshard_after_forward", env_raf)] if env_raf is not None else []),
         ShardingStrategy.FULL_SHARD,
     ]
     strategy = candidates[0]
     if plugin.fsdp_version == 2 and strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-        raise _error(
+        raise values.error(
             "sharding_strategy",
             strategy.name,
             "fsdp_version=2 shards with reshard_after_forward=True (FULL_SHARD) or False (SHARD_GRAD_OP) only",
@@ -412,111 +377,25 @@ def _parse_bool_field(plugin: FullyShardedDataParallelPlugin, name: str, default
     elif env.is_bool_text(value):
         setattr(plugin, name, env.parse_bool(value))
     else:
-        raise _error(name, value, "not a bool", "Pass True or False.", TypeError)
-
-
-def _parse_auto_wrap_policy(value: object) -> Callable[..., Any] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        name = env.by_field("auto_wrap_policy").parse(value, where=f"{_PLUGIN}.auto_wrap_policy")
-        return {
-            "TRANSFORMER_BASED_WRAP": transformer_auto_wrap_policy,
-            "SIZE_BASED_WRAP": size_based_auto_wrap_policy,
-        }.get(name)
-    if callable(value):
-        return value
-    raise _error(
-        "auto_wrap_policy",
-        value,
-        "not a policy",
-        'Pass "transformer_based_wrap", "size_based_wrap", "no_wrap" or a callable (module, recurse, numel) -> bool.',
-        TypeError,
-    )
-
-
-def _parse_cpu_offload(value: object, version: int) -> CPUOffload | OffloadPolicy:
-    """A bool, ``CPUOffload`` or ``(CPU)OffloadPolicy`` (ours or torch's) → the object ``version`` takes."""
-    if value is None or env.is_bool_text(value):
-        offload = value is not None and env.parse_bool(value)
-    else:
-        config = _coerce_config("cpu_offload", value, (CPUOffload, CPUOffloadPolicy, OffloadPolicy))
-        if isinstance(config, CPUOffload if version == 1 else OffloadPolicy):
-            return config
-        offload = isinstance(config, CPUOffloadPolicy) or getattr(config, "offload_params", False)
-    if version == 1:
-        return CPUOffload(offload_params=offload)
-    return CPUOffloadPolicy() if offload else OffloadPolicy()
-
-
-def _parse_ignored_modules(value: object) -> list[nn.Module] | str | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise _error(
-                "ignored_modules", value, f"not a valid regular expression ({exc})", "Fix the pattern."
-            ) from None
-        return value
-    if isinstance(value, nn.Module):
-        return [value]
-    items = list(value) if isinstance(value, Iterable) else [value]
-    if not all(isinstance(m, nn.Module) for m in items):
-        raise _error(
-            "ignored_modules",
-            value,
-            "not modules",
-            "Pass an iterable of nn.Module or a regex string matched against module names.",
-            TypeError,
-        )
-    return items
-
-
-def _parse_names(value: object) -> list[str] | None:
-    if value is None:
-        return None
-    return env.by_field("transformer_cls_names_to_wrap").parse(value, where=f"{_PLUGIN}.transformer_cls_names_to_wrap")
-
-
-def _parse_min_num_params(value: object) -> int | None:
-    if value is None:
-        return None
-    number = env.by_field("min_num_params").parse(value, where=f"{_PLUGIN}.min_num_params")
-    if number < 0:
-        raise _error("min_num_params", value, "negative", "Pass 0 (no wrapping) or a positive number of parameters.")
-    return number
+        raise values.error(name, value, "not a bool", "Pass True or False.", TypeError)
 
 
 def _parse_fields(plugin: FullyShardedDataParallelPlugin) -> None:
     """Turn every remaining field into its typed value (see the module docstring)."""
     backward_prefetch = plugin.backward_prefetch
     if backward_prefetch is not None:
-        plugin.backward_prefetch = _parse_choice("backward_prefetch", backward_prefetch, BackwardPrefetch)
-    plugin.auto_wrap_policy = _parse_auto_wrap_policy(plugin.auto_wrap_policy)
-    plugin.cpu_offload = _parse_cpu_offload(plugin.cpu_offload, plugin.fsdp_version)
-    plugin.ignored_modules = _parse_ignored_modules(plugin.ignored_modules)
-    plugin.transformer_cls_names_to_wrap = _parse_names(plugin.transformer_cls_names_to_wrap)
-    plugin.min_num_params = _parse_min_num_params(plugin.min_num_params)
+        plugin.backward_prefetch = values.parse_choice("backward_prefetch", backward_prefetch, BackwardPrefetch)
+    plugin.auto_wrap_policy = values.parse_auto_wrap_policy(plugin.auto_wrap_policy)
+    plugin.cpu_offload = values.parse_cpu_offload(plugin.cpu_offload, plugin.fsdp_version)
+    plugin.ignored_modules = values.parse_ignored_modules(plugin.ignored_modules)
+    plugin.transformer_cls_names_to_wrap = values.parse_names(plugin.transformer_cls_names_to_wrap)
+    plugin.min_num_params = values.parse_min_num_params(plugin.min_num_params)
     for name in _BOOL_FIELDS:
         _parse_bool_field(plugin, name, default=name == "limit_all_gathers")
     if plugin.param_init_fn is not None and not callable(plugin.param_init_fn):
-        raise _error(
+        raise values.error(
             "param_init_fn", plugin.param_init_fn, "not callable", "Pass a function (module) -> None.", TypeError
         )
-
-
-def _coerce_config(field: str, value: object, classes: tuple[type, ...]) -> Any:
-    """Ours as is; torch's config of the same class name → ours, copying the fields by name."""
-    if isinstance(value, classes):
-        return value
-    for cls in classes:
-        if type(value).__name__ == cls.__name__:
-            names = [f.name for f in dataclasses.fields(cls)]
-            return cls(**{n: getattr(value, n) for n in names if hasattr(value, n)})
-    expected = " or ".join(c.__name__ for c in classes)
-    raise _error(field, value, f"not a {expected}", f"Pass a fullshard (or torch) {expected}.", TypeError)
 
 
 def _check_state_dict_configs(plugin: FullyShardedDataParallelPlugin, type_given: bool) -> None:
@@ -531,19 +410,19 @@ def _check_state_dict_configs(plugin: FullyShardedDataParallelPlugin, type_given
     kind = (
         None
         if plugin.state_dict_type is None
-        else _parse_choice("state_dict_type", plugin.state_dict_type, StateDictType)
+        else values.parse_choice("state_dict_type", plugin.state_dict_type, StateDictType)
     )
     for field, index in (("state_dict_config", 0), ("optim_state_dict_config", 1)):
         value = getattr(plugin, field)
         if value is None:
             continue
-        value = _coerce_config(field, value, tuple(k[index] for k in _STATE_DICT_KINDS.values()))
+        value = values.coerce_config(field, value, tuple(k[index] for k in _STATE_DICT_KINDS.values()))
         setattr(plugin, field, value)
         matching = [t for t, k in _STATE_DICT_KINDS.items() if isinstance(value, k[index])]
         if kind is None:
             plugin.state_dict_type = kind = matching[0]
         elif kind not in matching:
-            raise _error(
+            raise values.error(
                 field,
                 value,
                 f"does not match state_dict_type={kind.name}",
@@ -563,34 +442,6 @@ def _apply_cpu_ram_efficient_loading(plugin: FullyShardedDataParallelPlugin, giv
                 stacklevel=4,
             )
         plugin.sync_module_states = True
-
-
-def _parse_dtype(field: str, value: object) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in MIXED_PRECISION_DTYPES.values():
-        return value
-    if isinstance(value, str) and value.strip().lower().removeprefix("torch.") in _DTYPE_ALIASES:
-        return _DTYPE_ALIASES[value.strip().lower().removeprefix("torch.")]
-    raise _error(
-        field, value, "not a mixed precision", f"Use one of {', '.join(MIXED_PRECISION_DTYPES)} or the torch dtype."
-    )
-
-
-def _policy_from_dict(policy: dict[str, Any], version: int) -> MixedPrecision | MixedPrecisionPolicy:
-    cls = MixedPrecision if version == 1 else MixedPrecisionPolicy
-    names = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
-    unknown = sorted(set(policy) - set(names))
-    if unknown:
-        raise _error(
-            "mixed_precision_policy",
-            policy,
-            f"unknown keys {unknown} for fsdp_version={version}",
-            f"Use keys among {', '.join(names)}.",
-        )
-    kwargs = {
-        k: _parse_dtype(f"mixed_precision_policy[{k!r}]", v) if k.endswith("_dtype") and v is not None else v
-        for k, v in policy.items()
-    }
-    return cls(**kwargs)
 
 
 def _find_block_classes(model: nn.Module, names: list[str] | None) -> list[type[nn.Module]]:
