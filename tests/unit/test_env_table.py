@@ -200,3 +200,20 @@ def test_environment_written_by_accelerate_launch(monkeypatch: pytest.MonkeyPatc
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
     assert (plugin.use_orig_params, plugin.cpu_ram_efficient_loading, plugin.sync_module_states) == (True, True, True)
     assert env.read_launch_env()["use_fsdp"] is True
+
+
+@pytest.mark.parametrize(
+    ("version", "strategy", "reshard", "expected"),
+    [
+        ("2", "FULL_SHARD", "false", "SHARD_GRAD_OP"),  # v2 config; FSDP_SHARDING_STRATEGY is the flag default
+        ("1", "SHARD_GRAD_OP", "true", "SHARD_GRAD_OP"),  # --fsdp_sharding_strategy; reshard is the flag default
+        ("1", "FULL_SHARD", "no_shard", "NO_SHARD"),  # v1 config's fsdp_reshard_after_forward
+    ],
+)
+def test_accelerate_writes_both_sharding_variables(
+    monkeypatch: pytest.MonkeyPatch, version: str, strategy: str, reshard: str, expected: str
+) -> None:
+    monkeypatch.setenv("FSDP_VERSION", version)
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", strategy)
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", reshard)
+    assert FullyShardedDataParallelPlugin().sharding_strategy.name == expected

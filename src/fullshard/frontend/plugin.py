@@ -331,8 +331,7 @@ class FullyShardedDataParallelPlugin:
 def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str, Any]) -> None:
     """Set ``sharding_strategy`` and ``reshard_after_forward`` from the arguments, else the environment.
 
-    Environment order: a strategy name in FSDP_RESHARD_AFTER_FORWARD (what ``fsdp_reshard_after_forward`` in
-    an FSDP1 config becomes), then FSDP_SHARDING_STRATEGY, then a bool in FSDP_RESHARD_AFTER_FORWARD.
+    Explicit arguments must agree with each other; the environment is read by :func:`_env_strategies`.
     """
     given = {
         name: values.to_strategy(name, getattr(plugin, name))
@@ -346,18 +345,7 @@ def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str
             f"contradicts reshard_after_forward={plugin.reshard_after_forward!r}",
             "Pass only one of them (reshard_after_forward is the newer name).",
         )
-    env_raf = from_env.get("reshard_after_forward")
-    candidates = [
-        *given.values(),
-        *([values.to_strategy("reshard_after_forward", env_raf)] if isinstance(env_raf, str) else []),
-        *(
-            [values.to_strategy("sharding_strategy", from_env["sharding_strategy"])]
-            if "sharding_strategy" in from_env
-            else []
-        ),
-        *([values.to_strategy("reshard_after_forward", env_raf)] if env_raf is not None else []),
-        ShardingStrategy.FULL_SHARD,
-    ]
+    candidates = [*given.values(), *_env_strategies(from_env, plugin.fsdp_version), ShardingStrategy.FULL_SHARD]
     strategy = candidates[0]
     if plugin.fsdp_version == 2 and strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         raise values.error(
@@ -368,6 +356,19 @@ def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str
         )
     plugin.sharding_strategy = strategy
     plugin.reshard_after_forward = strategy if plugin.fsdp_version == 1 else strategy is ShardingStrategy.FULL_SHARD
+
+
+def _env_strategies(from_env: dict[str, Any], version: int) -> list[ShardingStrategy]:
+    """The strategies the environment names, most specific first.
+
+    ``accelerate launch`` always writes both variables, filling the one the config lacks with its flag's
+    default (FSDP_SHARDING_STRATEGY=FULL_SHARD, FSDP_RESHARD_AFTER_FORWARD=true). So FSDP_RESHARD_AFTER_FORWARD
+    comes first, except that a bool there yields to FSDP_SHARDING_STRATEGY for ``fsdp_version=1`` (whose configs
+    put a strategy name in ``fsdp_reshard_after_forward``, so a bool is the default).
+    """
+    raf, strategy = from_env.get("reshard_after_forward"), from_env.get("sharding_strategy")
+    ordered = [strategy, raf] if version == 1 and isinstance(raf, bool) else [raf, strategy]
+    return [values.to_strategy("sharding_strategy", v) for v in ordered if v is not None]
 
 
 def _parse_bool_field(plugin: FullyShardedDataParallelPlugin, name: str, default: bool) -> None:

@@ -28,6 +28,23 @@ from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from fullshard.frontend import env
 
+__all__ = [
+    "MIXED_PRECISION_DTYPES",
+    "PLUGIN",
+    "coerce_config",
+    "error",
+    "parse_auto_wrap_policy",
+    "parse_choice",
+    "parse_cpu_offload",
+    "parse_dtype",
+    "parse_ignored_modules",
+    "parse_min_num_params",
+    "parse_names",
+    "parse_version",
+    "policy_from_dict",
+    "to_strategy",
+]
+
 PLUGIN = "FullyShardedDataParallelPlugin"
 MIXED_PRECISION_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
@@ -41,10 +58,12 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
 
 
 def error(field: str, value: object, problem: str, fix: str, cls: type[Exception] = ValueError) -> Exception:
+    """The exception for a bad field value, in the package's message form."""
     return cls(f"{PLUGIN}.{field}={value!r}: {problem}. {fix}")
 
 
 def parse_version(value: object) -> int:
+    """``fsdp_version``: 1 or 2 (``None``: 1)."""
     if value is None:
         return 1
     return env.by_field("fsdp_version").parse(value, where=f"{PLUGIN}.fsdp_version")
