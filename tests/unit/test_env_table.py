@@ -217,3 +217,12 @@ def test_accelerate_writes_both_sharding_variables(
     monkeypatch.setenv("FSDP_SHARDING_STRATEGY", strategy)
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", reshard)
     assert FullyShardedDataParallelPlugin().sharding_strategy.name == expected
+
+
+def test_patched_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with env.patched({"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}):
+        assert env.read_env() == {"fsdp_version": 2, "cpu_offload": True}
+    assert os.environ["FSDP_VERSION"] == "1" and "FSDP_OFFLOAD_PARAMS" not in os.environ

@@ -16,7 +16,6 @@ Rendezvous:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,23 +111,15 @@ def _fsdp_settings(fsdp: dict[str, object]) -> dict[str, object]:
 def run_launch(plan: LaunchPlan) -> int:
     """Start the workers through ``torch.distributed.run`` and wait; return 0, or the failed worker's exit code.
 
-    ``plan.env`` is added to this process's environment for the duration (torch's agent hands its own
-    environment to the workers) and restored afterwards.
+    ``plan.env`` is added to this process's environment for the duration (see :func:`env.patched`).
     """
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    saved = {name: os.environ.get(name) for name in plan.env}
-    os.environ.update(plan.env)
     try:
-        torchrun.main(plan.argv)
+        with env.patched(plan.env):
+            torchrun.main(plan.argv)
     except ChildFailedError as exc:
         _, failure = exc.get_first_failure()
         return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     return 0

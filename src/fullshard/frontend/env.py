@@ -15,9 +15,10 @@ This is the only module of the package that reads or writes an ``FSDP_*`` variab
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "is_bool_text",
     "parse_bool",
     "parse_int",
+    "patched",
     "set_variables",
     "read_env",
     "read_launch_env",
@@ -313,3 +315,21 @@ def set_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of both tables that are set in ``environ`` (default ``os.environ``), as raw text."""
     environ = os.environ if environ is None else environ
     return {v.env: environ[v.env] for v in (*LAUNCH_VARS, *FSDP_VARS) if v.env in environ}
+
+
+@contextlib.contextmanager
+def patched(variables: Mapping[str, str]) -> Iterator[None]:
+    """Set ``variables`` in ``os.environ`` for the block; restore the previous values afterwards.
+
+    The launcher hands the worker environment this way: torch's elastic agent passes its own environment on.
+    """
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
