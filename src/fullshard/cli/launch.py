@@ -1,0 +1,125 @@
+"""``LaunchConfig`` → the arguments and environment of torch's elastic launcher, then the launch itself.
+
+:func:`build_launch` is pure: it returns the ``torch.distributed.run`` argument list and the variables to
+add to the workers' environment, so that every combination (one machine, several with a static or a c10d
+rendezvous, restarts) is tested without starting a process. :func:`run_launch` starts them.
+
+Rendezvous:
+
+- one machine, no port: ``--standalone`` (torch picks a free port, so launches side by side never collide);
+- one machine with ``main_process_port``: a static rendezvous on ``main_process_ip`` (default 127.0.0.1);
+- several machines, ``rdzv_backend: static``: ``--node_rank machine_rank --master_addr/--master_port``;
+- several machines, ``rdzv_backend: c10d``: ``--rdzv_endpoint ip:port``; machine 0 hosts the store
+  (``--rdzv_conf is_host=true``), so that the roles do not depend on which machine starts first. The
+  rendezvous numbers the machines in the order they join, so ``RANK`` need not follow ``machine_rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fullshard.cli.config_file import LaunchConfig
+from fullshard.frontend import env
+
+__all__ = ["DEFAULT_PORT", "LaunchPlan", "build_launch", "launch_env", "run_launch", "torchrun_argv"]
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A launch, ready to run."""
+
+    argv: list[str]
+    """Arguments for ``torch.distributed.run.main(argv)``, ending with the script and its arguments."""
+    env: dict[str, str]
+    """Variables added to the environment the workers inherit."""
+
+
+def build_launch(
+    cfg: LaunchConfig, script: str, script_args: Sequence[str] = (), *, module: bool = False
+) -> LaunchPlan:
+    """The torchrun arguments and the worker environment for ``cfg`` (no side effects)."""
+    return LaunchPlan(argv=torchrun_argv(cfg, script, script_args, module=module), env=launch_env(cfg))
+
+
+def torchrun_argv(
+    cfg: LaunchConfig, script: str, script_args: Sequence[str] = (), *, module: bool = False
+) -> list[str]:
+    """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, then the script."""
+    if cfg.num_processes % cfg.num_machines:
+        raise ValueError(
+            f"num_processes={cfg.num_processes} with num_machines={cfg.num_machines}: num_processes counts the "
+            "processes of all machines and must be a multiple of num_machines. Give the total, e.g. "
+            f"--num_processes {cfg.num_machines * max(1, cfg.num_processes // cfg.num_machines)}."
+        )
+    per_node = str(cfg.num_processes // cfg.num_machines)
+    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg)]
+    argv += ["--max_restarts", str(cfg.max_restarts)]
+    return [*argv, *(["--module"] if module else []), script, *script_args]
+
+
+def _rendezvous_args(cfg: LaunchConfig) -> list[str]:
+    port = cfg.main_process_port
+    if cfg.num_machines == 1:
+        if not port:  # None or 0: let torch find a free port
+            return ["--standalone"]
+        return [
+            "--rdzv_backend",
+            "static",
+            "--master_addr",
+            cfg.main_process_ip or "127.0.0.1",
+            "--master_port",
+            str(port),
+        ]
+    if not cfg.main_process_ip:
+        raise ValueError(
+            f"num_machines={cfg.num_machines} without main_process_ip: every machine must know where machine 0 "
+            "is. Pass --main_process_ip ADDRESS (and --main_process_port PORT) or set them in the config file."
+        )
+    port = port or DEFAULT_PORT
+    if cfg.rdzv_backend == "static":
+        addr = ["--master_addr", cfg.main_process_ip, "--master_port", str(port)]
+        return ["--node_rank", str(cfg.machine_rank), "--rdzv_backend", "static", *addr]
+    is_host = "true" if cfg.machine_rank == 0 else "false"
+    endpoint = f"{cfg.main_process_ip}:{port}"
+    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf", f"is_host={is_host}"]
+
+
+def launch_env(cfg: LaunchConfig) -> dict[str, str]:
+    """``ACCELERATE_*`` launch variables, and the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on."""
+    launch = {"use_fsdp": cfg.use_fsdp, "mixed_precision": cfg.mixed_precision, "use_cpu": cfg.use_cpu}
+    variables = env.format_env({**launch, "debug": cfg.debug or None}, env.LAUNCH_VARS)
+    if cfg.use_fsdp:
+        variables.update(env.format_env(_fsdp_settings(cfg.fsdp_config)))
+    return variables
+
+
+def _fsdp_settings(fsdp: dict[str, object]) -> dict[str, object]:
+    """``cpu_ram_efficient_loading`` needs ``sync_module_states`` (only rank 0 holds the weights)."""
+    if fsdp.get("cpu_ram_efficient_loading") and fsdp.get("sync_module_states") is False:
+        raise ValueError(
+            "fsdp_cpu_ram_efficient_loading=true with fsdp_sync_module_states=false: only rank 0 loads the weights, "
+            "so the other ranks need them broadcast. Set fsdp_sync_module_states to true (or leave it out)."
+        )
+    if fsdp.get("cpu_ram_efficient_loading"):
+        return {**fsdp, "sync_module_states": True}
+    return dict(fsdp)
+
+
+def run_launch(plan: LaunchPlan) -> int:
+    """Start the workers through ``torch.distributed.run`` and wait; return 0, or the failed worker's exit code.
+
+    ``plan.env`` is added to this process's environment for the duration (see :func:`env.patched`).
+    """
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        with env.patched(plan.env):
+            torchrun.main(plan.argv)
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    return 0

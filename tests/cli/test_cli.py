@@ -1,0 +1,266 @@
+"""The `fullshard` command end to end: config files, env, launching workers on one and two "machines"."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from fullshard.cli.config_file import LaunchConfig, load_config, save_config
+from fullshard.cli.main import cli
+from fullshard.frontend import env
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+WORKER = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    launch = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("FSDP_", "ACCELERATE_")))
+    print(f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} SUM={total.item():g} "
+          f"ARGS={sys.argv[1:]} {launch}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture
+def child_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a `fullshard` child process: this worktree's code, a private config home."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    variables.update(PYTHONPATH=str(SRC), FULLSHARD_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1")
+    return variables
+
+
+def _fullshard(args: list[str], child_env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard.cli.main", *args],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _worker(tmp_path: Path) -> str:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_config_path_in(tmp_path: Path) -> Path:
+    """Where the child processes (FULLSHARD_HOME=tmp_path/home) look for the default config file."""
+    return tmp_path / "home" / "default_config.yaml"
+
+
+def _rank_lines(output: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in output.splitlines() if line.startswith("RANK=")}
+
+
+# --- config -------------------------------------------------------------------------------------------------
+
+
+def test_config_default_writes_a_file_once(tmp_path: Path, child_env: dict[str, str]) -> None:
+    result = _fullshard(["config", "default", "--mixed_precision", "bf16"], child_env)
+    assert result.returncode == 0, result.stderr
+    path = tmp_path / "home" / "default_config.yaml"
+    assert f"saved at {path}" in result.stdout
+    cfg, _ = load_config(path)
+    assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 2
+
+    again = _fullshard(["config", "default"], child_env)
+    assert again.returncode == 1
+    assert "configuration already exists at" in again.stderr and "--overwrite" in again.stderr
+
+
+def test_config_questions_interactive(tmp_path: Path) -> None:
+    target = tmp_path / "asked.yaml"
+    # use_cpu, num_machines, use_fsdp, version, strategy, offload, wrap, no_split?, classes, prefetch,
+    # state dict, forward prefetch, orig params, ram-efficient loading, checkpointing, processes, precision
+    answers = ["yes", "1", "yes", "1", "shard_grad_op", "no", "transformer_based_wrap", "no", "Block,Attention",
+               "BACKWARD_POST", "", "no", "yes", "yes", "no", "2", "bf16"]  # fmt: skip
+    result = CliRunner().invoke(cli, ["config", "--config_file", str(target)], input="\n".join(answers) + "\n")
+    assert result.exit_code == 0, result.output
+    assert "What should be your sharding strategy?" in result.output
+    data = yaml.safe_load(target.read_text())
+    assert data["distributed_type"] == "FSDP" and data["num_processes"] == 2 and data["use_cpu"] is True
+    assert data["fsdp_config"] == {
+        "fsdp_version": 1,
+        "fsdp_reshard_after_forward": "SHARD_GRAD_OP",
+        "fsdp_offload_params": False,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Block,Attention",
+        "fsdp_backward_prefetch": "BACKWARD_POST",
+        "fsdp_state_dict_type": "FULL_STATE_DICT",
+        "fsdp_forward_prefetch": False,
+        "fsdp_use_orig_params": True,
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_sync_module_states": True,
+        "fsdp_activation_checkpointing": False,
+    }
+
+
+def test_config_asks_again_after_a_bad_answer(tmp_path: Path) -> None:
+    answers = ["maybe", "yes", "1", "no", "1", "no"]
+    result = CliRunner().invoke(
+        cli, ["config", "--config_file", str(tmp_path / "c.yaml")], input="\n".join(answers) + "\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert "answer='maybe': not a boolean." in result.output
+    assert load_config(tmp_path / "c.yaml")[0].distributed_type == "NO"
+
+
+def test_config_non_interactive_flags(tmp_path: Path) -> None:
+    target = tmp_path / "c.yaml"
+    args = ["config", "--config_file", str(target), "--non_interactive", "--use_cpu", "true", "--num_machines", "2",
+            "--main_process_ip", "10.0.0.1", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP",
+            "--num_processes", "4"]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    cfg, _ = load_config(target)
+    assert (cfg.num_machines, cfg.main_process_ip, cfg.main_process_port, cfg.num_processes) == (
+        2,
+        "10.0.0.1",
+        29500,
+        4,
+    )
+    assert cfg.fsdp_config["min_num_params"] == 100_000_000 and cfg.fsdp_config["reshard_after_forward"] is True
+
+    bad = CliRunner().invoke(cli, ["config", "--config_file", str(target), "--non_interactive", "--fsdp_version", "3"])
+    assert bad.exit_code == 2 and "--fsdp_version='3': FSDP version must be 1 or 2." in bad.output
+
+
+# --- env ----------------------------------------------------------------------------------------------------
+
+
+def test_env_prints_versions_and_config(tmp_path: Path, child_env: dict[str, str]) -> None:
+    save_config(
+        LaunchConfig(distributed_type="FSDP", fsdp_config={"fsdp_version": 2}), default_config_path_in(tmp_path)
+    )
+    result = _fullshard(["env"], {**child_env, "FSDP_OFFLOAD_PARAMS": "true", "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    for expected in ("fullshard environment", "torch", "Python", str(tmp_path / "home" / "default_config.yaml"),
+                     "fsdp_config.fsdp_version", "FSDP_OFFLOAD_PARAMS"):  # fmt: skip
+        assert expected in result.stdout
+
+
+# --- launch -------------------------------------------------------------------------------------------------
+
+
+def test_launch_two_processes(tmp_path: Path, child_env: dict[str, str]) -> None:
+    args = ["launch", "--cpu", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
+            "--fsdp_offload_params", "true", "--mixed_precision", "bf16", _worker(tmp_path), "--lr", "0.1"]  # fmt: skip
+    result = _fullshard(args, child_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = _rank_lines(result.stdout)
+    assert set(lines) == {"RANK=0", "RANK=1"}
+    for line in lines.values():
+        for part in ("WORLD_SIZE=2", "SUM=3", "ARGS=['--lr', '0.1']", "ACCELERATE_USE_FSDP=true",
+                     "ACCELERATE_MIXED_PRECISION=bf16", "FSDP_VERSION=2", "FSDP_OFFLOAD_PARAMS=true"):  # fmt: skip
+            assert part in line
+
+
+@pytest.mark.parametrize("rdzv_backend", ["static", "c10d"])
+def test_launch_two_machines(tmp_path: Path, child_env: dict[str, str], rdzv_backend: str) -> None:
+    # - Set up: two launches on this machine, one process each, meeting at 127.0.0.1.
+    config = tmp_path / "multi.yaml"
+    config.write_text(f"distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nnum_machines: 2\n"
+                      f"main_process_ip: 127.0.0.1\nmain_process_port: {_free_port()}\n"
+                      f"rdzv_backend: {rdzv_backend}\n")  # fmt: skip
+    worker = _worker(tmp_path)
+    launches = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fullshard.cli.main",
+                "launch",
+                "--config_file",
+                str(config),
+                "--machine_rank",
+                str(rank),
+                worker,
+            ],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    # - Run
+    outputs = []
+    for launch in launches:
+        stdout, stderr = launch.communicate(timeout=180)
+        assert launch.returncode == 0, stdout + stderr
+        outputs.append(stdout)
+    # - Check: one rank per machine, both in one world of 2.
+    lines = [_rank_lines(out) for out in outputs]
+    assert all(len(found) == 1 for found in lines)
+    assert {rank for found in lines for rank in found} == {"RANK=0", "RANK=1"}
+    assert all("WORLD_SIZE=2 SUM=3" in line for found in lines for line in found.values())
+    if rdzv_backend == "static":
+        assert "RANK=0" in lines[0]
+
+
+def test_launch_reports_a_failed_worker(tmp_path: Path, child_env: dict[str, str]) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    result = _fullshard(["launch", "--cpu", str(script)], child_env)
+    assert result.returncode == 3
+
+
+def test_launch_rejects_bad_flags() -> None:
+    result = CliRunner().invoke(cli, ["launch", "--fsdp_offload_params", "perhaps", "train.py"])
+    assert result.exit_code == 2
+    assert "--fsdp_offload_params='perhaps': not a boolean." in result.output
+    result = CliRunner().invoke(cli, ["launch", "--num_machines", "2", "--num_processes", "2", "train.py"])
+    assert result.exit_code == 2 and "without main_process_ip" in result.output
+
+
+def test_env_table_flags_are_all_launch_options() -> None:
+    options = {opt for param in cli.commands["launch"].params for opt in getattr(param, "opts", [])}
+    assert {var.flag for var in env.FSDP_VARS} <= options
+
+
+# --- merge-weights ------------------------------------------------------------------------------------------
+
+
+def test_merge_weights_calls_merge_fsdp_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    fake = types.ModuleType("fullshard.checkpoint.merge")
+    fake.merge_fsdp_weights = lambda *args, **kwargs: calls.append((args, kwargs))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fullshard.checkpoint.merge", fake)
+    checkpoint = tmp_path / "pytorch_model_fsdp_0"
+    checkpoint.mkdir()
+    args = [
+        "merge-weights",
+        str(checkpoint),
+        str(tmp_path / "out"),
+        "--unsafe_serialization",
+        "--remove_checkpoint_dir",
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert calls == [
+        ((str(checkpoint), str(tmp_path / "out")), {"safe_serialization": False, "remove_checkpoint_dir": True})
+    ]
+    CliRunner().invoke(cli, ["merge-weights", str(checkpoint), str(tmp_path / "out2")])
+    assert calls[-1][1] == {"safe_serialization": True, "remove_checkpoint_dir": False}
