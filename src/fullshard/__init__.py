@@ -25,6 +25,7 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "FSDP",
     "FSDPModule",
     "FullyShardedDataParallel",
+    "FullyShardedDataParallelPlugin",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
