@@ -28,9 +28,7 @@ import json
 import os
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_data_files,
+    quiet_single_process_warning,
     read_metadata,
     resolve_checkpoint_dir,
 )
@@ -83,14 +82,6 @@ def _entries(metadata: Metadata) -> list[_Entry]:
     return entries
 
 
-@contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    # dcp.load(no_dist=True) warns on every call that it assumes a single process; that is the intent here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
-
-
 class _ShardedSource:
     """Reads single values out of one DCP folder; no process group is used."""
 
@@ -103,7 +94,7 @@ class _ShardedSource:
 
     def _load(self, state: dict[str, Any]) -> None:
         try:
-            with _quiet_dcp():
+            with quiet_single_process_warning():
                 dcp.load(
                     state,
                     storage_reader=SafeFileSystemReader(self.root, self.metadata),

@@ -20,6 +20,9 @@ import io
 import json
 import os
 import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "check_data_files",
+    "quiet_single_process_warning",
     "read_metadata",
     "resolve_checkpoint_dir",
 ]
@@ -75,6 +79,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(
             f"{module}.{name} is not allowed in a checkpoint's .metadata (only DCP metadata types are)."
         )
+
+
+@contextmanager
+def quiet_single_process_warning() -> Iterator[None]:
+    """Silence DCP's per-call warning that it runs without a process group, when that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
