@@ -136,7 +136,7 @@ def _run_step(step: Any, process_group: dist.ProcessGroup | None, what: str, hin
     error: BaseException | None = None
     try:
         step()
-    except Exception as exc:
+    except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
         error = exc
     _agree(error, process_group, what, hint)
 

@@ -24,6 +24,7 @@ as Accelerate's merge does). safetensors stores tensors only: tensors get dotted
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -101,12 +102,27 @@ class _ShardedSource:
                     planner=SafeLoadPlanner(),
                     no_dist=True,
                 )
-        except Exception as exc:
-            files = sorted({f for fqn in state for f in self._files.get(fqn, [])})
+        except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             raise RuntimeError(
-                f"merge_fsdp_weights: reading {sorted(state)[:3]} from {[str(self.root / f) for f in files]} "
-                f"failed; the file is corrupt or was not written completely ({type(exc).__name__}: {exc})."
+                f"merge_fsdp_weights: reading {sorted(state)[:3]} from {self._culprits(list(state))} failed; the "
+                f"file is corrupt or was not written completely ({_first_line(exc)}). Re-save the checkpoint."
             ) from exc
+
+    def _culprits(self, fqns: list[str]) -> list[str]:
+        """The data files holding pieces of ``fqns`` that torch cannot load (all of them if none stands out)."""
+        items = [(i, info) for i, info in (self.metadata.storage_data or {}).items() if i.fqn in fqns]
+        bad = []
+        for _, info in items:
+            path = self.root / info.relative_path
+            try:
+                with open(path, "rb") as f:
+                    f.seek(info.offset)
+                    blob = io.BytesIO(f.read(info.length))
+                if not info.transform_descriptors:  # plain torch.save blobs: check each one alone
+                    torch.load(blob, map_location="cpu", weights_only=True)
+            except Exception:
+                bad.append(str(path))
+        return sorted(set(bad)) or sorted({str(self.root / info.relative_path) for _, info in items})
 
     def tensor(self, entry: _Entry) -> torch.Tensor:
         """The full tensor of ``entry``, assembled from all of its shards."""
@@ -122,6 +138,17 @@ class _ShardedSource:
         if state:
             self._load(state)
         return state
+
+
+def _first_line(exc: BaseException) -> str:
+    # CheckpointException carries per-rank failures whose text is a whole traceback; keep the root cause.
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (exception, stack summary)
+        exc = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else exc
+    lines = str(exc).strip().splitlines()
+    # First sentence only: torch's unpickling errors go on to suggest weights_only=False, which we never want.
+    return f"{type(exc).__name__}: {lines[0].split('. ')[0] if lines else ''}"
 
 
 def _progress(show: bool, total_bytes: int, label: str) -> tuple[Callable[[TensorSpec], None] | None, Any]:
