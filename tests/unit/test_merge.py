@@ -182,4 +182,4 @@ def test_output_inside_checkpoint_is_refused(model_dir: Path) -> None:
 
 def test_progress_bar_runs(ckpt_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     merge_fsdp_weights(ckpt_root / "pytorch_model_fsdp_0", tmp_path, show_progress=True)
-    assert "merging pytorch_model_fsdp_0" in capsys.readouterr().out
+    assert "merging pytorch_model_fsdp_0" in capsys.readouterr().err

@@ -96,16 +96,22 @@ def _check_dir_arg(checkpoint_dir: object, caller: str) -> Path:
     return path
 
 
+def _failed_ranks(error: BaseException | None, process_group: dist.ProcessGroup | None) -> list[int]:
+    """Ranks whose ``error`` is set (a collective when there is more than one rank: every rank must call it)."""
+    _, world = _rank_and_world(process_group)
+    if world == 1:
+        return [0] if error is not None else []
+    # An all-gather of flags rather than a barrier: a rank that failed still answers, so no peer waits forever.
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=process_group)
+    return [r for r, f in enumerate(flags) if f.item()]
+
+
 def _agree(error: BaseException | None, process_group: dist.ProcessGroup | None, what: str, hint: str = "") -> None:
     """Raise on every rank if ``error`` is set on any rank (a collective: every rank must call it)."""
-    rank, world = _rank_and_world(process_group)
-    failed = [error is not None]
-    if world > 1:
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-        dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=process_group)
-        failed = [bool(f.item()) for f in flags]
-    if any(failed):
-        bad = [r for r, f in enumerate(failed) if f]
+    bad = _failed_ranks(error, process_group)
+    if bad:
+        rank = _rank_and_world(process_group)[0]
         local = f" This rank ({rank}) failed with {type(error).__name__}: {error}" if error is not None else ""
         raise RuntimeError(f"{what} failed on rank(s) {bad}.{hint}{local}") from error
 
@@ -221,10 +227,14 @@ def load_sharded(
         _check_keys_and_shapes(state, metadata, root, strict)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         error = exc
-    if _rank_and_world(process_group)[1] > 1:
-        _agree(error, process_group, f"load_sharded(checkpoint_dir='{checkpoint_dir}')")
+    bad = _failed_ranks(error, process_group)
     if error is not None:
-        raise error
+        raise error  # the same checks fail alike on every rank, so each raises its own precise error
+    if bad:
+        raise RuntimeError(
+            f"load_sharded(checkpoint_dir='{checkpoint_dir}'): the checks failed on rank(s) {bad} (see their errors) "
+            "but passed here; every rank must pass the same state dict keys and the same folder."
+        )
     with quiet_single_process_warning():
         dcp.load(
             state,

@@ -154,9 +154,11 @@ def _first_line(exc: BaseException) -> str:
 def _progress(show: bool, total_bytes: int, label: str) -> tuple[Callable[[TensorSpec], None] | None, Any]:
     if not show:
         return None, None
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    bar = Progress(*columns, console=Console(stderr=True))
     task = bar.add_task(label, total=total_bytes)
     bar.start()
     return (lambda spec: bar.advance(task, spec.nbytes)), bar
@@ -298,13 +300,12 @@ def _verify(files: list[Path], entries: list[_Entry], safe_serialization: bool, 
         verify_weights(files, specs, safe_serialization=safe_serialization)
         return
     loaded = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
-    found = {}
     for entry in entries:
-        node = loaded
-        for key in entry.path:
-            node = node[key]
-        found[entry.fqn] = node
-    for entry in entries:
-        value = found[entry.fqn]
-        if entry.spec is not None and TensorSpec(entry.spec.name, value.dtype, tuple(value.shape)) != entry.spec:
+        try:
+            node = loaded
+            for key in entry.path:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise RuntimeError(f"merge_fsdp_weights: {files[0]} lacks {entry.name}: incomplete output.") from None
+        if entry.spec is not None and TensorSpec(entry.spec.name, node.dtype, tuple(node.shape)) != entry.spec:
             raise RuntimeError(f"merge_fsdp_weights: {files[0]} holds {entry.name} with a different dtype/shape.")
