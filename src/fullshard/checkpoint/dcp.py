@@ -1,0 +1,272 @@
+"""Atomic sharded save and load in torch.distributed.checkpoint (DCP) format.
+
+``save_sharded(state, dir)`` / ``load_sharded(state, dir)`` take a state dict whose values are DTensors
+(``Shard(0)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D mesh, or any other placement DCP handles),
+plain tensors, nested dicts/lists of those, or small Python values (numbers, strings: optimizer
+``param_groups``). The folder is a plain DCP folder (``__<rank>_0.distcp`` + ``.metadata``) that torch's own
+``dcp.load`` and Accelerate read; it reshards on load (saved with 2 ranks, loaded with 1 or 4).
+
+[Note: atomic save]
+1. Rank 0 empties ``<dir>.incomplete`` (the staging folder); all ranks agree it is ready.
+2. Every rank writes its shards there through ``dcp.save`` (DCP writes ``.metadata`` last, on rank 0), then
+   checks its own data files against that metadata; all ranks agree that every rank succeeded.
+3. Rank 0 writes the completion marker (``.fullshard_complete.json``: the data files and their sizes), moves
+   an existing ``<dir>`` aside to ``<dir>.previous``, renames the staging folder to ``<dir>`` and deletes the
+   previous one; all ranks agree the commit happened.
+A failure on any rank at any step makes every rank raise (each "agree" is an all-gather of success flags, so
+no rank waits forever on a peer that raised) and leaves ``<dir>`` as it was. A rank that dies outright makes
+its peers time out in the next collective, with the same result. The staging folder has no marker and its
+name ends in ``.incomplete``: ``load_sharded`` and ``merge_fsdp_weights`` refuse it as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from fullshard.checkpoint.reader import (
+    COMPLETE_MARKER,
+    INCOMPLETE_SUFFIX,
+    PREVIOUS_SUFFIX,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_data_files,
+    quiet_single_process_warning,
+    read_metadata,
+    resolve_checkpoint_dir,
+)
+
+__all__ = ["load_sharded", "save_sharded"]
+
+_LEAF_TYPES = (torch.Tensor, int, float, bool, str, bytes, type(None))
+
+
+def _rank_and_world(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _check_value(value: Any, where: str, caller: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str | int):
+                raise ValueError(
+                    f"{caller}: key {key!r} in {where or 'state'} is a {type(key).__name__}; use str keys."
+                )
+            _check_value(item, f"{where}.{key}" if where else str(key), caller)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_value(item, f"{where}.{i}", caller)
+    elif not isinstance(value, _LEAF_TYPES):
+        raise ValueError(
+            f"{caller}: state[{where!r}] is a {type(value).__name__}; expected tensors (or DTensors), nested "
+            "dicts/lists of them, or numbers/strings. Pass module.state_dict(), not the module."
+        )
+
+
+def _check_state(state: object, caller: str) -> None:
+    if not isinstance(state, dict) or not state:
+        got = type(state).__name__ if not isinstance(state, dict) else "an empty dict"
+        raise ValueError(
+            f"{caller}(state={got}): expected a non-empty dict, e.g. {caller}({{'model': model.state_dict()}}, dir)."
+        )
+    _check_value(state, "", caller)
+
+
+def _check_dir_arg(checkpoint_dir: object, caller: str) -> Path:
+    if not isinstance(checkpoint_dir, str | os.PathLike):
+        raise ValueError(f"{caller}(checkpoint_dir={checkpoint_dir!r}): expected a folder path (str or Path).")
+    path = Path(checkpoint_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{caller}(checkpoint_dir='{path}'): a file is in the way; pass a folder path.")
+    if path.name.endswith((INCOMPLETE_SUFFIX, PREVIOUS_SUFFIX)):
+        raise ValueError(
+            f"{caller}(checkpoint_dir='{path}'): names ending in {INCOMPLETE_SUFFIX!r} or "
+            f"{PREVIOUS_SUFFIX!r} are reserved for staging; pick another name."
+        )
+    return path
+
+
+def _failed_ranks(error: BaseException | None, process_group: dist.ProcessGroup | None) -> list[int]:
+    """Ranks whose ``error`` is set (a collective when there is more than one rank: every rank must call it)."""
+    _, world = _rank_and_world(process_group)
+    if world == 1:
+        return [0] if error is not None else []
+    # An all-gather of flags rather than a barrier: a rank that failed still answers, so no peer waits forever.
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(flags, torch.tensor([int(error is not None)], dtype=torch.int32), group=process_group)
+    return [r for r, f in enumerate(flags) if f.item()]
+
+
+def _agree(error: BaseException | None, process_group: dist.ProcessGroup | None, what: str, hint: str = "") -> None:
+    """Raise on every rank if ``error`` is set on any rank (a collective: every rank must call it)."""
+    bad = _failed_ranks(error, process_group)
+    if bad:
+        rank = _rank_and_world(process_group)[0]
+        local = f" This rank ({rank}) failed with {type(error).__name__}: {error}" if error is not None else ""
+        raise RuntimeError(f"{what} failed on rank(s) {bad}.{hint}{local}") from error
+
+
+def save_sharded(
+    state: dict[str, Any], checkpoint_dir: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None
+) -> Path:
+    """Save ``state`` (every rank its own shards) to ``checkpoint_dir`` atomically; returns the folder.
+
+    A collective over ``process_group`` (default: the world; no process group: a single-process save).
+    Postcondition on success: ``checkpoint_dir`` holds the new, complete checkpoint. On failure (any rank):
+    every rank raises and ``checkpoint_dir`` still holds whatever it held before. See [Note: atomic save].
+    """
+    _check_state(state, "save_sharded")
+    path = _check_dir_arg(checkpoint_dir, "save_sharded")
+    rank, world = _rank_and_world(process_group)
+    staging = path.with_name(path.name + INCOMPLETE_SUFFIX)
+    where = f"save_sharded(checkpoint_dir='{path}')"
+    keep = f" The checkpoint at '{path}' is unchanged; the partial save is in '{staging}'."
+    pg = process_group
+    _run_step(lambda: _prepare_staging(staging) if rank == 0 else None, pg, f"{where}: preparing the staging folder")
+    _run_step(lambda: _write(state, staging, rank, pg), pg, f"{where}: writing shards", keep)
+    _run_step(lambda: _commit(staging, path, world) if rank == 0 else None, pg, f"{where}: committing", keep)
+    return path
+
+
+def _run_step(step: Any, process_group: dist.ProcessGroup | None, what: str, hint: str = "") -> None:
+    error: BaseException | None = None
+    try:
+        step()
+    except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+        error = exc
+    _agree(error, process_group, what, hint)
+
+
+def _prepare_staging(staging: Path) -> None:
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+
+
+def _write(state: dict[str, Any], staging: Path, rank: int, process_group: dist.ProcessGroup | None) -> None:
+    with quiet_single_process_warning():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=process_group)
+    _verify_own_files(staging, rank)
+
+
+def _verify_own_files(staging: Path, rank: int) -> None:
+    """This rank's data files are on disk and as long as the metadata says (DCP wrote .metadata on rank 0)."""
+    metadata = read_metadata(staging)
+    own = f"__{rank}_"
+    for info in (metadata.storage_data or {}).values():
+        if info.relative_path.startswith(own):
+            file = staging / info.relative_path
+            if not file.is_file() or file.stat().st_size < info.offset + info.length:
+                raise RuntimeError(f"{file} is missing or shorter than its metadata says after writing it.")
+
+
+def _commit(staging: Path, path: Path, world: int) -> None:
+    """Rank 0 only: mark the staging folder complete and rename it into place. See [Note: atomic save]."""
+    check_data_files(staging, read_metadata(staging))
+    files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    marker = {"format": "torch.distributed.checkpoint", "world_size": world, "files": files}
+    tmp = staging / f"{COMPLETE_MARKER}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, staging / COMPLETE_MARKER)
+    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
+    if path.exists():
+        if previous.exists():
+            shutil.rmtree(previous)
+        os.replace(path, previous)
+    os.replace(staging, path)
+    if previous.exists():
+        shutil.rmtree(previous)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the renames durable; not every platform can open a directory (Windows), which is fine to skip.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_sharded(
+    state: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> None:
+    """Load ``checkpoint_dir`` into ``state`` in place (tensors and DTensors are filled; other values replaced).
+
+    The checkpoint may have been saved with any number of ranks and any sharding. Before any collective,
+    every rank checks that the folder is complete, that every key of ``state`` is in it with the same
+    shape, and (``strict``) that it holds no key ``state`` lacks; any failure raises on every rank, naming the
+    keys and shapes. Pass ``strict=False`` to load a subset of a checkpoint.
+    """
+    error: BaseException | None = None
+    try:
+        _check_state(state, "load_sharded")
+        root = resolve_checkpoint_dir(checkpoint_dir, caller="load_sharded")
+        metadata = read_metadata(root)
+        check_data_files(root, metadata)
+        _check_keys_and_shapes(state, metadata, root, strict)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        error = exc
+    bad = _failed_ranks(error, process_group)
+    if error is not None:
+        raise error  # the same checks fail alike on every rank, so each raises its own precise error
+    if bad:
+        raise RuntimeError(
+            f"load_sharded(checkpoint_dir='{checkpoint_dir}'): the checks failed on rank(s) {bad} (see their errors) "
+            "but passed here; every rank must pass the same state dict keys and the same folder."
+        )
+    with quiet_single_process_warning():
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(root, metadata),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+        )
+
+
+def _flat(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    # DCP's own planner flattens nested dicts/lists into the dotted keys it stores; reuse it so keys match.
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    return planner.state_dict
+
+
+def _check_keys_and_shapes(state: dict[str, Any], metadata: Metadata, root: Path, strict: bool) -> None:
+    flat = _flat(state, metadata)
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in stored)
+    unexpected = sorted(k for k in stored if k not in flat) if strict else []
+    mismatched = []
+    for key, value in flat.items():
+        md = stored.get(key)
+        if isinstance(value, torch.Tensor) and md is not None:
+            saved = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "a non-tensor value"
+            if saved != tuple(value.shape):
+                mismatched.append(f"{key}: checkpoint {saved}, target {tuple(value.shape)}")
+    if missing or unexpected or mismatched:
+        raise ValueError(
+            f"load_sharded(checkpoint_dir='{root}'): the checkpoint does not match the target state dict. "
+            f"Missing from the checkpoint: {missing[:20]}. In the checkpoint but not the target: {unexpected[:20]}. "
+            f"Shape mismatches: {mismatched[:20]}. Load into the state dict of the model that was saved"
+            + (", or pass strict=False to ignore extra checkpoint keys." if unexpected else ".")
+        )

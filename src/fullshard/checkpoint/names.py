@@ -1,0 +1,123 @@
+"""File and folder names of a training checkpoint, as Accelerate lays it out (seeds 001, 002).
+
+A ``save_state(dir)`` with ``SHARDED_STATE_DICT`` produces::
+
+    dir/
+      pytorch_model_fsdp_0/   __0_0.distcp  __1_0.distcp  .metadata   (model_folder_name(0))
+      optimizer_0/            __0_0.distcp  __1_0.distcp  .metadata   (optimizer_folder_name(0))
+      random_states_0.pkl  random_states_1.pkl                        (rng_state_file_name(rank))
+      scheduler.bin  sampler.bin  scaler.pt                           (scheduler_file_name(0), ...)
+
+The constants keep the names Accelerate exports; the helpers build the indexed names so that no caller
+formats them by hand. Index 0 has no suffix for the ``.bin`` files (``scheduler.bin``, then
+``scheduler_1.bin``), but the sharded folders always carry their index (``optimizer_0``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FSDP_MODEL_NAME",
+    "MODEL_NAME",
+    "OPTIMIZER_NAME",
+    "RNG_STATE_NAME",
+    "SAFE_MODEL_NAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "SAMPLER_NAME",
+    "SCALER_NAME",
+    "SCHEDULER_NAME",
+    "WEIGHTS_INDEX_NAME",
+    "WEIGHTS_NAME",
+    "DCP_METADATA_FILE",
+    "custom_checkpoint_file_name",
+    "dcp_shard_file_name",
+    "model_folder_name",
+    "optimizer_file_name",
+    "optimizer_folder_name",
+    "rng_state_file_name",
+    "sampler_file_name",
+    "scheduler_file_name",
+    "weights_shard_file_name",
+]
+
+MODEL_NAME = "pytorch_model"
+SAFE_MODEL_NAME = "model"
+OPTIMIZER_NAME = "optimizer"
+RNG_STATE_NAME = "random_states"
+SCALER_NAME = "scaler.pt"
+SCHEDULER_NAME = "scheduler"
+SAMPLER_NAME = "sampler"
+WEIGHTS_NAME = f"{MODEL_NAME}.bin"
+WEIGHTS_INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
+SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
+# Accelerate >= 0.30 names the sharded model folder after this prefix (older releases wrote pytorch_model_0).
+FSDP_MODEL_NAME = "pytorch_model_fsdp"
+# torch.distributed.checkpoint writes this file last, once every rank's data is on disk.
+DCP_METADATA_FILE = ".metadata"
+
+
+def _check_index(index: int, arg: str) -> None:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ValueError(f"{arg}={index!r}: expected a non-negative int. Pass e.g. {arg}=0.")
+
+
+def model_folder_name(index: int = 0) -> str:
+    """Sharded model folder of the ``index``-th prepared model: ``pytorch_model_fsdp_0``."""
+    _check_index(index, "index")
+    return f"{FSDP_MODEL_NAME}_{index}"
+
+
+def optimizer_folder_name(index: int = 0) -> str:
+    """Sharded optimizer folder of the ``index``-th prepared optimizer: ``optimizer_0``."""
+    _check_index(index, "index")
+    return f"{OPTIMIZER_NAME}_{index}"
+
+
+def _indexed_bin(stem: str, index: int) -> str:
+    _check_index(index, "index")
+    return f"{stem}.bin" if index == 0 else f"{stem}_{index}.bin"
+
+
+def optimizer_file_name(index: int = 0) -> str:
+    """Full (unsharded) optimizer state file: ``optimizer.bin``, then ``optimizer_1.bin``."""
+    return _indexed_bin(OPTIMIZER_NAME, index)
+
+
+def scheduler_file_name(index: int = 0) -> str:
+    """Learning-rate scheduler state file: ``scheduler.bin``, then ``scheduler_1.bin``."""
+    return _indexed_bin(SCHEDULER_NAME, index)
+
+
+def sampler_file_name(index: int = 0) -> str:
+    """Sampler state file: ``sampler.bin``, then ``sampler_1.bin``."""
+    return _indexed_bin(SAMPLER_NAME, index)
+
+
+def rng_state_file_name(rank: int) -> str:
+    """Per-process RNG states: ``random_states_<rank>.pkl`` (one file per rank, no index-0 exception)."""
+    _check_index(rank, "rank")
+    return f"{RNG_STATE_NAME}_{rank}.pkl"
+
+
+def custom_checkpoint_file_name(index: int) -> str:
+    """State of the ``index``-th object registered with ``register_for_checkpointing``."""
+    _check_index(index, "index")
+    return f"custom_checkpoint_{index}.pkl"
+
+
+def dcp_shard_file_name(rank: int) -> str:
+    """Data file one rank writes with torch.distributed.checkpoint's ``FileSystemWriter``: ``__<rank>_0.distcp``."""
+    _check_index(rank, "rank")
+    return f"__{rank}_0.distcp"
+
+
+def weights_shard_file_name(shard: int, num_shards: int, *, safe_serialization: bool = True) -> str:
+    """Name of shard ``shard`` (1-based) of ``num_shards``, as the Hugging Face loaders expect.
+
+    ``model-00001-of-00003.safetensors`` or ``pytorch_model-00001-of-00003.bin``.
+    """
+    if not 1 <= shard <= num_shards:
+        raise ValueError(f"shard={shard}, num_shards={num_shards}: expected 1 <= shard <= num_shards.")
+    stem, ext = (SAFE_MODEL_NAME, "safetensors") if safe_serialization else (MODEL_NAME, "bin")
+    return f"{stem}-{shard:05d}-of-{num_shards:05d}.{ext}"

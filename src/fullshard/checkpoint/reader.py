@@ -1,0 +1,213 @@
+"""Read torch.distributed.checkpoint (DCP) folders safely, and decide whether one is complete.
+
+A DCP folder holds ``__<rank>_0.distcp`` data files and a ``.metadata`` file that DCP writes last, once
+every rank's data is on disk. Folders written by :func:`fullshard.checkpoint.dcp.save_sharded` also hold a
+completion marker (:data:`COMPLETE_MARKER`, with the data files' sizes) and are renamed into place only
+when whole; while being written they are named ``<name>.incomplete`` (:data:`INCOMPLETE_SUFFIX`).
+
+[Note: no arbitrary unpickling]
+torch's ``FileSystemReader.read_metadata`` runs ``pickle.load`` on ``.metadata`` and its default load
+planner runs ``torch.load(weights_only=False)`` on non-tensor entries: a crafted checkpoint could run code.
+Here ``.metadata`` goes through :class:`_MetadataUnpickler`, which only builds DCP's metadata dataclasses,
+``torch.Size``, dtypes/layouts/memory formats and paths, and non-tensor entries load with
+``weights_only=True`` (:class:`SafeLoadPlanner`). Tensor data itself is read by torch with
+``weights_only=True`` already.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from fullshard.checkpoint.names import DCP_METADATA_FILE, FSDP_MODEL_NAME
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "INCOMPLETE_SUFFIX",
+    "PREVIOUS_SUFFIX",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "check_data_files",
+    "quiet_single_process_warning",
+    "read_metadata",
+    "resolve_checkpoint_dir",
+]
+
+COMPLETE_MARKER = ".fullshard_complete.json"
+INCOMPLETE_SUFFIX = ".incomplete"
+PREVIOUS_SUFFIX = ".previous"
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    *(("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` and nothing else. See [Note: no arbitrary unpickling]."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUMS):
+            return getattr(torch, name)
+        if module in _DCP_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:
+                return obj
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not allowed in a checkpoint's .metadata (only DCP metadata types are)."
+        )
+
+
+@contextmanager
+def quiet_single_process_warning() -> Iterator[None]:
+    """Silence DCP's per-call warning that it runs without a process group, when that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
+    """Load ``checkpoint_dir/.metadata`` without running arbitrary code; errors name the file."""
+    path = Path(checkpoint_dir) / DCP_METADATA_FILE
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: the checkpoint is incomplete or not a DCP folder.") from None
+    except Exception as exc:
+        raise RuntimeError(f"{path} is corrupt or not DCP metadata ({type(exc).__name__}: {exc}).") from exc
+    if not isinstance(metadata, Metadata):
+        raise RuntimeError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata.")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` that reads ``.metadata`` once, through the restricted unpickler, and caches it."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = read_metadata(self.path)
+        return self._metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor entries load with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        # mappings[fqn] is the path of keys / list indices from the top of the caller's nested state dict.
+        *parents, last = self.mappings[fqn]
+        node: Any = self.original_state_dict
+        for key in parents:
+            node = node[key]
+        node[last] = obj
+
+
+def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> None:
+    """Every data file that ``metadata`` points into exists and is long enough; errors name the file."""
+    root = Path(checkpoint_dir)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(needed.items()):
+        path = root / rel
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint in {root} is incomplete; re-save it.")
+        size = path.stat().st_size
+        if size < end:
+            raise RuntimeError(f"{path} is truncated ({size} bytes, the metadata needs {end}): re-save the checkpoint.")
+    _check_marker(root)
+
+
+def _check_marker(root: Path) -> None:
+    marker = root / COMPLETE_MARKER
+    if not marker.is_file():
+        return
+    try:
+        sizes = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"{marker} is corrupt ({exc}); the checkpoint in {root} cannot be trusted.") from exc
+    for rel, size in sorted(sizes.items()):
+        path = root / rel
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            raise RuntimeError(
+                f"{path} is {'missing' if actual is None else f'{actual} bytes'}, but it was saved with "
+                f"{size} bytes: the checkpoint in {root} is damaged; re-save it."
+            )
+
+
+def _candidate_subfolders(root: Path) -> list[Path]:
+    subs = [p for p in root.iterdir() if p.is_dir() and (p / DCP_METADATA_FILE).is_file()]
+    # Model folders first: they are what merge_fsdp_weights is usually after.
+    return sorted(subs, key=lambda p: (not p.name.startswith(FSDP_MODEL_NAME), p.name))
+
+
+def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], *, caller: str) -> Path:
+    """Return ``checkpoint_dir`` as a Path if it is a complete DCP folder; otherwise raise saying why.
+
+    Complete means: it has ``.metadata``, it is not a ``*.incomplete`` staging folder, and (when present)
+    the completion marker's file sizes match. A parent folder of ``pytorch_model_fsdp_0``/``optimizer_0``
+    is refused with the subfolder to pass.
+    """
+    if not isinstance(checkpoint_dir, str | os.PathLike):
+        raise ValueError(f"{caller}(checkpoint_dir={checkpoint_dir!r}): expected a folder path (str or Path).")
+    root = Path(checkpoint_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"{caller}(checkpoint_dir='{root}'): no such folder.{_leftover_hint(root)}")
+    if not root.is_dir():
+        raise ValueError(f"{caller}(checkpoint_dir='{root}'): this is a file; pass the sharded checkpoint folder.")
+    if root.name.endswith(INCOMPLETE_SUFFIX) or not (root / DCP_METADATA_FILE).is_file():
+        subs = _candidate_subfolders(root)
+        if subs and not root.name.endswith(INCOMPLETE_SUFFIX):
+            names = " or ".join(f"'{p}'" for p in subs)
+            raise ValueError(
+                f"{caller}(checkpoint_dir='{root}'): this folder holds no {DCP_METADATA_FILE}; it is the parent of "
+                f"sharded checkpoint folder(s). Pass the subfolder instead: {names}."
+            )
+        raise RuntimeError(
+            f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
+            f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+        )
+    return root
+
+
+def _leftover_hint(root: Path) -> str:
+    staged = root.with_name(root.name + INCOMPLETE_SUFFIX)
+    previous = root.with_name(root.name + PREVIOUS_SUFFIX)
+    if previous.is_dir():
+        return f" A save was interrupted while replacing it; the previous checkpoint is at '{previous}'."
+    if staged.is_dir():
+        return f" '{staged}' exists, but that save never finished (the checkpoint is incomplete)."
+    return ""
