@@ -127,7 +127,7 @@ class WorkerPool:
                 del pending[rank]
                 try:
                     status, payload = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     status, payload = "error", f"rank {rank} exited (code {self._procs[rank].exitcode})"
                 if status == "ok":
                     results[rank] = payload
