@@ -98,9 +98,7 @@ class RootContext:
 
     def gathered_non_root(self) -> int:
         """How many units other than the root hold gathered (or gathering) parameters now."""
-        return sum(
-            1 for s in self.states if s is not self.root and s.group and s.group.state is not ShardState.SHARDED
-        )
+        return sum(1 for s in self.states if s is not self.root and s.group and s.group.state is not ShardState.SHARDED)
 
     def note_gathered(self) -> None:
         self.max_gathered = max(self.max_gathered, self.gathered_non_root())
