@@ -134,6 +134,7 @@ class UnitState:
         self.group = group
         self.config = config
         self.label = label
+        self.kind = label  # the module's class name, kept when the label becomes a path at lazy init
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -167,7 +168,7 @@ class UnitState:
         }
         for state in states:
             state.ctx = ctx
-            state.label = names.get(id(state.module)) or f"<root {type(self.module).__name__}>"
+            state.label = names.get(id(state.module)) or f"<root {state.kind}>"
             state._cast_buffers()
         _check_same_units_on_all_ranks(states)
 
