@@ -129,7 +129,9 @@ class ParamGroup:
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.flat_full = self._new_flat_full()
-        self.state = ShardState.SHARDED
+        self._state = ShardState.SHARDED
+        # Told (old, new) on every state change; the unit state counts gathered units with it.
+        self.listener: Callable[[ShardState, ShardState], None] | None = None
         self.summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
         self._pending: list[_PendingReduce] = []
@@ -173,6 +175,16 @@ class ParamGroup:
         full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
         full.untyped_storage().resize_(0)
         return full.requires_grad_(self.requires_grad)
+
+    @property
+    def state(self) -> ShardState:
+        return self._state
+
+    @state.setter
+    def state(self, new: ShardState) -> None:
+        old, self._state = self._state, new
+        if self.listener is not None and old is not new:
+            self.listener(old, new)
 
     # --- unshard / reshard --------------------------------------------------------------------------
 

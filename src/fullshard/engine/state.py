@@ -96,26 +96,31 @@ class RootContext:
     max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
     iteration_order: list[str] = field(default_factory=list)
 
+    gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
+    position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in forward_order
+
     def gathered_non_root(self) -> int:
-        """How many units other than the root hold gathered (or gathering) parameters now."""
-        return sum(1 for s in self.states if s is not self.root and s.group and s.group.state is not ShardState.SHARDED)
+        return self.gathered
 
     def note_gathered(self) -> None:
-        self.max_gathered = max(self.max_gathered, self.gathered_non_root())
+        self.max_gathered = max(self.max_gathered, self.gathered)
+
+    def freeze_order(self) -> None:
+        self.order_frozen = True
+        for i, state in enumerate(self.forward_order):
+            self.position.setdefault(id(state), i)
 
     def next_in_forward(self, state: UnitState) -> UnitState | None:
-        order = self.forward_order
-        if state not in order:
+        i = self.position.get(id(state))
+        if i is None or i + 1 >= len(self.forward_order):
             return None
-        i = order.index(state)
-        return order[i + 1] if i + 1 < len(order) else None
+        return self.forward_order[i + 1]
 
     def next_in_backward(self, state: UnitState) -> UnitState | None:
-        order = self.forward_order
-        if state not in order:
+        i = self.position.get(id(state))
+        if i is None or i == 0:
             return None
-        i = order.index(state)
-        return order[i - 1] if i > 0 else None
+        return self.forward_order[i - 1]
 
 
 class UnitState:
@@ -170,7 +175,19 @@ class UnitState:
             state.ctx = ctx
             state.label = names.get(id(state.module)) or f"<root {state.kind}>"
             state._cast_buffers()
+            if state.group is not None:
+                state.group.listener = state._group_state_changed
+        ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         _check_same_units_on_all_ranks(states)
+
+    def _group_state_changed(self, old: ShardState, new: ShardState) -> None:
+        ctx = self.ctx
+        if ctx is None or ctx.root is self:
+            return
+        if old is ShardState.SHARDED:
+            ctx.gathered += 1
+        elif new is ShardState.SHARDED:
+            ctx.gathered -= 1
 
     def _cast_buffers(self) -> None:
         dtype = self.config.casts.buffer_dtype
@@ -249,7 +266,8 @@ class UnitState:
             if no_backward or (self.config.reshard_after_forward and not self.is_root):
                 self.group.reshard()
         if self.is_root:
-            ctx.order_frozen = True
+            if not ctx.order_frozen:
+                ctx.freeze_order()
             _reshard_leftovers(ctx)
             if order_debug_enabled():
                 _check_same_order_on_all_ranks(ctx.iteration_order)
