@@ -15,7 +15,10 @@ __all__ = ["cli", "main"]
 
 @click.group("fullshard", context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
-    """fullshard: Fully Sharded Data Parallel training for PyTorch (config, launch, env, merge-weights, estimate-memory)."""
+    """fullshard: Fully Sharded Data Parallel training for PyTorch.
+
+    Commands: config, launch, env, merge-weights, estimate-memory.
+    """
 
 
 for _command in (config_command, launch_command, env_command, merge_command, estimate_command):

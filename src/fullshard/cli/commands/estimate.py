@@ -101,12 +101,13 @@ def _table(estimates: list[MemoryEstimate], title: str) -> object:
 @click.option("--num_machines", "--num-machines", "num_machines", type=int, default=1, show_default=True,
               help="Machines, for the hybrid strategies (shard within a machine).")  # fmt: skip
 @click.option("--sharding_strategy", "--sharding-strategy", "strategies", multiple=True,
-              type=click.Choice(_STRATEGIES, case_sensitive=False), help="Strategies to show (default: all).")  # fmt: skip
+              type=click.Choice(_STRATEGIES, case_sensitive=False),
+              help="Strategies to show, repeatable (default: all).")  # fmt: skip
 @click.option("--mixed_precision", "--mixed-precision", "mixed_precision", default="no", show_default=True,
               type=click.Choice(("no", "bf16", "fp16")))  # fmt: skip
 @click.option("--cpu_offload", "--cpu-offload", "cpu_offload", is_flag=True, help="Parameters and states on the CPU.")
 @click.option("--transformer_layer_cls_to_wrap", "--wrap", "wrap", default=None,
-              help="Comma-separated block classes that become units (default: the model's _no_split_modules).")  # fmt: skip
+              help="Comma-separated block classes that become units (default: _no_split_modules).")  # fmt: skip
 def estimate_command(
     model_spec: str,
     num_processes: int,
@@ -123,17 +124,8 @@ def estimate_command(
     names = [n.strip() for n in wrap.split(",") if n.strip()] if wrap else None
     try:
         units = unit_parameters(model, find_unit_classes(model, names))
-        estimates = [
-            estimate_memory(
-                units,
-                num_processes,
-                _strategy(s),
-                mixed_precision=mixed_precision,
-                cpu_offload=cpu_offload,
-                num_machines=num_machines,
-            )  # fmt: skip
-            for s in (strategies or _STRATEGIES)
-        ]
+        options = {"mixed_precision": mixed_precision, "cpu_offload": cpu_offload, "num_machines": num_machines}
+        estimates = [estimate_memory(units, num_processes, _strategy(s), **options) for s in strategies or _STRATEGIES]
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     count = sum(p.numel() for unit in units for p in unit)
