@@ -178,7 +178,7 @@ class Accelerator:
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
         """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data.py``."""
-        return prepare_data_loader(
+        prepared = prepare_data_loader(
             data_loader,
             num_processes=self.num_processes,
             process_index=self.process_index,
@@ -186,6 +186,8 @@ class Accelerator:
             gradient_state=self.gradient_state,
             even_batches=self.even_batches,
         )
+        self._objects.dataloaders.append(prepared)
+        return prepared
 
     def _prepare_optimizer(self, obj: Any) -> Any:
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, AcceleratedOptimizer):

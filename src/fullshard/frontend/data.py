@@ -6,9 +6,12 @@ Accelerate does: at step ``s`` rank ``k`` gets batch ``s * n + k``. So the ``n``
 rank order, are the contiguous global batch ``[s * n * B, (s + 1) * n * B)`` of the sampler's order, and
 ``gather`` of per-rank outputs lists the samples in that order.
 
-- Shuffling: a loader whose sampler is a ``RandomSampler`` draws one permutation per epoch from a seed that
-  rank 0 draws from its own torch RNG and broadcasts, so every rank deals the same permutation (and a run
-  resumed with the saved RNG states draws the same permutations again).
+- Shuffling: a loader whose sampler is a ``RandomSampler`` deals the permutation of ``seed + epoch``, where
+  ``seed`` is drawn once (at ``prepare``) by rank 0 from its torch RNG and broadcast, so every rank deals the
+  same permutation. The epoch advances each time the loader is exhausted.
+- Resuming: :meth:`ShardedDataLoader.state_dict` holds the seed, the epoch and the batches already taken in
+  it; ``save_state`` writes it (``sampler.bin``) and after ``load_state`` the next iteration skips those
+  batches, so a run resumed mid-epoch sees exactly the batches the uninterrupted run would.
 - ``even_batches=True`` (default): when the last step has fewer than ``n * B`` samples, it is completed with
   samples from the start of the epoch, so every rank runs the same number of full batches (no rank waits in
   a collective the others never reach). :attr:`ShardedDataLoader.remainder` is the number of real samples in
@@ -30,6 +33,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from fullshard.frontend.ops import send_to_device
 
 __all__ = ["GradientState", "ShardBatchSampler", "ShardedDataLoader", "prepare_data_loader"]
+
+_END = object()
 
 
 @dataclass
@@ -59,13 +64,16 @@ class ShardBatchSampler:
         self.drop_last, self.even_batches = drop_last, even_batches
         self.epoch = 0
         self.remainder = -1
+        self.seed = 0
+        if isinstance(sampler, RandomSampler):
+            seed = torch.randint(0, 2**62, (1,), generator=sampler.generator)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast(seed, src=0)
+            self.seed = int(seed.item())
 
     def _order(self) -> list[int]:
         if isinstance(self.sampler, RandomSampler):
-            seed = torch.randint(0, 2**62, (1,), generator=self.sampler.generator)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(seed, src=0)
-            g = torch.Generator().manual_seed(int(seed.item()))
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
             s = self.sampler
             return list(RandomSampler(s.data_source, s.replacement, s._num_samples, generator=g))
         return list(iter(self.sampler))
@@ -110,33 +118,46 @@ class ShardedDataLoader(DataLoader):
         super().__init__(dataset, **kwargs)
         self.device = device
         self.gradient_state = gradient_state
+        self._batches_done = 0  # batches yielded in the current epoch
+        self._skip = 0  # batches to skip at the next iteration (after load_state_dict)
 
     @property
     def remainder(self) -> int:
         return getattr(self.batch_sampler, "remainder", -1)
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.batch_sampler, "epoch"):
-            self.batch_sampler.epoch = epoch
+        """Deal the permutation of ``epoch`` next (the epoch also advances by itself at each end)."""
+        self.batch_sampler.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader stands: its shuffling seed, the epoch, and the batches taken in it so far."""
+        sampler = self.batch_sampler
+        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches_done": self._batches_done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``: the next iteration skips the batches already taken in its epoch."""
+        self.batch_sampler.seed, self.batch_sampler.epoch = int(state["seed"]), int(state["epoch"])
+        self._batches_done = self._skip = int(state["batches_done"])
 
     def __iter__(self) -> Iterator[Any]:
         state = self.gradient_state
         state.end_of_dataloader = False
+        skip, self._skip, self._batches_done = self._skip, 0, 0
         iterator = super().__iter__()
-        try:
-            current = next(iterator)
-        except StopIteration:
-            return
-        while True:
-            try:
-                upcoming = next(iterator)
-            except StopIteration:
+        for _ in range(skip):
+            next(iterator, None)
+            self._batches_done += 1
+        current = next(iterator, _END)
+        while current is not _END:
+            upcoming = next(iterator, _END)
+            if upcoming is _END:
                 state.end_of_dataloader, state.remainder = True, self.remainder
-                yield current if self.device is None else send_to_device(current, self.device)
-                break
+            self._batches_done += 1
             yield current if self.device is None else send_to_device(current, self.device)
             current = upcoming
         state.end_of_dataloader = False
+        self.batch_sampler.epoch += 1
+        self._batches_done = 0
 
 
 def prepare_data_loader(

@@ -6,6 +6,7 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
       pytorch_model_fsdp_0/  __0_0.distcp __1_0.distcp .metadata   {"model": sharded model state dict}
       optimizer_0/           __0_0.distcp __1_0.distcp .metadata   {"optimizer": sharded optimizer state}
       scheduler.bin                                                 scheduler 0 (scheduler_1.bin, ...)
+      sampler.bin                                                   dataloader 0's position (sampler_1.bin, ...)
       custom_checkpoint_0.pkl                                       objects of register_for_checkpointing
       random_states_0.pkl random_states_1.pkl                       every rank's RNG states
 
@@ -36,7 +37,12 @@ from fullshard.checkpoint import (
     save_sharded,
     scheduler_file_name,
 )
-from fullshard.checkpoint.names import FSDP_MODEL_NAME, custom_checkpoint_file_name, optimizer_file_name
+from fullshard.checkpoint.names import (
+    FSDP_MODEL_NAME,
+    custom_checkpoint_file_name,
+    optimizer_file_name,
+    sampler_file_name,
+)
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -51,6 +57,7 @@ class TrainingObjects:
     models: list[nn.Module] = field(default_factory=list)
     optimizers: list[Any] = field(default_factory=list)
     schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
     custom: list[Any] = field(default_factory=list)
 
     def model_for(self, optimizer_index: int) -> nn.Module:
@@ -129,6 +136,8 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     if rank == 0:
         for i, scheduler in enumerate(objects.schedulers):
             torch.save(scheduler.state_dict(), out / scheduler_file_name(i))
+        for i, loader in enumerate(objects.dataloaders):
+            torch.save(loader.state_dict(), out / sampler_file_name(i))
         for i, obj in enumerate(objects.custom):
             torch.save(obj.state_dict(), out / custom_checkpoint_file_name(i))
     torch.save(_rng_state(), out / rng_state_file_name(rank))
@@ -150,6 +159,7 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool, rank: int
     files += [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
               for i in range(len(objects.optimizers))]  # fmt: skip
     files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
+    files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
     files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
     return [*files, folder / rng_state_file_name(rank)]
 
@@ -174,6 +184,8 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
     _load_models_and_optimizers(folder, objects, plugin, full)
     for i, scheduler in enumerate(objects.schedulers):
         scheduler.load_state_dict(torch.load(folder / scheduler_file_name(i), weights_only=True))
+    for i, loader in enumerate(objects.dataloaders):
+        loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
     for i, obj in enumerate(objects.custom):
         obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
     _set_rng_state(torch.load(folder / rng_state_file_name(rank), weights_only=True))
