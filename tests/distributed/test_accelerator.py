@@ -43,11 +43,11 @@ def model_and_optimizer(seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer, 
 
 
 def plugin(version: int, **kwargs: Any) -> FullyShardedDataParallelPlugin:
+    kwargs.setdefault("state_dict_type", "SHARDED_STATE_DICT")
     return FullyShardedDataParallelPlugin(
         fsdp_version=version,
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["Block"],
-        state_dict_type="SHARDED_STATE_DICT",
         **kwargs,
     )
 
@@ -199,10 +199,10 @@ class Counter:
 
 
 def run_steps(
-    version: int, steps: range, seed: int, save: Path | None = None, load: Path | None = None
+    version: int, kind: str, steps: range, seed: int, save: Path | None = None, load: Path | None = None
 ) -> tuple[list[float], int, list[str]]:
     """Train on the steps given (batch ``i`` of the loader at step ``i``), optionally loading / saving state."""
-    accelerator = Accelerator(fsdp_plugin=plugin(version))
+    accelerator = Accelerator(fsdp_plugin=plugin(version, state_dict_type=kind))
     model, optimizer, scheduler = model_and_optimizer(seed)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
@@ -227,10 +227,10 @@ def run_steps(
     return losses, counter.count, files
 
 
-def resume(rank: int, world: int, version: int, folder: str) -> Any:
-    straight, _, _ = run_steps(version, range(4), seed=0)
-    first, _, files = run_steps(version, range(2), seed=0, save=Path(folder))
-    second, count, _ = run_steps(version, range(2, 4), seed=1, load=Path(folder))
+def resume(rank: int, world: int, version: int, kind: str, folder: str) -> Any:
+    straight, _, _ = run_steps(version, kind, range(4), seed=0)
+    first, _, files = run_steps(version, kind, range(2), seed=0, save=Path(folder))
+    second, count, _ = run_steps(version, kind, range(2, 4), seed=1, load=Path(folder))
     return straight, first + second, count, files
 
 
@@ -245,7 +245,7 @@ STATE_DICT_API = hasattr(FullyShardedDataParallel, "optim_state_dict")
     ],
 )
 def test_save_state_layout_and_resume_reproduces_losses(pool2: WorkerPool, tmp_path: Path, version: int) -> None:
-    results = pool2.run(resume, version, str(tmp_path / "ckpt"))
+    results = pool2.run(resume, version, "SHARDED_STATE_DICT", str(tmp_path / "ckpt"))
     straight, resumed, count, files = results[0]
     assert resumed == straight, "resuming must reproduce the uninterrupted run's losses exactly"
     assert count == 4, "the registered object's state was restored"
@@ -302,3 +302,11 @@ def test_fsdp2_load_full_state_dict_from_rank0(pool2: WorkerPool) -> None:
     want = model_and_optimizer(seed=7)[0].state_dict()
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_full_state_dict_checkpoint_resumes_too(pool2: WorkerPool, tmp_path: Path) -> None:
+    straight, resumed, count, files = pool2.run(resume, 2, "FULL_STATE_DICT", str(tmp_path / "ckpt"))[0]
+    assert resumed == straight and count == 4
+    assert "pytorch_model_fsdp.bin" in files and "optimizer.bin" in files
+    saved = torch.load(tmp_path / "ckpt" / "pytorch_model_fsdp.bin", weights_only=True)
+    assert saved["wte.weight"].shape == (CFG.vocab_size, CFG.n_embd), "the full tensor, not a shard"
