@@ -1,26 +1,58 @@
-"""Train a small character-level GPT on the shipped corpus with fullshard, one process per rank.
+"""Train a small character-level GPT on the shipped corpus with fullshard's Accelerator, one process per rank.
 
     fullshard launch --num_processes 2 examples/train_gpt.py --steps 60
-    # or: torchrun --nproc_per_node 2 examples/train_gpt.py --steps 60
+    fullshard launch --num_processes 2 examples/train_gpt.py --steps 90 --resume   # continue from the checkpoint
+    python examples/train_gpt.py --steps 20                                          # one process also works
 
-Each rank reads its own slice of every batch; parameters, gradients and optimizer states are sharded
-(FULL_SHARD, one unit per transformer block). Rank 0 prints the loss averaged over ranks.
+The script is written the way an Accelerate script is (swap ``fullshard`` for ``accelerate`` in the imports
+and it runs there too). Parameters, gradients and optimizer states are sharded (FULL_SHARD, one unit per
+transformer block). Every ``--save_every`` steps the training state goes to ``OUTPUT/checkpoint`` (sharded
+model and optimizer, scheduler, RNG states, the step counter); ``--resume`` continues from there and
+reproduces the losses of an uninterrupted run. At the end the merged weights go to ``OUTPUT/model.safetensors``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
 
-from fullshard import FullyShardedDataParallel
-from fullshard.testing.models import Block, GPTConfig, TinyGPT
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard import Accelerator, FullyShardedDataParallelPlugin
+from fullshard.testing.models import GPTConfig, TinyGPT
+from fullshard.utils import set_seed
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+
+
+class Windows(Dataset):
+    """Every ``block + 1`` characters of the corpus, one window per item (input and next-character targets)."""
+
+    def __init__(self, data: torch.Tensor, block: int) -> None:
+        self.data, self.block = data, block
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.block : (i + 1) * self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class Progress:
+    """The step counter, saved with the training state (``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
 
 
 def load_corpus() -> tuple[torch.Tensor, int]:
@@ -30,43 +62,86 @@ def load_corpus() -> tuple[torch.Tensor, int]:
     return torch.tensor([index[ch] for ch in text], dtype=torch.long), len(vocab)
 
 
-def batch_at(data: torch.Tensor, step: int, batch: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - block - 1, (batch,), generator=g)
-    x = torch.stack([data[s : s + block] for s in starts])
-    y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
-    return x, y
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16, help="global batch, split across ranks")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps in all (a resumed run counts on)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+    parser.add_argument("--save_every", type=int, default=20, help="save the training state every N steps")
+    parser.add_argument("--output", type=Path, default=Path("runs/train_gpt"))
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    parser.add_argument("--no_progress", action="store_true", help="print the loss lines instead of a bar")
+    return parser.parse_args(argv)
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+def build(args: argparse.Namespace, accelerator: Accelerator) -> tuple:
     data, vocab = load_corpus()
     cfg = GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=4, n_embd=64)
-    torch.manual_seed(0)
-    model = FullyShardedDataParallel(TinyGPT(cfg), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    set_seed(0)
+    model = TinyGPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    per_rank = args.batch // world
-    for step in range(args.steps):
-        x, y = batch_at(data, step, args.batch, cfg.block_size)
-        loss = model(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
-        loss.backward()
-        model.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {mean.item() / world:.4f}", flush=True)
-    dist.destroy_process_group()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, 1e4) / 1e4))
+    )
+    loader = DataLoader(Windows(data, cfg.block_size), batch_size=args.batch, shuffle=True)
+    return accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+        state_dict_type="SHARDED_STATE_DICT",
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model, optimizer, loader, scheduler = build(args, accelerator)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    checkpoint = args.output / "checkpoint"
+    if args.resume:
+        accelerator.load_state(checkpoint)
+        accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
+    losses = run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, checkpoint)
+    accelerator.save_model(model, args.output)
+    if accelerator.is_main_process:
+        (args.output / "losses.json").write_text(json.dumps(losses))
+        accelerator.print(f"final loss {losses[-1]:.4f}; weights in {args.output / 'model.safetensors'}")
+    accelerator.end_training()
+    return losses
+
+
+def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, checkpoint) -> list[float]:
+    """Train until ``args.steps``; the loss shown is the mean over ranks."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
+
+    losses: list[float] = []
+    show = accelerator.is_main_process and not args.no_progress
+    columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    with Bar(*columns, disable=not show, transient=False) as bar:
+        task = bar.add_task("train", total=args.steps, completed=progress.step, loss="-")
+        while progress.step < args.steps:
+            for x, y in loader:
+                loss = model(x, y)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                progress.step += 1
+                mean = accelerator.reduce(loss.detach(), reduction="mean").item()
+                losses.append(mean)
+                bar.update(task, advance=1, loss=f"{mean:.4f}")
+                if args.no_progress and progress.step % 10 == 0:
+                    accelerator.print(f"step {progress.step:4d}  loss {mean:.4f}", flush=True)
+                if progress.step % args.save_every == 0:
+                    accelerator.save_state(checkpoint)
+                if progress.step >= args.steps:
+                    break
+    return losses
 
 
 if __name__ == "__main__":
-    main()
+    train(parse_args())

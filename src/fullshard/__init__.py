@@ -27,11 +27,13 @@ from fullshard.engine.checkpointing import apply_activation_checkpointing, check
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
+from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accelerator",
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",

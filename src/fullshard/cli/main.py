@@ -6,6 +6,7 @@ import click
 
 from fullshard.cli.commands.config import config_command
 from fullshard.cli.commands.env import env_command
+from fullshard.cli.commands.estimate import estimate_command
 from fullshard.cli.commands.launch import launch_command
 from fullshard.cli.commands.merge import merge_command
 
@@ -14,10 +15,13 @@ __all__ = ["cli", "main"]
 
 @click.group("fullshard", context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
-    """fullshard: Fully Sharded Data Parallel training for PyTorch (config, launch, env, merge-weights)."""
+    """fullshard: Fully Sharded Data Parallel training for PyTorch.
+
+    Commands: config, launch, env, merge-weights, estimate-memory.
+    """
 
 
-for _command in (config_command, launch_command, env_command, merge_command):
+for _command in (config_command, launch_command, env_command, merge_command, estimate_command):
     cli.add_command(_command)
 
 

@@ -1,0 +1,139 @@
+"""Per-rank memory of sharded training, predicted from a model's parameter shapes (no process group).
+
+The prediction follows the engine's layout exactly (see [Note: dim-0 layout] in ``engine/layout.py`` and
+[Note: group buffers] in ``engine/group.py``). For a unit (a module the auto-wrap policy selects, plus the root
+for what is left) sharded over ``S`` ranks, with ``s_i`` the padded shard size of parameter ``i`` and
+``G = sum(s_i)``:
+
+- parameters: the flat shard, ``G`` elements in the parameter dtype;
+- gradients: the reduced shard, ``G`` elements in the parameter dtype;
+- optimizer states (Adam): two tensors per parameter shaped like its real rows on rank 0 (the rank holding the
+  most), plus a 4-byte step per parameter;
+- gathered parameters: ``S * G`` elements in the compute dtype per unit gathered at once. ``largest_unit`` is
+  the biggest single unit; ``gathered`` is the peak: the root (kept gathered through forward and backward)
+  plus the largest other unit for FULL_SHARD / HYBRID_SHARD (the others are freed after use), every unit for
+  SHARD_GRAD_OP (kept from forward until backward ends). NO_SHARD in full precision gathers nothing: the
+  gathered buffer is the shard itself.
+
+``S`` is the world size (FULL_SHARD, SHARD_GRAD_OP), 1 (NO_SHARD) or the ranks per machine (hybrid).
+Activations and temporary communication buffers are not counted. With ``cpu_offload`` the parameters,
+gradients and optimizer states live in CPU memory: they are reported, but not in the device total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fullshard.engine.api import ShardingStrategy
+from fullshard.engine.layout import ShardLayout
+from fullshard.engine.wrap import ModuleWrapPolicy, plan_units
+
+__all__ = ["MemoryEstimate", "estimate_memory", "find_unit_classes", "unit_parameters"]
+
+_COMPUTE_BYTES = {"no": None, "fp32": None, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds (rank 0, which holds the most) for one sharding strategy."""
+
+    strategy: ShardingStrategy
+    num_processes: int
+    shard_size: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    largest_unit: int
+    cpu_offload: bool = False
+
+    @property
+    def device_total(self) -> int:
+        """Bytes on the compute device: everything, minus what ``cpu_offload`` keeps on the CPU."""
+        kept = 0 if self.cpu_offload else self.params + self.grads + self.optimizer
+        return kept + self.gathered
+
+
+def find_unit_classes(model: nn.Module, names: list[str] | None) -> set[type[nn.Module]]:
+    """The classes named ``names`` (default: ``model._no_split_modules``) among ``model``'s modules."""
+    names = names if names is not None else list(getattr(model, "_no_split_modules", None) or [])
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(
+            f"unit classes {missing}: not found in {type(model).__name__}. Its module classes are: "
+            f"{', '.join(sorted(by_name))}."
+        )
+    return {by_name[n] for n in names}
+
+
+def unit_parameters(model: nn.Module, unit_classes: set[type[nn.Module]]) -> list[list[nn.Parameter]]:
+    """The parameters of each unit, innermost first and the root last (tied parameters counted once)."""
+    policy = ModuleWrapPolicy(unit_classes) if unit_classes else None
+    modules = [p.module for p in plan_units(model, policy)] + [model]
+    seen: set[int] = set()
+    units = []
+    for module in modules:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        units.append(params)
+    return units
+
+
+def _shard_size(strategy: ShardingStrategy, num_processes: int, num_machines: int) -> int:
+    if strategy is ShardingStrategy.NO_SHARD:
+        return 1
+    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        if num_processes % num_machines:
+            raise ValueError(
+                f"num_processes={num_processes} with num_machines={num_machines}: hybrid sharding needs the same "
+                "number of processes on every machine. Pass a multiple of num_machines."
+            )
+        return num_processes // num_machines
+    return num_processes
+
+
+def estimate_memory(
+    units: list[list[nn.Parameter]],
+    num_processes: int,
+    strategy: ShardingStrategy,
+    *,
+    mixed_precision: str = "no",
+    cpu_offload: bool = False,
+    num_machines: int = 1,
+) -> MemoryEstimate:
+    """Predicted bytes on rank 0 for ``units`` (from :func:`unit_parameters`); see the module docstring."""
+    if num_processes < 1:
+        raise ValueError(f"num_processes={num_processes}: expected at least 1 process.")
+    if mixed_precision not in _COMPUTE_BYTES:
+        raise ValueError(f"mixed_precision={mixed_precision!r}: expected one of {', '.join(_COMPUTE_BYTES)}.")
+    size = _shard_size(strategy, num_processes, num_machines)
+    params = optimizer = 0
+    unit_full: list[int] = []
+    for unit in units:
+        shard_numel = 0
+        for p in unit:
+            layout = ShardLayout(tuple(p.shape), size, 0)
+            shard_numel += layout.padded_shard_numel
+            optimizer += 2 * layout.local_numel * p.element_size() + 4
+        elem = unit[0].element_size() if unit else 4
+        params += shard_numel * elem
+        compute = _COMPUTE_BYTES[mixed_precision] or elem
+        cast = compute != elem
+        unit_full.append(size * shard_numel * compute if (size > 1 or cast) else 0)
+    keep_all = strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    gathered = sum(unit_full) if keep_all else unit_full[-1] + max(unit_full[:-1], default=0)
+    return MemoryEstimate(
+        strategy, num_processes, size, params, params, optimizer, gathered, max(unit_full, default=0), cpu_offload
+    )
+
+
+def parameter_count(units: list[list[nn.Parameter]]) -> int:
+    return sum(p.numel() for unit in units for p in unit)
+
+
+def model_dtype_bytes(units: list[list[nn.Parameter]]) -> int:
+    return next((p.element_size() for unit in units for p in unit), torch.empty(()).element_size())

@@ -1,0 +1,254 @@
+"""Distributed data operations on nested structures of tensors (Accelerate's ``utils.operations``).
+
+Every function takes a tensor or any nesting of lists, tuples and dicts (mappings) of tensors, keeps the
+structure, and acts on each tensor. Collectives run over the default process group; without one (or with
+one rank) they return their input unchanged (``gather`` and ``reduce`` return a copy, as with many ranks).
+Every rank must call a collective with the same structure, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "broadcast",
+    "broadcast_object_list",
+    "concatenate",
+    "gather",
+    "gather_object",
+    "is_main_process",
+    "pad_across_processes",
+    "recursively_apply",
+    "reduce",
+    "save",
+    "send_to_device",
+    "set_seed",
+    "wait_for_everyone",
+]
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main_process() -> bool:
+    """Whether this is rank 0 (or the only process)."""
+    return _rank() == 0
+
+
+def recursively_apply(
+    func: Callable[..., Any],
+    data: Any,
+    *args: Any,
+    test_type: Callable[[Any], bool] = torch.is_tensor,
+    error_on_other_type: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Apply ``func(leaf, *args, **kwargs)`` to every leaf of ``data`` that passes ``test_type``.
+
+    Lists, tuples (named tuples too) and mappings keep their type; other leaves are returned as they are, or
+    raise ``TypeError`` with ``error_on_other_type``.
+    """
+
+    def again(item: Any) -> Any:
+        return recursively_apply(
+            func, item, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
+        )
+
+    if isinstance(data, (tuple, list)):
+        items = [again(d) for d in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)
+    if isinstance(data, Mapping):
+        return type(data)({k: again(v) for k, v in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(
+            f"{getattr(func, '__name__', 'operation')}(data=...): found a {type(data).__name__}; only tensors nested "
+            "in lists, tuples and dicts are supported. Convert it to a tensor first."
+        )
+    return data
+
+
+def send_to_device(
+    tensor: Any, device: torch.device | str, non_blocking: bool = False, skip_keys: list[str] | str | None = None
+) -> Any:
+    """Move every tensor (and anything with a ``.to``) in ``tensor`` to ``device``; dict keys in ``skip_keys``
+    are left where they are."""
+    skip = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys or [])
+    if isinstance(tensor, Mapping) and skip:
+        return type(tensor)(
+            {k: v if k in skip else send_to_device(v, device, non_blocking, skip) for k, v in tensor.items()}
+        )
+
+    def move(t: Any) -> Any:
+        try:
+            return t.to(device, non_blocking=non_blocking)
+        except TypeError:  # a .to() without non_blocking
+            return t.to(device)
+
+    return recursively_apply(move, tensor, test_type=lambda t: hasattr(t, "to") and not isinstance(t, type))
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Overwrite every tensor in ``tensor`` with ``from_process``'s, in place; returns ``tensor``."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if _world() > 1:
+            dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """Replace the items of ``object_list`` (picklable) with ``from_process``'s, in place; returns the list."""
+    if _world() > 1:
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+def _gather_one(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.ndim == 0:
+        t = t.reshape(1)
+    world = _world()
+    if world == 1:
+        return t.clone()
+    sizes = [torch.zeros((), dtype=torch.long, device=t.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor(t.shape[0], device=t.device))
+    longest = int(max(s.item() for s in sizes))
+    padded = _pad(t.contiguous(), 0, longest, 0, False)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[: int(n.item())] for p, n in zip(parts, sizes)], dim=0)
+
+
+def gather(tensor: Any) -> Any:
+    """Concatenate every rank's tensors along dim 0, in rank order (0-dim tensors become shape ``(world,)``).
+
+    Ranks may hold different sizes on dim 0 (the other dims must agree): each contributes all its rows.
+    """
+    return recursively_apply(_gather_one, tensor, error_on_other_type=True)
+
+
+def gather_object(object: Any) -> list[Any]:
+    """Every rank's items (``object`` must be a list or another iterable), concatenated in rank order."""
+    if _world() == 1:
+        return list(object)
+    gathered: list[Any] = [None] * _world()
+    dist.all_gather_object(gathered, object)
+    return [item for part in gathered for item in part]
+
+
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Sum (``reduction="sum"``) or average (``"mean"``) every tensor across ranks, times ``scale``; new tensors."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'reduce(reduction={reduction!r}): not a reduction. Use "mean", "sum" or "none".')
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        if reduction != "none" and _world() > 1:
+            dist.all_reduce(out)
+        if reduction == "mean":
+            out = out / _world()
+        return out * scale if scale != 1.0 else out
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def _pad(t: torch.Tensor, dim: int, size: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
+    if t.shape[dim] >= size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_full(shape, pad_index)
+    start = size - t.shape[dim] if pad_first else 0
+    out.narrow(dim, start, t.shape[dim]).copy_(t)
+    return out
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    """Pad every tensor with ``pad_index`` on ``dim`` to the largest size any rank holds, so it can be gathered."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if dim >= t.ndim or dim < -t.ndim:
+            raise ValueError(
+                f"pad_across_processes(dim={dim}): the tensor has {t.ndim} dimensions. Pass a dim in [0, {t.ndim})."
+            )
+        d = dim % t.ndim
+        size = torch.tensor(t.shape[d], device=t.device)
+        if _world() > 1:
+            dist.all_reduce(size, op=dist.ReduceOp.MAX)
+        return _pad(t, d, int(size.item()), pad_index, pad_first)
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of equally structured nestings of tensors, leaf by leaf, along ``dim``."""
+    if not isinstance(data, (list, tuple)) or not data:
+        raise ValueError(f"concatenate(data={type(data).__name__}): expected a non-empty list of nested tensors.")
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        items = [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first})
+    if not torch.is_tensor(first):
+        raise TypeError(f"concatenate: found a {type(first).__name__}; only nested tensors can be concatenated.")
+    return torch.cat(list(data), dim=dim)
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed ``random``, ``numpy`` (if installed) and torch (CPU and CUDA) with ``seed``.
+
+    ``device_specific`` adds the process index, so that ranks draw different numbers; ``deterministic``
+    also asks torch for deterministic algorithms.
+    """
+    if device_specific:
+        seed += _rank()
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def wait_for_everyone() -> None:
+    """Barrier over all processes (no-op with one)."""
+    if _world() > 1:
+        dist.barrier()
+
+
+def save(
+    obj: Any, f: str | os.PathLike[str], save_on_each_node: bool = False, safe_serialization: bool = False
+) -> None:
+    """Save ``obj`` to ``f`` on the main process only (on each node's local main with ``save_on_each_node``).
+
+    ``safe_serialization`` writes safetensors (``obj`` must be a flat dict of tensors), else ``torch.save``.
+    """
+    local_main = int(os.environ.get("LOCAL_RANK", _rank())) == 0
+    if not (local_main if save_on_each_node else is_main_process()):
+        return
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+    else:
+        torch.save(obj, f)

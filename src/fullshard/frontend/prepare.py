@@ -1,0 +1,259 @@
+"""Sharding a model the way the plugin says: ``fsdp_version=1`` wrapper or ``fsdp_version=2`` ``fully_shard``.
+
+Also Accelerate's FSDP2 helpers under their names (``fsdp2_prepare_model``, ``fsdp2_prepare_auto_wrap_policy``,
+``fsdp2_load_full_state_dict``, ``fsdp2_switch_optimizer_parameters``) and the RAM-efficient-loading switches.
+
+Before sharding, :func:`prepare_model` materialises parameters left on the meta device (``param_init_fn``, else
+``to_empty``) and, with ``sync_module_states`` (forced by ``cpu_ram_efficient_loading``), broadcasts every
+parameter and buffer from rank 0. The broadcast happens on the full (unsharded) tensors, so each rank holds the
+whole model for a moment: RAM-efficient loading here saves the reading of the checkpoint on ranks > 0, not
+their peak memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.param import replacement_for
+from fullshard.engine.state import unit_state
+from fullshard.engine.wrap import plan_units
+from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.frontend import env
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+
+__all__ = [
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_auto_wrap_policy",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "is_sharded",
+    "prepare_model",
+    "switch_optimizer_to_sharded",
+]
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Tell ``transformers``' ``from_pretrained`` (through the environment) to load weights on rank 0 only."""
+    os.environ.setdefault(env.by_field("use_fsdp", env.LAUNCH_VARS).env, "true")
+    env.write_field("cpu_ram_efficient_loading", True)
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Undo :func:`enable_fsdp_ram_efficient_loading`: every rank loads the weights."""
+    env.write_field("cpu_ram_efficient_loading", False)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is already a unit (a ``FullyShardedDataParallel`` or a ``fully_shard`` module)."""
+    return unit_state(model) is not None
+
+
+def _check_plugin(plugin: object, where: str) -> FullyShardedDataParallelPlugin:
+    if not isinstance(plugin, FullyShardedDataParallelPlugin):
+        raise TypeError(
+            f"{where}: expected a FullyShardedDataParallelPlugin, got {type(plugin).__name__}. "
+            "Create the Accelerator with fsdp_plugin=FullyShardedDataParallelPlugin(...)."
+        )
+    return plugin
+
+
+def fsdp2_prepare_auto_wrap_policy(
+    fsdp2_plugin: FullyShardedDataParallelPlugin, model: nn.Module
+) -> Callable[[nn.Module], bool] | None:
+    """The plugin's auto-wrap policy bound to ``model``, as ``policy(module) -> bool`` (``None``: no wrap)."""
+    plugin = _check_plugin(fsdp2_plugin, "fsdp2_prepare_auto_wrap_policy(fsdp2_plugin=...)")
+    plugin.set_auto_wrap_policy(model)
+    policy = plugin.auto_wrap_policy
+    if policy is None:
+        return None
+    bound: Callable[..., Any] = policy
+
+    def select(module: nn.Module) -> bool:
+        return bool(bound(module, False, sum(p.numel() for p in module.parameters())))
+
+    return select
+
+
+def _blocks(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn.Module]:
+    """The submodules the plugin's auto-wrap policy makes units, innermost first (as the wrapper picks them)."""
+    plugin.set_auto_wrap_policy(model)
+    ignored = plugin.resolve_ignored_modules(model)
+    return [p.module for p in plan_units(model, plugin.auto_wrap_policy, ignored_modules=ignored, is_unit=is_sharded)]
+
+
+def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
+    """``fully_shard`` every block the plugin's policy selects, then the root; returns ``model`` (changed in place).
+
+    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``) and ``device``.
+    """
+    plugin = _plugin_of(accelerator, "fsdp2_prepare_model")
+    return _shard_fsdp2(model, plugin, _blocks(model, plugin))
+
+
+def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
+    plugin = getattr(accelerator, "fsdp_plugin", None) or getattr(
+        getattr(accelerator, "state", None), "fsdp_plugin", None
+    )
+    return _check_plugin(plugin, f"{where}(accelerator=...)")
+
+
+def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, blocks: list[nn.Module]) -> nn.Module:
+    kwargs = plugin.fully_shard_kwargs()
+    ignored = {p for m in plugin.resolve_ignored_modules(model) for p in m.parameters()}
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    for block in blocks:
+        if not isinstance(block, FSDPModule):
+            fully_shard(block, **kwargs)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, **kwargs)
+    return model
+
+
+def _materialize(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> None:
+    """Give meta parameters storage, then broadcast everything from rank 0 if ``sync_module_states``."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        if plugin.param_init_fn is not None:
+            for module in model.modules():
+                if any(t.device.type == "meta" for t in module.parameters(recurse=False)):
+                    plugin.param_init_fn(module)
+        else:
+            model.to_empty(device=device)
+    if device.type == "cuda":
+        model.to(device)
+    if plugin.sync_module_states and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+
+def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> nn.Module:
+    """Shard ``model`` as ``plugin`` says; a model that is already sharded is returned as it is."""
+    if is_sharded(model):
+        return model
+    if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:
+        raise ValueError(
+            "FullyShardedDataParallelPlugin(activation_checkpointing=True, auto_wrap_policy=None): the blocks to "
+            "recompute are the ones the auto-wrap policy selects. Pass auto_wrap_policy='transformer_based_wrap' "
+            "(with transformer_cls_names_to_wrap) or 'size_based_wrap'."
+        )
+    blocks = _blocks(model, plugin)
+    _materialize(model, plugin, device)
+    if plugin.activation_checkpointing:
+        for block in blocks:
+            _checkpoint_forward(block)
+    if plugin.fsdp_version == 2:
+        return _shard_fsdp2(model, plugin, blocks)
+    kwargs = plugin.fsdp_kwargs(model)
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    return FullyShardedDataParallel(model, **kwargs)
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward instead of keeping its activations (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed  # type: ignore[method-assign]
+
+
+def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:
+    """Replace every parameter of ``optimizer`` by ``mapping[parameter]``, in place, keeping the param groups.
+
+    ``mapping`` is keyed by the original parameter objects (their storage is freed when sharding, so
+    ``data_ptr()`` no longer tells them apart). Raises ``KeyError`` naming the first parameter with no entry:
+    keeping it would leave a parameter that is never updated, so the training would silently be wrong.
+    """
+    for index, group in enumerate(optimizer.param_groups):
+        switched = []
+        for position, param in enumerate(group["params"]):
+            if param not in mapping:
+                raise KeyError(
+                    f"fsdp2_switch_optimizer_parameters: parameter {position} of param group {index} "
+                    f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping. "
+                    "Every parameter of the optimizer must belong to the model being sharded; create the optimizer "
+                    "from model.parameters() of that model, or after sharding it."
+                )
+            switched.append(mapping[param])
+        group["params"] = switched
+
+
+def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
+    """Switch the parameters of an optimizer created before sharding onto the sharded ones; return how many.
+
+    An optimizer that already holds sharded (or never-sharded) parameters is left as it is. Raises ``KeyError``
+    through :func:`fsdp2_switch_optimizer_parameters` when it mixes originals with unknown parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    mapping = {p: r for p in params if (r := replacement_for(p)) is not None}
+    if not mapping:
+        return 0
+    if len(mapping) != len(params):
+        mapping.update({p: p for p in params if p not in mapping and p.numel() > 0})
+    fsdp2_switch_optimizer_parameters(optimizer, mapping)
+    if optimizer.state:
+        raise ValueError(
+            f"Accelerator.prepare({type(optimizer).__name__}): the optimizer already holds state for the original "
+            "parameters (it has stepped), which cannot be resharded. Prepare it before the first step."
+        )
+    return len(mapping)
+
+
+def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
+    """Load a full state dict held by rank 0 into the sharded ``model`` in place; other ranks pass ``{}``.
+
+    For each entry of ``model.state_dict()`` rank 0 scatters the rows each rank owns (``distribute_tensor``);
+    plain tensors (buffers) are broadcast. Rank 0 raises first, naming keys that are missing or differ in shape.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    del accelerator  # Accelerate's signature; the model carries its meshes
+    rank = dist.get_rank()
+    target = model.state_dict()
+    problem = [_full_state_dict_problem(full_sd, target) if rank == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ValueError(problem[0])
+    with torch.no_grad():
+        for name, current in target.items():
+            source = full_sd[name] if rank == 0 else None
+            if isinstance(current, DTensor):
+                full = source.to(current.device, current.dtype) if source is not None else None
+                if full is None:
+                    full = torch.empty(current.shape, dtype=current.dtype, device=current.device)
+                piece = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=0)
+                current.to_local().copy_(piece.to_local())
+            else:
+                full = source.to(current.device, current.dtype) if source is not None else current.clone()
+                dist.broadcast(full, src=0)
+                current.copy_(full)
+    model.load_state_dict(target)
+
+
+def _full_state_dict_problem(full_sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> str | None:
+    """The error message for a full state dict that does not fit ``target`` (``None`` when it fits)."""
+    missing = [k for k in target if k not in full_sd]
+    wrong = [f"{k}: {tuple(full_sd[k].shape)} vs {tuple(v.shape)}" for k, v in target.items()
+             if k in full_sd and tuple(full_sd[k].shape) != tuple(v.shape)]  # fmt: skip
+    if not missing and not wrong:
+        return None
+    return (
+        f"fsdp2_load_full_state_dict(full_sd=...): rank 0's full state dict lacks {missing[:5]} and differs in "
+        f"shape for {wrong[:5]} (full vs model). Pass the state dict of the same model (on rank 0)."
+    )

@@ -1,0 +1,111 @@
+"""The process a training script runs in: its rank, the world, its device, and the process group.
+
+[Note: single process]
+``Accelerator()`` in a script started without a launcher (``python train.py``: no ``RANK`` / ``WORLD_SIZE`` in
+the environment and no process group) initialises a process group of one rank (gloo on CPU, NCCL on CUDA)
+over an in-memory store, so the model is still wrapped by the engine and ``save_state`` writes the same
+sharded folders as a launched run (one shard each). This keeps one code path for 1 and N processes, and a
+checkpoint saved by a single process loads into 2 and back. Under ``fullshard launch`` / ``torchrun`` the
+group is initialised from the environment (``env://``); a group the script initialised itself is used as it is.
+The group this module creates is destroyed by :func:`shutdown` (``Accelerator.end_training``).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessState", "init_process_state", "shutdown"]
+
+_OWNED_GROUP = False
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """Where this process stands; equal on every rank except ``process_index`` / ``local_process_index``."""
+
+    process_index: int
+    num_processes: int
+    local_process_index: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    def wait_for_everyone(self) -> None:
+        """Barrier over all processes (no-op with one)."""
+        if self.num_processes > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = False) -> Iterator[None]:
+        """Run the block on the main (or local main) process first, then on the others."""
+        first = self.is_local_main_process if local else self.is_main_process
+        if not first:
+            self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            builtins.print(*args, **kwargs)
+
+
+def _pick_device(cpu: bool, local_rank: int) -> torch.device:
+    if cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_process_state(cpu: bool = False, timeout: timedelta | None = None) -> ProcessState:
+    """Initialise (or adopt) the default process group and return this process's state.
+
+    See [Note: single process]. ``cpu`` forces the CPU (and gloo) even when CUDA is available. Without
+    ``LOCAL_RANK`` in the environment the global rank stands for the local one (all ranks on one machine).
+    """
+    global _OWNED_GROUP
+    use_cuda = not cpu and torch.cuda.is_available()
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, **kwargs)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        _OWNED_GROUP = True
+    backend = str(dist.get_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    device = _pick_device(not use_cuda or "nccl" not in backend, local_rank)
+    return ProcessState(
+        process_index=dist.get_rank(),
+        num_processes=dist.get_world_size(),
+        local_process_index=local_rank,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown() -> None:
+    """Destroy the process group if :func:`init_process_state` created it (else leave it to its owner)."""
+    global _OWNED_GROUP
+    if _OWNED_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNED_GROUP = False

@@ -1,0 +1,215 @@
+"""``save_state`` / ``load_state``: the training checkpoint folder of seed 001.
+
+With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
+
+    dir/
+      pytorch_model_fsdp_0/  __0_0.distcp __1_0.distcp .metadata   {"model": sharded model state dict}
+      optimizer_0/           __0_0.distcp __1_0.distcp .metadata   {"optimizer": sharded optimizer state}
+      scheduler.bin                                                 scheduler 0 (scheduler_1.bin, ...)
+      sampler.bin                                                   dataloader 0's position (sampler_1.bin, ...)
+      custom_checkpoint_0.pkl                                       objects of register_for_checkpointing
+      random_states_0.pkl random_states_1.pkl                       every rank's RNG states
+
+With ``FULL_STATE_DICT`` the model and optimizer are written by rank 0 in full instead:
+``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (``_1``, ... for later ones), as Accelerate names them.
+
+Optimizer ``i`` is saved against model ``i`` (the last model when there are more optimizers). The sharded
+folders are written atomically (``save_sharded``); the small files are written after them. Every file is read
+back with ``torch.load(weights_only=True)``: the RNG states are stored as plain Python values and tensors.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.checkpoint import (
+    load_sharded,
+    model_folder_name,
+    optimizer_folder_name,
+    rng_state_file_name,
+    save_sharded,
+    scheduler_file_name,
+)
+from fullshard.checkpoint.names import (
+    FSDP_MODEL_NAME,
+    custom_checkpoint_file_name,
+    optimizer_file_name,
+    sampler_file_name,
+)
+from fullshard.engine.api import StateDictType
+from fullshard.frontend import model_state
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+
+__all__ = ["TrainingObjects", "load_state", "save_state"]
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint holds, in ``prepare`` order."""
+
+    models: list[nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+    custom: list[Any] = field(default_factory=list)
+
+    def model_for(self, optimizer_index: int) -> nn.Module:
+        return self.models[min(optimizer_index, len(self.models) - 1)]
+
+
+def _full_model_file(index: int) -> str:
+    return f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
+
+
+def _check(objects: TrainingObjects, where: str) -> None:
+    if objects.optimizers and not objects.models:
+        raise ValueError(
+            f"{where}: {len(objects.optimizers)} optimizer(s) were prepared but no model; the sharded optimizer "
+            "state is saved by parameter name, which needs the model. Pass the model to accelerator.prepare too."
+        )
+    for i, obj in enumerate(objects.custom):
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(
+                f"{where}: registered object {i} ({type(obj).__name__}) has no state_dict()/load_state_dict(). "
+                "register_for_checkpointing takes objects with both methods."
+            )
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"random_state": random.getstate(), "torch_manual_seed": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy_random_seed"] = (kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random_state"])
+    torch.set_rng_state(state["torch_manual_seed"])
+    if "numpy_random_seed" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy_random_seed"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "torch_cuda_manual_seed" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
+
+
+def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
+    """Write the checkpoint folder (a collective: every rank calls it); returns its path."""
+    _check(objects, f"Accelerator.save_state(output_dir='{output_dir}')")
+    out = Path(output_dir)
+    rank = dist.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+    for i, model in enumerate(objects.models):
+        if full:
+            sd = model_state.full_model_state_dict(model)
+            if rank == 0:
+                torch.save(sd, out / _full_model_file(i))
+        else:
+            save_sharded({"model": model_state.sharded_model_state_dict(model, plugin)}, out / model_folder_name(i))
+    for i, optimizer in enumerate(objects.optimizers):
+        model = objects.model_for(i)
+        if full:
+            osd = model_state.full_optim_state(model, optimizer, plugin)
+            if rank == 0:
+                torch.save(osd, out / optimizer_file_name(i))
+        else:
+            osd = model_state.optim_state(model, optimizer, plugin)
+            save_sharded({"optimizer": osd}, out / optimizer_folder_name(i))
+    if rank == 0:
+        for i, scheduler in enumerate(objects.schedulers):
+            torch.save(scheduler.state_dict(), out / scheduler_file_name(i))
+        for i, loader in enumerate(objects.dataloaders):
+            torch.save(loader.state_dict(), out / sampler_file_name(i))
+        for i, obj in enumerate(objects.custom):
+            torch.save(obj.state_dict(), out / custom_checkpoint_file_name(i))
+    torch.save(_rng_state(), out / rng_state_file_name(rank))
+    dist.barrier()
+    return out
+
+
+def _expect(path: Path, where: str) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{where}: '{path}' is missing. The folder must come from save_state with the same number of "
+            "models, optimizers, schedulers and registered objects (and the same state_dict_type)."
+        )
+    return path
+
+
+def _files_to_read(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
+    files = [folder / (_full_model_file(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
+    files += [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
+              for i in range(len(objects.optimizers))]  # fmt: skip
+    files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
+    files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
+    files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
+    return [*files, folder / rng_state_file_name(rank)]
+
+
+def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Restore what :func:`save_state` wrote into the prepared objects (a collective)."""
+    where = f"Accelerator.load_state(input_dir='{input_dir}')"
+    _check(objects, where)
+    folder, rank = Path(input_dir), dist.get_rank()
+    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+    problem: list[str | None] = [None]
+    try:
+        for path in _files_to_read(folder, objects, full, rank):
+            _expect(path, where)
+    except FileNotFoundError as exc:
+        problem = [str(exc)]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem[0])
+    first = next((p for p in everyone if p), None)
+    if first:
+        raise FileNotFoundError(first)
+    _load_models_and_optimizers(folder, objects, plugin, full)
+    for i, scheduler in enumerate(objects.schedulers):
+        scheduler.load_state_dict(torch.load(folder / scheduler_file_name(i), weights_only=True))
+    for i, loader in enumerate(objects.dataloaders):
+        loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
+    for i, obj in enumerate(objects.custom):
+        obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
+    _set_rng_state(torch.load(folder / rng_state_file_name(rank), weights_only=True))
+
+
+def _load_models_and_optimizers(
+    folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, full: bool
+) -> None:
+    rank = dist.get_rank()
+    for i, model in enumerate(objects.models):
+        if full:
+            sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
+            model_state.load_full_model_state_dict(model, sd)
+        else:
+            template = model_state.sharded_model_state_dict(model, plugin)
+            load_sharded({"model": template}, folder / model_folder_name(i))
+            model_state.finish_model_load(model, plugin, template)
+    for i, optimizer in enumerate(objects.optimizers):
+        model = objects.model_for(i)
+        if full:
+            osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
+            model_state.load_full_optim_state(model, optimizer, plugin, osd)
+        else:
+            model_state.init_optimizer_state(optimizer)
+            template = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
+            load_sharded(template, folder / optimizer_folder_name(i))
+            model_state.load_optim_state(model, optimizer, plugin, template["optimizer"])

@@ -1,0 +1,137 @@
+"""Per-step helpers of the ``Accelerator``: gradient sync on accumulation steps, clipping, autocast, metrics.
+
+Kept apart from ``accelerator.py`` so that each piece is a small function with its own test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.engine import grad_norm
+from fullshard.engine.fully_shard import FSDPModule
+from fullshard.engine.state import unit_states_in
+from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.frontend import ops
+from fullshard.frontend.data import GradientState
+from fullshard.frontend.types import PrecisionType
+
+__all__ = [
+    "advance_step",
+    "autocast_context",
+    "clip_grad_norm",
+    "extract_model_from_parallel",
+    "no_sync",
+    "truncate_for_metrics",
+    "wrap_forward_with_autocast",
+]
+
+_AUTOCAST_DTYPES = {PrecisionType.BF16: torch.bfloat16, PrecisionType.FP16: torch.float16}
+
+
+def advance_step(state: GradientState) -> None:
+    """Count one micro-batch; ``sync_gradients`` becomes ``True`` every ``num_steps`` and at the loader's end."""
+    if state.end_of_dataloader:
+        state.step = 0
+        state.sync_gradients = True
+        return
+    state.step += 1
+    state.sync_gradients = state.step % state.num_steps == 0
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Keep gradients local (unreduced) for the block: ``no_sync()`` (v1) or ``set_requires_gradient_sync`` (v2)."""
+    if isinstance(model, FullyShardedDataParallel):
+        with model.no_sync():
+            yield
+    elif isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_grad_norm(
+    models: list[nn.Module], parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """Clip to a global norm across shards when ``parameters`` are a prepared model's, else like torch does."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    wanted = {id(p) for p in params}
+    for model in models:
+        mine = {id(p) for p in model.parameters()}
+        if wanted and wanted <= mine:
+            if isinstance(model, FullyShardedDataParallel):
+                return model.clip_grad_norm_(max_norm, norm_type)
+            states = unit_states_in(model)
+            managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
+            others = [p for p in model.parameters() if id(p) not in managed]
+            return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+
+def autocast_context(precision: PrecisionType, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` in the run's precision (a no-op context for full precision)."""
+    if precision is PrecisionType.NO:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
+
+
+def _to_fp32(output: Any) -> Any:
+    return ops.recursively_apply(
+        lambda t: t.float(),
+        output,
+        test_type=lambda t: torch.is_tensor(t) and t.dtype in (torch.float16, torch.bfloat16),
+    )
+
+
+def wrap_forward_with_autocast(model: nn.Module, precision: PrecisionType, device: torch.device) -> None:
+    """Run ``model``'s forward under autocast and return float32 outputs (Accelerate's mixed precision).
+
+    The original forward stays reachable as ``model.forward.__wrapped__`` (``unwrap_model`` restores it).
+    """
+    if precision is PrecisionType.NO:
+        return
+    forward: Callable[..., Any] = model.forward
+
+    @functools.wraps(forward)
+    def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
+        with autocast_context(precision, device):
+            output = forward(*args, **kwargs)
+        return _to_fp32(output)
+
+    model.forward = forward_in_precision  # type: ignore[method-assign]
+
+
+def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True, **_: Any) -> nn.Module:
+    """The user's module: the one a ``FullyShardedDataParallel`` wraps (``fully_shard`` modules are themselves).
+
+    Without ``keep_fp32_wrapper`` the autocast wrapper of mixed precision is removed from ``forward``.
+    """
+    while isinstance(model, (FullyShardedDataParallel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    patched = model.__dict__.get("forward")
+    if not keep_fp32_wrapper and patched is not None and hasattr(patched, "__wrapped__"):
+        original = patched.__wrapped__
+        if getattr(original, "__func__", None) is type(model).forward:
+            del model.forward  # back to the class's method
+        else:
+            model.forward = original  # type: ignore[method-assign]
+    return model
+
+
+def truncate_for_metrics(data: Any, state: GradientState, *, objects: bool) -> Any:
+    """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data.py``)."""
+    if not state.end_of_dataloader or state.remainder <= 0:
+        return data
+    if objects:
+        return data[: state.remainder]
+    return ops.recursively_apply(lambda t: t[: state.remainder], data)
