@@ -72,6 +72,17 @@ def _worker_main(
             dist.destroy_process_group()
 
 
+def _health_check(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.monitored_barrier(timeout=timedelta(seconds=5))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if int(total.item()) != world_size:
+        raise RuntimeError(f"health check: all_reduce gave {total.item()}, expected {world_size}")
+
+
 class WorkerPool:
     """``world_size`` gloo ranks, spawned on first use and kept for every later :meth:`run`."""
 
@@ -112,12 +123,31 @@ class WorkerPool:
         """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order."""
         if not self._procs:
             self._start()
+        results, failures, pending = self._run_once(fn, args)
+        if failures or pending:
+            # Every rank returned (even with an error): the ranks stay usable if their process group
+            # still works (a rank that timed out in a collective leaves it broken). A rank still
+            # running is stuck, and the pool must be rebuilt.
+            if pending or not self._healthy():
+                self.close()
+            if failures:
+                raise RankFailure(failures)
+            raise TimeoutError(f"ranks {sorted(pending)} did not finish {fn.__name__} in {self.timeout_s}s")
+        return [results[r] for r in range(self.world_size)]
+
+    def _healthy(self) -> bool:
+        _, failures, pending = self._run_once(_health_check, (), timeout_s=self.grace_s)
+        return not failures and not pending
+
+    def _run_once(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float | None = None
+    ) -> tuple[dict[int, Any], dict[int, str], dict[int, Connection]]:
         for conn in self._conns:
             conn.send((fn, args))
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while pending:
             now = time.monotonic()
             if now >= deadline:
@@ -136,15 +166,7 @@ class WorkerPool:
                         # Peers of a failed rank may hang in a collective: wait for them a little only.
                         deadline = min(deadline, time.monotonic() + self.grace_s)
                     failures[rank] = payload
-        if failures or pending:
-            # When every rank returned (even with an error) no collective is left half-done, so the
-            # ranks stay usable; a rank still running is stuck and the pool must be rebuilt.
-            if pending:
-                self.close()
-            if failures:
-                raise RankFailure(failures)
-            raise TimeoutError(f"ranks {sorted(pending)} did not finish {fn.__name__} in {self.timeout_s}s")
-        return [results[r] for r in range(self.world_size)]
+        return results, failures, pending
 
     def close(self) -> None:
         """Stop every worker (politely, then by force) and forget them."""
