@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.engine import state_dict as sd
+from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
 from fullshard.engine.unit import Ignored, build_unit, resolve_device
@@ -58,6 +59,10 @@ class FSDPModule:
         states = unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
         for state in states:
             state.config = _replace(state.config, reshard_after_forward=bool(reshard_after_forward))
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load DTensors or full tensors under the module's keys; checked before anything is copied."""
+        return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
 
 
 def _replace(config: UnitConfig, **changes: Any) -> UnitConfig:
@@ -116,6 +121,8 @@ def fully_shard(
     )
     ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
     state = build_unit(module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False)
+    where = f"fully_shard({type(module).__name__})"
+    sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(lambda m, args, kwargs: state.pre_forward(), prepend=True, with_kwargs=True)
     module.register_forward_hook(lambda m, args, output: state.post_forward(output))
