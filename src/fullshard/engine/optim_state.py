@@ -462,10 +462,20 @@ def _skeleton(osd: OsdT) -> OsdT:
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
+def _skeleton_or_error(full: Any) -> OsdT | str:
+    if isinstance(full, dict) and isinstance(full.get("state"), dict) and "param_groups" in full:
+        return _skeleton(full)
+    return (
+        f"scatter_full_optim_state_dict(full_optim_state_dict={type(full).__name__}): rank 0 must pass the full "
+        "optimizer state dict (from full_optim_state_dict(), with 'state' and 'param_groups'); other ranks may "
+        "pass None."
+    )
+
+
 def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
     for fqn, state in skeleton["state"].items():
         p = params[fqn]
-        want = tuple(p.param.shape)
+        want = p.sp.shape if p.sp is not None else tuple(p.param.shape)
         for name, value in state.items():
             if _is_spec(value) and value.shape != want:
                 raise ValueError(
@@ -549,14 +559,13 @@ def scatter_full_optim_state_dict(
     pg = group or dist.group.WORLD
     src = dist.get_global_rank(pg, 0)
     is_src = dist.get_rank(pg) == 0
-    if is_src and not isinstance(full_optim_state_dict, dict):
-        raise ValueError(
-            f"scatter_full_optim_state_dict(full_optim_state_dict={type(full_optim_state_dict).__name__}): rank 0 "
-            "must pass the full optimizer state dict (from full_optim_state_dict()); other ranks may pass None."
-        )
-    holder = [_skeleton(full_optim_state_dict) if is_src else None]  # type: ignore[arg-type]
+    holder: list[Any] = [None]
+    if is_src:
+        holder = [_skeleton_or_error(full_optim_state_dict)]
     dist.broadcast_object_list(holder, src=src, group=pg)
-    skeleton: OsdT = holder[0]  # type: ignore[assignment]
+    if isinstance(holder[0], str):  # rank 0's input is unusable: every rank raises, none waits
+        raise ValueError(holder[0])
+    skeleton: OsdT = holder[0]
     params = model_params(model)
     by_fqn = {p.fqn: p for p in params}
     _check_names(skeleton["state"], by_fqn, "scatter_full_optim_state_dict")
