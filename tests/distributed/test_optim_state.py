@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fullshard import (
@@ -44,6 +45,11 @@ def make(seed: int = 0) -> TinyGPT:
 def shard(model: nn.Module, entry: str) -> nn.Module:
     if entry == "fsdp":
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    if entry == "hybrid":  # 4 ranks: shard over 2, replicate over 2
+        mesh = init_device_mesh("cpu", (2, 2))
+        return FSDP(
+            model, sharding_strategy="HYBRID_SHARD", device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({Block})
+        )
     for block in model.blocks:
         fully_shard(block)
     return fully_shard(model)
@@ -199,6 +205,12 @@ def test_each_method_round_trips_exactly(pool2: WorkerPool, entry: str, method: 
         assert result["resumed"] == result["want"]  # bitwise: training continues as if never stopped
 
 
+@pytest.mark.parametrize("method", ["optim_state_dict:FULL_STATE_DICT+rank0", "optim_state_dict:SHARDED_STATE_DICT"])
+def test_hybrid_2x2_round_trips_exactly(pool4: WorkerPool, method: str) -> None:
+    for result in pool4.run(_resume, "hybrid", "two_groups", method):
+        assert result["exact_state"] and result["resumed"] == result["want"]
+
+
 @pytest.mark.parametrize("kind", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
 def test_each_optimizer_round_trips_exactly(pool2: WorkerPool, entry: str, kind: str) -> None:
@@ -282,13 +294,15 @@ def _continue(rank: int, world: int, entry: str, kind: str, weights: Any, full: 
 
 
 @pytest.mark.parametrize("how", ["shard", "scatter"])
-@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
-def test_reshard_2_to_4_ranks_and_train_on(pool2: WorkerPool, pool4: WorkerPool, entry: str, how: str) -> None:
+@pytest.mark.parametrize(("source", "target"), [("fsdp", "fsdp"), ("fully_shard", "fully_shard"), ("fsdp", "hybrid")])
+def test_reshard_2_to_4_ranks_and_train_on(
+    pool2: WorkerPool, pool4: WorkerPool, source: str, target: str, how: str
+) -> None:
     # - Set up: K steps on 2 ranks; rank 0 holds the full model and optimizer state dicts
-    weights, full, _ = pool2.run(_save_after_k, entry, "two_groups")[0]
+    weights, full, _ = pool2.run(_save_after_k, source, "two_groups")[0]
     _, _, want = reference("two_groups", K + M)
-    # - Run / Check: 4 ranks load them and train on like the reference
-    for losses in pool4.run(_continue, entry, "two_groups", weights, full, how):
+    # - Run / Check: 4 ranks (hybrid: 2 shards x 2 replicas) load them and train on like the reference
+    for losses in pool4.run(_continue, target, "two_groups", weights, full, how):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[K:]), atol=1e-5, rtol=1e-5)
 
 

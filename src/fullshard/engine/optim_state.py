@@ -228,57 +228,30 @@ def full_optim_state_dict(
 # --- sharded and local --------------------------------------------------------------------------------
 
 
-def _per_element(
-    rows: list[list[_Param]], states: dict[str, dict[str, Any]], convert: Callable[[_Param, torch.Tensor], Any]
-) -> dict[str, dict[str, Any]]:
-    params = {p.fqn: p for row in rows for p in row}
-    return {
-        fqn: {
-            n: convert(params[fqn], v) if params[fqn].group is not None and _is_elementwise(v) else v
-            for n, v in state.items()
-        }
-        for fqn, state in states.items()
-    }
-
-
 def sharded_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     *,
     optim_state_dict: OsdT | None = None,
     offload_to_cpu: bool = False,
+    as_dtensor: bool = True,
 ) -> OsdT:
-    """Keyed by FQNs, per-element states as DTensors of the full shape (no communication)."""
+    """Keyed by FQNs, per-element states as DTensors of the full shape, or with ``as_dtensor=False`` as this
+    rank's plain local tensors (the local form). No communication."""
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     rows = _optim_rows(model, optim, "sharded_optim_state_dict")
     states, groups = _named(osd, rows, "sharded_optim_state_dict")
+    params = {p.fqn: p for row in rows for p in row}
 
-    def to_dtensor(p: _Param, value: torch.Tensor) -> DTensor:
+    def convert(p: _Param, value: Any) -> Any:
+        if p.group is None or p.sp is None or not _is_elementwise(value):
+            return value
         local = _local(value).detach()
-        if p.group is None or p.sp is None:
-            raise AssertionError(f"[rank {dist.get_rank()}] {p.fqn}: no unit for a sharded state")
-        return sharded_dtensor(p.group, p.sp, local.cpu() if offload_to_cpu else local)
+        local = local.cpu() if offload_to_cpu else local
+        return sharded_dtensor(p.group, p.sp, local) if as_dtensor else local
 
-    return {"state": _per_element(rows, states, to_dtensor), "param_groups": groups}
-
-
-def local_optim_state_dict(
-    model: nn.Module,
-    optim: torch.optim.Optimizer,
-    *,
-    optim_state_dict: OsdT | None = None,
-    offload_to_cpu: bool = False,
-) -> OsdT:
-    """Keyed by FQNs, per-element states as this rank's plain local tensors (no communication)."""
-    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
-    rows = _optim_rows(model, optim, "optim_state_dict")
-    states, groups = _named(osd, rows, "optim_state_dict")
-
-    def to_local(p: _Param, value: torch.Tensor) -> torch.Tensor:
-        local = _local(value).detach()
-        return local.cpu() if offload_to_cpu else local
-
-    return {"state": _per_element(rows, states, to_local), "param_groups": groups}
+    state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
+    return {"state": state, "param_groups": groups}
 
 
 # --- loadable -----------------------------------------------------------------------------------------
@@ -435,8 +408,10 @@ def optim_state_dict(
             offload_to_cpu=config.offload_to_cpu,
             group=group,
         )
-    form = sharded_optim_state_dict if kind is StateDictType.SHARDED_STATE_DICT else local_optim_state_dict
-    return form(model, optim, optim_state_dict=optim_state_dict, offload_to_cpu=config.offload_to_cpu)
+    as_dtensor = kind is StateDictType.SHARDED_STATE_DICT
+    return sharded_optim_state_dict(
+        model, optim, optim_state_dict=optim_state_dict, offload_to_cpu=config.offload_to_cpu, as_dtensor=as_dtensor
+    )
 
 
 # --- scatter ------------------------------------------------------------------------------------------
