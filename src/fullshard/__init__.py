@@ -23,7 +23,9 @@ from fullshard.engine.api import (
     StateDictSettings,
     StateDictType,
 )
+from fullshard.engine.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
@@ -47,10 +49,13 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
+    "ShardedGradScaler",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "apply_activation_checkpointing",
+    "checkpoint_module",
     "fully_shard",
 ]

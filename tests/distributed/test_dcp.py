@@ -65,7 +65,9 @@ def test_save_2_load_4_and_1(pool2: WorkerPool, pool4: WorkerPool, tmp_path: Pat
     path = tmp_path / "pytorch_model_fsdp_0"
     pool2.run(_save, str(path), 0, (2,))
     # - Check: a plain DCP folder with one data file per rank and our marker
-    assert sorted(p.name for p in path.iterdir()) == sorted([".metadata", "__0_0.distcp", "__1_0.distcp", COMPLETE_MARKER])
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [".metadata", "__0_0.distcp", "__1_0.distcp", COMPLETE_MARKER]
+    )
     assert pool4.run(_load_and_compare, str(path), 0, (4,)) == [True] * 4
     assert pool2.run(_load_and_compare, str(path), 0, (2,)) == [True] * 2
     assert _load_single_process(path, 0)
@@ -167,7 +169,9 @@ def test_partial_folder_without_metadata_is_refused(pool2: WorkerPool, tmp_path:
     shutil.copytree(path, partial)
     (partial / ".metadata").unlink()
     target = {"model": {k: torch.zeros_like(v) for k, v in _full_state(7).items()}}
-    with pytest.raises(RuntimeError, match=re.escape(f"load_sharded(checkpoint_dir='{partial}'): the checkpoint is incomplete")):
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"load_sharded(checkpoint_dir='{partial}'): the checkpoint is incomplete")
+    ):
         ckpt.load_sharded(target, partial)
     # a data file whose size differs from the marker's record is refused, naming the file
     damaged = tmp_path / "damaged"

@@ -18,15 +18,24 @@ from fullshard.wrap import ModuleWrapPolicy
 
 
 def test_unknown_strategy_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match=re.escape("sharding_strategy='FULL_SHARDED' is not a ShardingStrategy; "
-                                                   "expected one of: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
-                                                   "HYBRID_SHARD, _HYBRID_SHARD_ZERO2.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "sharding_strategy='FULL_SHARDED' is not a ShardingStrategy; "
+            "expected one of: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+            "HYBRID_SHARD, _HYBRID_SHARD_ZERO2."
+        ),
+    ):
         FSDP(nn.Linear(2, 2), sharding_strategy="FULL_SHARDED")
 
 
 def test_unknown_backward_prefetch_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match=re.escape("backward_prefetch='BACKWARD_MID' is not a BackwardPrefetch; "
-                                                   "expected one of: BACKWARD_PRE, BACKWARD_POST.")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "backward_prefetch='BACKWARD_MID' is not a BackwardPrefetch; expected one of: BACKWARD_PRE, BACKWARD_POST."
+        ),
+    ):
         FSDP(nn.Linear(2, 2), backward_prefetch="BACKWARD_MID")
 
 
@@ -103,9 +112,7 @@ def test_ranks_with_different_models(pool2: WorkerPool) -> None:
     with pytest.raises(RankFailure) as info:
         pool2.run(_ranks_differ)
     assert set(info.value.failures) == {0, 1}  # every rank raises; none hangs
-    assert "the sharded model differs across ranks at module 'blocks.2': rank 1 has unit 'blocks.2'" in str(
-        info.value
-    )
+    assert "the sharded model differs across ranks at module 'blocks.2': rank 1 has unit 'blocks.2'" in str(info.value)
 
 
 def _tied_across_units(rank: int, world: int) -> None:

@@ -208,7 +208,11 @@ def _apply_and_buffers(rank: int, world: int) -> dict[str, object]:
     model.apply(init)
     with FSDP.summon_full_params(model):
         weights = [float(m.weight.mean()) for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    return {"buffers": [n for n, _ in model.named_buffers()], "ln_means": weights, "module": type(model.module).__name__}
+    return {
+        "buffers": [n for n, _ in model.named_buffers()],
+        "ln_means": weights,
+        "module": type(model.module).__name__,
+    }
 
 
 def test_apply_named_buffers_and_module(pool2: WorkerPool) -> None:

@@ -24,6 +24,12 @@ class CommStats:
     bytes: dict[str, int] = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
     calls: dict[str, int] = field(default_factory=lambda: {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0})
 
+    wait_s: dict[str, float] = field(default_factory=lambda: {"all_gather": 0.0, "reduce_scatter": 0.0})
+
+    def add_wait(self, kind: str, seconds: float) -> None:
+        """Time the compute thread spent blocked waiting for a collective: communication not hidden."""
+        self.wait_s[kind] += seconds
+
     def add(self, kind: str, nbytes: float) -> None:
         self.bytes[kind] += int(nbytes)
         self.calls[kind] += 1
@@ -32,6 +38,8 @@ class CommStats:
         for kind in self.bytes:
             self.bytes[kind] = 0
             self.calls[kind] = 0
+        for kind in self.wait_s:
+            self.wait_s[kind] = 0.0
 
     @property
     def total_bytes(self) -> int:

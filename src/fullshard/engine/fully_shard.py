@@ -9,6 +9,7 @@ each block first, then the root.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -18,7 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy, StateDictType
+from fullshard.engine.group import Offload
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
+from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
 from fullshard.engine.unit import Ignored, build_unit, resolve_device
 
@@ -82,6 +85,23 @@ def _fsdp_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
+def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offload | None:
+    if policy is None or type(policy).__name__ == "OffloadPolicy":
+        return None
+    if not hasattr(policy, "pin_memory"):
+        raise TypeError(
+            f"fully_shard(offload_policy={policy!r}): pass CPUOffloadPolicy(pin_memory=...) to keep sharded "
+            "parameters and gradients on the CPU, or OffloadPolicy() / None not to."
+        )
+    if policy.pin_memory and device.type == "cpu":
+        warnings.warn(
+            "CPUOffloadPolicy(pin_memory=True) has no effect here: the compute device is the CPU, so nothing is "
+            "copied to an accelerator. Pass pin_memory=False to silence this.",
+            stacklevel=3,
+        )
+    return Offload(pin_memory=bool(policy.pin_memory))
+
+
 _DEFAULT_MESHES: dict[str, DeviceMesh] = {}
 
 
@@ -118,12 +138,18 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
+        casts=casts_from_policy(mp_policy),
     )
+    offload = _resolve_offload(offload_policy, device)
     ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
-    state = build_unit(module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False)
+    state = build_unit(
+        module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False, offload=offload
+    )
     where = f"fully_shard({type(module).__name__})"
     sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
     module.__class__ = _fsdp_class(type(module))
-    module.register_forward_pre_hook(lambda m, args, kwargs: state.pre_forward(), prepend=True, with_kwargs=True)
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: state.pre_forward(args, kwargs), prepend=True, with_kwargs=True
+    )
     module.register_forward_hook(lambda m, args, output: state.post_forward(output))
     return module

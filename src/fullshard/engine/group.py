@@ -28,18 +28,21 @@ unsharding is registering views, and resharding frees nothing.
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.collectives import COMM_STATS, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import ShardedParam, retire, set_owner
 
-__all__ = ["GroupPrecision", "ParamGroup", "ShardState"]
+__all__ = ["GroupPrecision", "Offload", "ParamGroup", "ShardState"]
 
 
 class ShardState(enum.Enum):
@@ -48,6 +51,13 @@ class ShardState(enum.Enum):
     SHARDED = enum.auto()
     UNSHARDING = enum.auto()
     UNSHARDED = enum.auto()
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Keep the shards and their gradients on the CPU (``pin_memory``: pinned, when an accelerator exists)."""
+
+    pin_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,11 +88,14 @@ class ParamGroup:
         precision: GroupPrecision | None = None,
         *,
         use_dtensor: bool = False,
+        offload: Offload | None = None,
     ) -> None:
         """Shard ``entries`` (name, registrations, original parameter); the originals are retired."""
         self.label = label
         self.shard_group = shard_group
-        self.device = shard_group.device
+        self.device = shard_group.device  # where forward and backward compute
+        self.offload = offload
+        self.storage_device = torch.device("cpu") if offload is not None else self.device
         dtypes = {p.dtype for _, _, p in entries}
         if len(dtypes) != 1:
             names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries)
@@ -101,12 +114,20 @@ class ParamGroup:
         for sp, offset in zip(self.params, offsets):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
+        # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
+        self.grad_params = [sp for sp in self.params if sp.requires_grad]
+        for sp, offset in zip(
+            self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
+        ):
+            sp.grad_offset = offset
+        self.grad_numel = sum(sp.layout.padded_shard_numel for sp in self.grad_params)  # G_t <= G
         self.world = world
         self.use_dtensor = use_dtensor
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
-        self.requires_grad = any(sp.requires_grad for sp in self.params)
-        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype
+        self.requires_grad = bool(self.grad_params)
+        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
+        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.flat_full = self._new_flat_full()
         self.state = ShardState.SHARDED
         self.summoned = False  # full-precision copies registered by summon_full_params
@@ -120,12 +141,18 @@ class ParamGroup:
 
     # --- construction -------------------------------------------------------------------------------
 
+    def _new_flat_shard(self) -> torch.Tensor:
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
+        if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available():
+            flat = flat.pin_memory()
+        return flat
+
     def _fill_shard(self, originals: list[nn.Parameter]) -> None:
         with torch.no_grad():
             for sp, original in zip(self.params, originals):
                 lay = sp.layout
                 rows = original.detach().reshape(lay.dim0, lay.row_numel)
-                local = rows.narrow(0, lay.row_offset, lay.local_rows).reshape(-1)
+                local = rows.narrow(0, lay.row_offset, lay.local_rows).reshape(-1).to(self.storage_device)
                 self.flat_shard.narrow(0, sp.offset, lay.local_numel).copy_(local)
                 sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
 
@@ -161,9 +188,7 @@ class ParamGroup:
             if self._unsharded_version == self.flat_shard._version:
                 return
             self.state = ShardState.SHARDED  # the shards changed since the gather: gather again
-        send = self.flat_shard
-        if send.dtype != self.precision.param_dtype:
-            send = send.to(self.precision.param_dtype)
+        send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
         if self.world == 1:
             self._gather = (None, send)
         else:
@@ -181,7 +206,9 @@ class ParamGroup:
         work, gathered = self._gather
         self._gather = None
         if work is not None:
+            start = time.perf_counter()
             work.wait()
+            COMM_STATS.add_wait("all_gather", time.perf_counter() - start)
         if not self.alias_full:
             self._copy_out(gathered)
         self._register_full_views()
@@ -239,8 +266,8 @@ class ParamGroup:
     def reduce_grads(self, *, async_op: bool = True) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
 
-        The unsharded gradient is freed here; :meth:`finish_reduce` lands the result in the sharded
-        parameters' ``.grad``.
+        Only trainable parameters are reduced. The unsharded gradient is freed here; :meth:`finish_reduce`
+        lands the result in the sharded parameters' ``.grad``.
         """
         if not self.requires_grad:
             return
@@ -249,27 +276,46 @@ class ParamGroup:
         rdtype = self.precision.reduce_dtype
         if grad is None:
             grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+        rank_major = self._rank_major(grad, rdtype)  # (N, G_t)
+        del grad
         dp = self.shard_group.data_parallel_size
+        if self.comm_hook is not None:
+            self._pending.append(self._reduce_with_hook(rank_major))
+            return
         # Low-precision sums can overflow: divide before reducing then, after reducing otherwise.
         predivide = rdtype in (torch.float16, torch.bfloat16) and dp > 1
+        if predivide:
+            rank_major.div_(dp)
         if self.world == 1:
-            output = grad.to(rdtype, copy=True)
-            if predivide:
-                output.div_(dp)
+            output = rank_major.view(-1)
             work = all_reduce_flat(output, self.shard_group.replicate_pg, async_op=async_op)
             self._pending.append(_PendingReduce(work, output, None, predivide))
             return
-        rank_major = torch.empty(self.world, self.shard_numel, dtype=rdtype, device=self.device)
-        blocks = [
-            grad.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel) for sp in self.params
-        ]
-        torch.cat([b.view(self.world, -1) for b in blocks], dim=1, out=rank_major)
-        del grad, blocks
-        if predivide:
-            rank_major.div_(dp)
-        output = torch.empty(self.shard_numel, dtype=rdtype, device=self.device)
+        output = torch.empty(self.grad_numel, dtype=rdtype, device=self.device)
         work = reduce_scatter_flat(output, rank_major.view(-1), self.shard_group.shard_pg, async_op=async_op)
         self._pending.append(_PendingReduce(work, output, rank_major, predivide))
+
+    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The trainable parameters' padded gradient blocks reordered rank-major: (N, G_t), ``dtype``."""
+        if self.world == 1 and self.grad_numel == self.shard_numel:
+            return grad.to(dtype).view(1, -1)  # flat_full's layout is already rank-major for one rank
+        blocks = [self._full_block(sp, grad).view(self.world, -1) for sp in self.grad_params]
+        out = torch.empty(self.world, self.grad_numel, dtype=dtype, device=self.device)
+        torch.cat(blocks, dim=1, out=out)
+        return out
+
+    def _reduce_with_hook(self, rank_major: torch.Tensor) -> _PendingReduce:
+        """Run the registered communication hook (synchronously, as torch's FSDP does); it averages too."""
+        if self.comm_hook is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: no communication hook registered")
+        state, hook = self.comm_hook
+        if self.world == 1:
+            output = rank_major.view(-1)
+            hook(state, output)
+            return _PendingReduce(None, output, None, True)
+        output = torch.empty(self.grad_numel, dtype=rank_major.dtype, device=self.device)
+        hook(state, rank_major.view(-1), output)
+        return _PendingReduce(None, output, None, True)
 
     @property
     def has_pending_reduce(self) -> bool:
@@ -280,21 +326,21 @@ class ParamGroup:
         while self._pending:
             pending = self._pending.pop(0)
             if pending.work is not None:
+                start = time.perf_counter()
                 pending.work.wait()
+                COMM_STATS.add_wait("reduce_scatter", time.perf_counter() - start)
             output = pending.output
-            if self.world > 1 and self.shard_group.replicate_pg is not None:
+            if self.world > 1 and self.shard_group.replicate_pg is not None and self.comm_hook is None:
                 all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
             if not pending.divided:
                 output.div_(self.shard_group.data_parallel_size)
-            if output.dtype != self.precision.grad_dtype:
-                output = output.to(self.precision.grad_dtype)
+            output = output.to(self.storage_device, self.precision.grad_dtype)
             self._accumulate_sharded_grads(output)
 
     def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
-        for sp in self.params:
-            if not sp.requires_grad:
-                continue
-            local = sp.local_view(flat_grad)
+        """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``."""
+        for sp in self.grad_params:
+            local = flat_grad.narrow(0, sp.grad_offset, sp.layout.local_numel).view(sp.layout.local_shape)
             param = sp.sharded_param
             if param.grad is None:
                 param.grad = self._as_sharded(sp, local)
@@ -307,7 +353,7 @@ class ParamGroup:
 
     def gather_full(self, source: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every parameter's full tensor gathered from ``source`` (default: ``flat_shard``), new storage."""
-        source = self.flat_shard if source is None else source
+        source = (self.flat_shard if source is None else source).to(self.device)
         gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
         all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
         by_rank = gathered.view(self.world, self.shard_numel)
@@ -321,7 +367,7 @@ class ParamGroup:
 
     def sharded_grad_flat(self) -> torch.Tensor:
         """The sharded gradients in ``flat_shard``'s layout (zeros where a parameter has none)."""
-        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
         for sp in self.params:
             grad = sp.sharded_param.grad
             if grad is not None:
@@ -335,7 +381,7 @@ class ParamGroup:
             for sp, full in zip(self.params, fulls):
                 lay = sp.layout
                 rows = full.detach().reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows)
-                sp.local_view(self.flat_shard).copy_(rows.reshape(lay.local_shape))
+                sp.local_view(self.flat_shard).copy_(rows.reshape(lay.local_shape).to(self.storage_device))
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

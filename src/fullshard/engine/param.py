@@ -39,6 +39,7 @@ class ShardedParam:
     dtype: torch.dtype
     requires_grad: bool
     offset: int = 0
+    grad_offset: int = 0  # where its gradient shard starts among the group's trainable parameters
     sharded_param: nn.Parameter | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -23,6 +23,8 @@
 from __future__ import annotations
 
 import enum
+import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from torch.autograd import Variable
 
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
+from fullshard.engine.precision import Casts, cast_floating
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
 
@@ -53,6 +56,15 @@ class UnitConfig:
     reshard_after_forward: bool = True
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    casts: Casts = field(default_factory=Casts)
+
+
+def order_debug_enabled() -> bool:
+    """Check unit order every iteration and across ranks (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, or ours)."""
+    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" or os.environ.get(
+        "FULLSHARD_DEBUG", ""
+    ) not in ("", "0")
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
@@ -79,6 +91,17 @@ class RootContext:
     callback_queued: bool = False
     in_backward: bool = False
     in_flight: list[ParamGroup] = field(default_factory=list)
+    cursor: int = 0  # units run forward so far this iteration
+    order_changed: bool = False
+    max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
+    iteration_order: list[str] = field(default_factory=list)
+
+    def gathered_non_root(self) -> int:
+        """How many units other than the root hold gathered (or gathering) parameters now."""
+        return sum(1 for s in self.states if s is not self.root and s.group and s.group.state is not ShardState.SHARDED)
+
+    def note_gathered(self) -> None:
+        self.max_gathered = max(self.max_gathered, self.gathered_non_root())
 
     def next_in_forward(self, state: UnitState) -> UnitState | None:
         order = self.forward_order
@@ -98,11 +121,20 @@ class RootContext:
 class UnitState:
     """The runtime state of one unit; see [Note: one iteration]."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, config: UnitConfig, label: str) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        config: UnitConfig,
+        label: str,
+        own_modules: list[nn.Module] | None = None,
+    ) -> None:
         self.module = module
+        self.own_modules = own_modules or []  # modules whose buffers belong to this unit
         self.group = group
         self.config = config
         self.label = label
+        self.kind = label  # the module's class name, kept when the label becomes a path at lazy init
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -136,12 +168,31 @@ class UnitState:
         }
         for state in states:
             state.ctx = ctx
-            state.label = names.get(id(state.module)) or f"<root {type(self.module).__name__}>"
+            state.label = names.get(id(state.module)) or f"<root {state.kind}>"
+            state._cast_buffers()
         _check_same_units_on_all_ranks(states)
+
+    def _cast_buffers(self) -> None:
+        dtype = self.config.casts.buffer_dtype
+        if dtype is None:
+            return
+        for module in self.own_modules:
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    module._buffers[name] = buf.to(dtype)
 
     # --- forward ------------------------------------------------------------------------------------
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
+        """Gather this unit's parameters (and prefetch); return the forward inputs, cast if configured."""
+        self._pre_forward()
+        casts = self.config.casts
+        dtype = casts.root_input_dtype if self.is_root else casts.input_dtype
+        if dtype is None:
+            return args, kwargs or {}
+        return cast_floating(args, dtype), cast_floating(kwargs or {}, dtype)
+
+    def _pre_forward(self) -> None:
         if self.ctx is None:
             self._lazy_init()
         ctx = self.ctx
@@ -153,13 +204,41 @@ class UnitState:
             return
         self.training_state = TrainingState.FORWARD
         self.ran_forward = True
-        if self.is_root and not ctx.order_frozen:
-            ctx.forward_order.clear()
+        if self.is_root:
+            ctx.cursor = 0
+            ctx.iteration_order.clear()
+            if not ctx.order_frozen:
+                ctx.forward_order.clear()
         self._unshard_now()
         if not ctx.order_frozen:
             ctx.forward_order.append(self)
-        elif self.config.forward_prefetch:
-            _prefetch(ctx.next_in_forward(self))
+        else:
+            self._check_order(ctx)
+            if self.config.forward_prefetch and not ctx.order_changed:
+                _prefetch(ctx, ctx.next_in_forward(self))
+        ctx.cursor += 1
+        ctx.iteration_order.append(self.label)
+        ctx.note_gathered()
+
+    def _check_order(self, ctx: RootContext) -> None:
+        """Compare with the first iteration's order; prefetching stops at the first difference."""
+        expected = ctx.forward_order[ctx.cursor] if ctx.cursor < len(ctx.forward_order) else None
+        if expected is self or ctx.order_changed:
+            return
+        ctx.order_changed = True
+        where = expected.label if expected is not None else "nothing (the recorded order had ended)"
+        message = (
+            f"unit {self.label!r} ran forward as unit #{ctx.cursor}, where the first iteration ran {where}: the "
+            "order of units changed"
+        )
+        if order_debug_enabled():
+            raise RuntimeError(f"[rank {dist.get_rank()}] {message}. Every iteration must run units in one order.")
+        if self.config.forward_prefetch:
+            warnings.warn(
+                f"forward_prefetch=True, but {message}; prefetching stops for this model and units are gathered "
+                "when they run. Turn forward_prefetch off for models whose forward order varies.",
+                stacklevel=4,
+            )
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.ctx
@@ -171,7 +250,11 @@ class UnitState:
                 self.group.reshard()
         if self.is_root:
             ctx.order_frozen = True
+            _reshard_leftovers(ctx)
+            if order_debug_enabled():
+                _check_same_order_on_all_ranks(ctx.iteration_order)
         self.training_state = TrainingState.IDLE
+        output = cast_floating(output, self.config.casts.output_dtype)
         if torch.is_grad_enabled():
             _register_on_tensors(output, self._pre_backward_hook)
         return output
@@ -199,8 +282,9 @@ class UnitState:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self._unshard_now()
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            _prefetch(ctx.next_in_backward(self))
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not ctx.order_changed:
+            _prefetch(ctx, ctx.next_in_backward(self))
+        ctx.note_gathered()
 
     def post_backward(self) -> None:
         """Runs when every parameter of the unit has its gradient for this backward pass."""
@@ -215,8 +299,9 @@ class UnitState:
             while len(ctx.in_flight) > 2:
                 ctx.in_flight.pop(0).finish_reduce()
         group.reshard()
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch(ctx.next_in_backward(self))
+        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST and not ctx.order_changed:
+            _prefetch(ctx, ctx.next_in_backward(self))
+            ctx.note_gathered()
 
     def _final_callback(self) -> None:
         ctx = self.ctx
@@ -243,9 +328,43 @@ class UnitState:
                 state.reduced = False
 
 
-def _prefetch(state: UnitState | None) -> None:
-    if state is not None and state.group is not None and state.group.state is ShardState.SHARDED:
-        state.group.unshard(async_op=True)
+def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
+    """Start gathering ``state``'s parameters, unless gathered already or the rate limit is reached."""
+    if state is None or state.group is None or state.group.state is not ShardState.SHARDED:
+        return
+    if state.config.limit_all_gathers and ctx.gathered_non_root() >= 2:
+        return
+    state.group.unshard(async_op=True)
+
+
+def _reshard_leftovers(ctx: RootContext) -> None:
+    """After the root's forward: free units that should be free (e.g. prefetched but never run)."""
+    for state in ctx.states:
+        if state is ctx.root or state.group is None or state.group.state is ShardState.SHARDED:
+            continue
+        if state.config.reshard_after_forward or not torch.is_grad_enabled():
+            state.group.reshard()
+
+
+def _check_same_order_on_all_ranks(order: list[str]) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, order)
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        i = next(
+            i
+            for i in range(max(len(theirs), len(everyone[0])))
+            if i >= len(theirs) or i >= len(everyone[0]) or theirs[i] != everyone[0][i]
+        )
+        mine = everyone[0][i] if i < len(everyone[0]) else "nothing"
+        other = theirs[i] if i < len(theirs) else "nothing"
+        raise RuntimeError(
+            f"ranks 0 and {rank} ran units in different orders this iteration: unit #{i} was {mine!r} on rank 0 "
+            f"and {other!r} on rank {rank}. Every rank must run the same units in the same order."
+        )
 
 
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -5,19 +5,20 @@ Both entry points (``FullyShardedDataParallel`` and ``fully_shard``) end here, s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.group import GroupPrecision, ParamGroup
+from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import owner_label, replacement_for
+from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
-__all__ = ["Ignored", "build_unit", "resolve_device", "resolve_ignored"]
+__all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
 
 WRAPPED_NAME = "_fsdp_wrapped_module"
 
@@ -83,15 +84,32 @@ def _clean(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
 
 
-def _collect(
-    unit_module: nn.Module, ignored: Ignored
-) -> tuple[list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]], list[tuple[str, nn.Module]]]:
-    """The unit's own parameters (not those of units below it, nor ignored ones), and the modules holding them."""
-    entries: dict[int, tuple[str, list[tuple[nn.Module, str]], nn.Parameter]] = {}
-    holders: list[tuple[str, nn.Module]] = []
+Entry = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
+
+
+def own_modules(unit_module: nn.Module, ignored: Ignored) -> list[tuple[str, nn.Module]]:
+    """The modules of a unit with their prefixes: its tree, minus units below it and ignored modules."""
+    found: list[tuple[str, nn.Module]] = []
     stack: list[tuple[str, nn.Module]] = [("", unit_module)]
     while stack:
         prefix, module = stack.pop()
+        found.append((prefix, module))
+        children = [
+            (f"{prefix}{name}.", child)
+            for name, child in module._modules.items()
+            if child is not None and unit_state(child) is None and id(child) not in ignored.module_ids
+        ]
+        stack.extend(reversed(children))
+    return found
+
+
+def _collect(
+    unit_module: nn.Module, modules: list[tuple[str, nn.Module]], ignored: Ignored
+) -> tuple[list[Entry], list[tuple[str, nn.Module]]]:
+    """The unit's own parameters (not those of units below it, nor ignored ones), and the modules holding them."""
+    entries: dict[int, Entry] = {}
+    holders: list[tuple[str, nn.Module]] = []
+    for prefix, module in modules:
         holds = False
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored.param_ids:
@@ -105,12 +123,6 @@ def _collect(
             holds = True
         if holds:
             holders.append((_clean(prefix.rstrip(".")) or type(unit_module).__name__, module))
-        children = [
-            (f"{prefix}{name}.", child)
-            for name, child in module._modules.items()
-            if child is not None and unit_state(child) is None and id(child) not in ignored.module_ids
-        ]
-        stack.extend(reversed(children))
     return list(entries.values()), holders
 
 
@@ -129,31 +141,101 @@ def _refuse_taken(param: nn.Parameter, fqn: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class InitOptions:
+    """How a unit's parameters are initialised before sharding."""
+
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    sync_module_states: bool = False
+
+
+def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, init: InitOptions) -> None:
+    """Give meta-device modules of one unit real storage on ``device`` and initialise them.
+
+    Only this unit's modules are materialized, so at most one unit is ever whole in memory during init.
+    """
+    for prefix, module in modules:
+        on_meta = any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
+        if not on_meta:
+            continue
+        if init.param_init_fn is not None:
+            init.param_init_fn(module)
+            continue
+        module.to_empty(device=device, recurse=False)
+        if init.sync_module_states and dist.get_rank() != 0:
+            continue  # rank 0's values arrive by broadcast
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        elif module._parameters:
+            raise ValueError(
+                f"{type(module).__name__} at {prefix.rstrip('.') or '<root>'!r} is on the meta device and has no "
+                "reset_parameters() to initialise it after materialization. Pass param_init_fn=... (called with each "
+                "meta module), or build that module on a real device."
+            )
+
+
+def _broadcast_from_rank0(label: str, entries: list[Entry], modules: list[tuple[str, nn.Module]]) -> None:
+    """sync_module_states: every rank takes rank 0's parameters and buffers (after checking shapes agree)."""
+    tensors = [p for _, _, p in entries] + [b for _, m in modules for b in m._buffers.values() if b is not None]
+    signature = [(name, tuple(p.shape)) for name, _, p in entries]
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, signature)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise RuntimeError(
+                f"sync_module_states=True: unit {label!r} differs across ranks: rank {rank} has {theirs}, rank 0 has "
+                f"{everyone[0]}. Every rank must build the same model before wrapping."
+            )
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=0)
+
+
 def build_unit(
     module: nn.Module,
     shard_group: ShardGroup,
     config: UnitConfig,
     *,
     ignored: Ignored,
-    precision: GroupPrecision | None = None,
     use_dtensor: bool = False,
     guard_unit_module: bool = True,
     label: str | None = None,
+    offload: Offload | None = None,
+    init: InitOptions | None = None,
 ) -> UnitState:
-    """Shard ``module``'s own parameters into a group and attach a :class:`UnitState` to it."""
-    entries, holders = _collect(module, ignored)
+    """Initialise ``module``'s own parameters if needed, shard them into a group, attach a :class:`UnitState`."""
+    init = init or InitOptions()
     label = label or type(module).__name__
+    modules = own_modules(module, ignored)
+    device = shard_group.device
+    _materialize(modules, device, init)
+    for _, m in modules:
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != device:
+                m._buffers[name] = buf.to(device)
+    entries, holders = _collect(module, modules, ignored)
+    for _, _, param in entries:
+        if param.device != device:
+            param.data = param.data.to(device)
+    if init.sync_module_states and dist.get_world_size() > 1:
+        _broadcast_from_rank0(label, entries, modules)
     group = None
     if entries:
-        for _, _, param in entries:
-            if param.device.type == "meta":
-                raise RuntimeError(
-                    f"parameter {entries[0][0]!r} of {label} is on the meta device; materialize it before "
-                    "sharding (module.to_empty(device=...) then reset_parameters()), or pass param_init_fn."
-                )
-            if param.device != shard_group.device:
-                param.data = param.data.to(shard_group.device)
-        group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor)
+        precision = group_precision(config.casts, entries[0][2].dtype)
+        group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload)
+        if config.casts.keep_low_precision_grads:
+            _allow_low_precision_grads(group)
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]
         guard_direct_calls(label, group, guarded)
-    return UnitState(module, group, config, label)
+    return UnitState(module, group, config, label, own_modules=[m for _, m in modules])
+
+
+def _allow_low_precision_grads(group: ParamGroup) -> None:
+    """keep_low_precision_grads: let the sharded parameters hold gradients in the reduce dtype."""
+    for sp in group.params:
+        if not hasattr(sp.sharded_param, "grad_dtype"):
+            raise ValueError(
+                "MixedPrecision(keep_low_precision_grads=True) needs torch >= 2.10 (Tensor.grad_dtype) so that a "
+                f"{sp.dtype} parameter may hold a {group.precision.grad_dtype} gradient; upgrade torch or leave it off."
+            )
+        sp.sharded_param.grad_dtype = group.precision.grad_dtype

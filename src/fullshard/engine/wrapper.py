@@ -23,6 +23,7 @@ from fullshard.engine import grad_norm, optim_state, summon
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import (
     BackwardPrefetch,
+    CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
     OptimStateKeyType,
@@ -32,9 +33,11 @@ from fullshard.engine.api import (
     StateDictType,
 )
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
+from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
+from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
-from fullshard.engine.unit import WRAPPED_NAME, build_unit, resolve_device, resolve_ignored
+from fullshard.engine.unit import WRAPPED_NAME, InitOptions, build_unit, resolve_device, resolve_ignored
 from fullshard.engine.wrap import plan_units
 
 __all__ = ["FullyShardedDataParallel"]
@@ -101,16 +104,26 @@ class FullyShardedDataParallel(nn.Module):
             "ignored_states": list(ignored_modules or []) + list(ignored_states or []) or None,
             "device_mesh": device_mesh,
         }
-        _wrap_children(module, auto_wrap_policy, child_kwargs, ignored_modules or ignored_states or ())
+        casts = casts_from_mixed_precision(mixed_precision)
+        offload = _resolve_offload(cpu_offload)
+        policy = _keep_full_precision(auto_wrap_policy, mixed_precision)
+        _wrap_children(module, policy, child_kwargs, ignored_modules or ignored_states or ())
         self._fsdp_wrapped_module = module
         shard_group = build_shard_group(strategy, process_group, device_mesh, device)
         config = UnitConfig(
             reshard_after_forward=_RESHARD_AFTER_FORWARD[strategy],
             backward_prefetch=prefetch,
             forward_prefetch=bool(forward_prefetch),
+            limit_all_gathers=bool(limit_all_gathers),
+            casts=casts,
         )
         self.sharding_strategy = strategy
-        self._unit = build_unit(self, shard_group, config, ignored=ignored, label=type(module).__name__)
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload if cpu_offload is not None else CPUOffload()
+        init = InitOptions(param_init_fn=param_init_fn, sync_module_states=bool(sync_module_states))
+        self._unit = build_unit(
+            self, shard_group, config, ignored=ignored, label=type(module).__name__, offload=offload, init=init
+        )
         sd.install_state_dict_hooks(
             self,
             self._unit,
@@ -136,7 +149,7 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._unit.pre_forward()
+        args, kwargs = self._unit.pre_forward(args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return self._unit.post_forward(output)
 
@@ -197,6 +210,36 @@ class FullyShardedDataParallel(nn.Module):
         managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
         others = [p for p in self.parameters() if id(p) not in managed]
         return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Reduce gradients with ``hook`` instead of the built-in reduce-scatter / all-reduce, in every unit.
+
+        Sharded strategies call ``hook(state, grad, output)``: ``grad`` is the flat unsharded gradient (all
+        ranks' chunks, rank-major) and the hook must write this rank's reduced, averaged chunk into
+        ``output``. NO_SHARD calls ``hook(state, grad)``, to all-reduce and average ``grad`` in place.
+        Register on the root, before the first forward, once.
+        """
+        self._unit_comm_hook_checks()
+        for unit in unit_states_in(self):
+            if unit.group is not None:
+                unit.group.comm_hook = (state, hook)
+
+    def _unit_comm_hook_checks(self) -> None:
+        if FullyShardedDataParallel.fsdp_modules(self, root_only=True) != [self] or (
+            self._unit.ctx is not None and not self._unit.is_root
+        ):
+            raise RuntimeError("register_comm_hook must be called on the root FullyShardedDataParallel module.")
+        if self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            raise ValueError(
+                f"register_comm_hook with sharding_strategy={self.sharding_strategy.name}: communication hooks "
+                "cover one reduction, and hybrid sharding needs two (within and across shard groups). Use "
+                "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD with a hook, or no hook."
+            )
+        for unit in unit_states_in(self):
+            if unit.group is not None and unit.group.comm_hook is not None:
+                raise RuntimeError("a communication hook is already registered on this model; register it once.")
+            if unit.ran_forward or unit.ctx is not None:
+                raise RuntimeError("register_comm_hook must be called before the first forward.")
 
     @property
     def unit_state(self) -> UnitState:
@@ -322,6 +365,37 @@ def _clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
 
 
+def _resolve_offload(cpu_offload: Any) -> Offload | None:
+    if cpu_offload is None:
+        return None
+    if not hasattr(cpu_offload, "offload_params"):
+        raise TypeError(
+            f"FullyShardedDataParallel(cpu_offload={cpu_offload!r}): pass CPUOffload(offload_params=True) to keep "
+            "sharded parameters and gradients on the CPU, or CPUOffload() / None not to."
+        )
+    return Offload(pin_memory=True) if cpu_offload.offload_params else None
+
+
+def _keep_full_precision(policy: Callable[..., Any] | None, mp: MixedPrecision | None) -> Callable[..., Any] | None:
+    """Under an auto-wrap policy, modules of ``mp._module_classes_to_ignore`` become units of their own that
+    run in full precision (torch's rule, batch norm by default)."""
+    classes = tuple(getattr(mp, "_module_classes_to_ignore", ()) or ()) if mp is not None else ()
+    if policy is None or not classes or getattr(mp, "param_dtype", None) is None:
+        return policy
+
+    def combined(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> Any:
+        if recurse:
+            return policy(module, recurse, nonwrapped_numel)
+        if isinstance(module, classes):
+            return {"mixed_precision": None, _FULL_PRECISION_OF: mp.param_dtype}
+        return policy(module, recurse, nonwrapped_numel)
+
+    return combined
+
+
+_FULL_PRECISION_OF = "_fullshard_full_precision_output_dtype"
+
+
 def _wrap_children(
     module: nn.Module, policy: Callable[..., Any] | None, kwargs: dict[str, Any], ignored: Iterable[Any]
 ) -> None:
@@ -334,4 +408,14 @@ def _wrap_children(
     for plan in plans:
         parent, name = parents[id(plan.module)]
         overrides = dict(plan.overrides)
-        setattr(parent, name, FullyShardedDataParallel(plan.module, **{**kwargs, **overrides}))
+        low_dtype = overrides.pop(_FULL_PRECISION_OF, None)
+        wrapped = FullyShardedDataParallel(plan.module, **{**kwargs, **overrides})
+        if low_dtype is not None:
+            _run_in_full_precision(wrapped, low_dtype)
+        setattr(parent, name, wrapped)
+
+
+def _run_in_full_precision(module: nn.Module, low_dtype: torch.dtype) -> None:
+    """Inputs arrive in ``low_dtype``: compute in float32 and hand ``low_dtype`` on to the next module."""
+    module.register_forward_pre_hook(lambda m, args: cast_floating(args, torch.float32))
+    module.register_forward_hook(lambda m, args, output: cast_floating(output, low_dtype))

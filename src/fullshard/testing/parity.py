@@ -7,6 +7,7 @@ trains on whole, so with gradient averaging the two must agree up to floating-po
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,13 @@ class TrainSpec:
     clip: float | None = None
     clip_norm_type: float = 2.0
     seed: int = 0
+    optimizer: str = "adamw"
+    compute_dtype: torch.dtype | None = None  # the reference computes in this dtype (mixed precision)
+
+    def make_optimizer(self, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(params, lr=self.lr)
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
@@ -53,16 +61,25 @@ class RunResult:
 
 
 def reference_run(spec: TrainSpec) -> RunResult:
-    """Single process, full batch; gradients of micro-batches averaged like the sharded run's."""
+    """Single process, full batch; gradients of micro-batches averaged like the sharded run's.
+
+    With ``spec.compute_dtype``, each step computes with a copy of the float32 model cast to that dtype
+    (no autocast) and hands its gradients, cast back, to the float32 optimizer: the casts mixed precision
+    makes, done by hand.
+    """
     model = spec.model()
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    opt = spec.make_optimizer(model.parameters())
     losses, norms = [], []
     for step in range(spec.steps):
         total = 0.0
+        compute = model if spec.compute_dtype is None else copy.deepcopy(model).to(spec.compute_dtype)
         for x, y in spec.micro_batches(step):
-            loss = model(x, y) / spec.accumulate
+            loss = compute(x, y) / spec.accumulate
             loss.backward()
             total += loss.item()
+        if compute is not model:
+            for master, low in zip(model.parameters(), compute.parameters()):
+                master.grad = None if low.grad is None else low.grad.to(master.dtype)
         if spec.clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, spec.clip_norm_type)))
         opt.step()
@@ -82,7 +99,7 @@ def sharded_run(
 ) -> RunResult:
     """Train ``shard(model)`` on this rank's slice of every batch; return losses and gathered parameters."""
     model = shard(spec.model())
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    opt = spec.make_optimizer(model.parameters())
     per = spec.batch // world
     losses, norms = [], []
     for step in range(spec.steps):
@@ -94,7 +111,7 @@ def sharded_run(
             with ctx:
                 loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]) / spec.accumulate
                 loss.backward()
-            total += loss.detach()
+            total += loss.detach().float()
         if spec.clip is not None and clip is not None:
             norms.append(float(clip(model, spec.clip, spec.clip_norm_type)))
         opt.step()

@@ -1,0 +1,503 @@
+"""CPU offload, prefetch and its rate limit, forward-order checks, deferred init, activation checkpointing,
+communication hooks, frozen parameters and the sharded gradient scaler, each against a reference."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard import (
+    FSDP,
+    CPUOffload,
+    CPUOffloadPolicy,
+    ShardedGradScaler,
+    apply_activation_checkpointing,
+    fully_shard,
+)
+from fullshard.comm_hooks import DefaultState, LowPrecisionState, bf16_compress_hook, reduce_scatter_hook
+from fullshard.engine.collectives import COMM_STATS
+from fullshard.engine.state import unit_state
+from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import RunResult, TrainSpec, reference_run, sharded_run
+from fullshard.wrap import ModuleWrapPolicy
+
+ATOL, RTOL = 2e-5, 1e-4
+SPEC = TrainSpec()
+
+
+def assert_parity(got: RunResult, want: RunResult, atol: float = ATOL) -> None:
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), atol=1e-5, rtol=1e-5)
+    for name, ref in want.params.items():
+        torch.testing.assert_close(got.params[name], ref, atol=atol, rtol=RTOL, msg=name)
+
+
+def _run(rank: int, world: int, spec: TrainSpec, shard: object, no_sync: bool = False) -> RunResult:
+    return sharded_run(rank, world, spec, shard, use_no_sync=no_sync)
+
+
+@pytest.fixture(scope="module")
+def reference() -> RunResult:
+    return reference_run(SPEC)
+
+
+# --- CPU offload --------------------------------------------------------------------------------------
+
+
+def wrap_offload(model: nn.Module, entry: str) -> nn.Module:
+    if entry == "fsdp":
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for block in model.blocks:
+        fully_shard(block, offload_policy=policy)
+    return fully_shard(model, offload_policy=policy)
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_offload_parity_with_accumulation_outside_no_sync(pool2: WorkerPool, entry: str) -> None:
+    spec = TrainSpec(accumulate=2)
+    want = reference_run(spec)
+    for got in pool2.run(_run, spec, functools.partial(wrap_offload, entry=entry), False):
+        assert_parity(got, want)
+
+
+def _where_tensors_live(rank: int, world: int) -> dict[str, set[str]]:
+    model = wrap_offload(TinyGPT(GPTConfig()), "fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = make_batch(model.cfg, 2, 0)
+    model(x, y).backward()
+    opt.step()
+    group = unit_state(model.blocks[0]).group
+    return {
+        "params": {p.device.type for p in model.parameters()},
+        "grads": {p.grad.device.type for p in model.parameters()},
+        "optim": {v.device.type for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)},
+        "storage": {group.storage_device.type},
+        "compute": {group.device.type},
+    }
+
+
+def test_offloaded_tensors_live_on_cpu(pool2: WorkerPool) -> None:
+    where = pool2.run(_where_tensors_live)[0]
+    assert where["params"] == where["grads"] == where["optim"] == where["storage"] == {"cpu"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compute device differs from CPU only there")
+def test_offload_compute_on_gpu(pool2: WorkerPool) -> None:  # pragma: no cover - run where a GPU exists
+    where = pool2.run(_where_tensors_live)[0]
+    assert where["params"] == {"cpu"}
+
+
+def _pin_warning(rank: int, world: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(nn.Linear(3, 3), offload_policy=CPUOffloadPolicy(pin_memory=True))
+    return [str(w.message) for w in caught]
+
+
+def test_offload_option_that_cannot_be_honoured_warns(pool2: WorkerPool) -> None:
+    messages = pool2.run(_pin_warning)[0]
+    assert any(m.startswith("CPUOffloadPolicy(pin_memory=True) has no effect here") for m in messages)
+
+
+def _offload_bool(rank: int, world: int) -> None:
+    FSDP(nn.Linear(3, 3), cpu_offload=True)
+
+
+def test_offload_must_be_a_config(pool2: WorkerPool) -> None:
+    with pytest.raises(RankFailure, match=re.escape("FullyShardedDataParallel(cpu_offload=True): pass CPUOffload")):
+        pool2.run(_offload_bool)
+
+
+# --- prefetch -----------------------------------------------------------------------------------------
+
+
+def wrap_prefetch(model: nn.Module, prefetch: str | None, forward: bool, limit: bool = True) -> nn.Module:
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        backward_prefetch=prefetch,
+        forward_prefetch=forward,
+        limit_all_gathers=limit,
+    )
+
+
+@pytest.mark.parametrize(("prefetch", "forward"), [("BACKWARD_PRE", True), ("BACKWARD_POST", False), (None, False)])
+def test_prefetch_modes_keep_parity(
+    pool2: WorkerPool, reference: RunResult, prefetch: str | None, forward: bool
+) -> None:
+    shard = functools.partial(wrap_prefetch, prefetch=prefetch, forward=forward)
+    for got in pool2.run(_run, SPEC, shard):
+        assert_parity(got, reference)
+
+
+def _gathered_at_once(rank: int, world: int, limit: bool) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = wrap_prefetch(TinyGPT(GPTConfig(n_layer=4)), "BACKWARD_PRE", True, limit)
+    x, y = make_batch(model.cfg, 2, 0)
+    for _ in range(2):
+        model(x, y).backward()
+    ctx = model.unit_state.ctx
+    order = [s.label for s in ctx.forward_order]
+    return {"max": ctx.max_gathered, "order": order}
+
+
+def test_forward_order_is_recorded_and_rate_limited(pool2: WorkerPool) -> None:
+    got = pool2.run(_gathered_at_once, True)[0]
+    assert got["order"] == ["<root TinyGPT>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert got["max"] == 2  # the current unit and one prefetched, never more
+
+
+def _order_changes(rank: int, world: int, debug: bool) -> list[str]:
+    import os
+
+    os.environ["FULLSHARD_DEBUG"] = "1" if debug else "0"
+    try:
+        torch.manual_seed(0)
+        model = wrap_prefetch(TinyGPT(GPTConfig(n_layer=3)), "BACKWARD_PRE", True)
+        x, y = make_batch(model.cfg, 2, 0)
+        model(x, y).backward()
+        blocks = model.module.blocks
+        blocks[0], blocks[1] = blocks[1], blocks[0]  # the next forward runs units in another order
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x, y).backward()
+        return [str(w.message) for w in caught]
+    finally:
+        os.environ["FULLSHARD_DEBUG"] = "0"
+
+
+def test_order_change_warns_with_forward_prefetch(pool2: WorkerPool) -> None:
+    messages = pool2.run(_order_changes, False)[0]
+    assert any(
+        m.startswith("forward_prefetch=True, but unit 'blocks.1' ran forward as unit #1, where the first iteration ran")
+        for m in messages
+    ), messages
+
+
+def test_order_change_is_an_error_in_debug_mode(pool2: WorkerPool) -> None:
+    with pytest.raises(RankFailure, match=re.escape("unit 'blocks.1' ran forward as unit #1, where the first")):
+        pool2.run(_order_changes, True)
+
+
+class TwoPaths(nn.Module):
+    """Two same-shaped layers whose order depends on a flag (set differently per rank in the test)."""
+
+    def __init__(self, b_first: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b_first = b_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.b_first else (self.a, self.b)
+        return second(first(x))
+
+
+def _ranks_disagree_on_order(rank: int, world: int) -> None:
+    import os
+
+    os.environ["FULLSHARD_DEBUG"] = "1"
+    try:
+        model = FSDP(TwoPaths(b_first=rank == 1), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model(torch.randn(2, 4))
+    finally:
+        os.environ["FULLSHARD_DEBUG"] = "0"
+
+
+def test_ranks_running_different_orders_are_named(pool2: WorkerPool) -> None:
+    message = "ranks 0 and 1 ran units in different orders this iteration: unit #1 was 'a' on rank 0 and 'b' on rank 1"
+    with pytest.raises(RankFailure, match=re.escape(message)):
+        pool2.run(_ranks_disagree_on_order)
+
+
+# --- deferred initialisation --------------------------------------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def _meta_init(rank: int, world: int, layers: int, width: int) -> dict[str, float]:
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=4, n_embd=width)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+
+    def init(module: nn.Module) -> None:
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
+            nn.init.normal_(p, std=0.02)
+
+    # Serve every allocation above 64 KiB by mmap, so that freed tensors leave RSS at once (glibc would
+    # otherwise raise this threshold as it sees large frees and keep them in its heap).
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
+    before = _peak_rss_bytes()
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=init)
+    grown = _peak_rss_bytes() - before
+    local = sum(p.numel() * 4 for p in model.parameters())
+    return {"grown": grown, "full": full_bytes, "local": local}
+
+
+def test_meta_init_allocates_about_one_shard(pool2: WorkerPool) -> None:
+    for got in pool2.run(_meta_init, 12, 256):
+        assert got["local"] <= got["full"] / 2 * 1.02
+        # This rank's shard plus one unit materialized at a time, far from the whole model.
+        assert got["grown"] < 0.75 * got["full"], got
+
+
+def _sync_from_rank0(rank: int, world: int) -> RunResult:
+    def shard(model: nn.Module) -> nn.Module:
+        if rank != 0:
+            with torch.device("meta"):
+                model = TinyGPT(SPEC.cfg)
+        return FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True, device_id=torch.device("cpu")
+        )
+
+    return sharded_run(rank, world, SPEC, shard)
+
+
+def test_sync_module_states_from_rank0_with_meta_elsewhere(pool2: WorkerPool, reference: RunResult) -> None:
+    for got in pool2.run(_sync_from_rank0):
+        assert_parity(got, reference)
+
+
+def _reset_parameters_default(rank: int, world: int) -> list[float]:
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    with FSDP.summon_full_params(model):
+        return [float(p.abs().sum()) for p in model.parameters()]
+
+
+def test_meta_without_param_init_fn_uses_reset_parameters(pool2: WorkerPool) -> None:
+    sums = pool2.run(_reset_parameters_default)
+    assert sums[0] == sums[1]
+    assert all(s > 0 for s in sums[0])  # initialised, not left as uninitialised zeros/garbage of size 0
+
+
+# --- activation checkpointing -------------------------------------------------------------------------
+
+
+def wrap_checkpointed(model: nn.Module, entry: str) -> nn.Module:
+    assert apply_activation_checkpointing(model, lambda m: isinstance(m, Block)) == len(model.blocks)
+    if entry == "fsdp":
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_activation_checkpointing_parity(pool2: WorkerPool, reference: RunResult, entry: str) -> None:
+    for got in pool2.run(_run, SPEC, functools.partial(wrap_checkpointed, entry=entry)):
+        assert_parity(got, reference)
+
+
+def _saved_activation_bytes(rank: int, world: int, checkpointed: bool) -> int:
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, n_embd=48, block_size=32)
+    model = TinyGPT(cfg)
+    if checkpointed:
+        apply_activation_checkpointing(model, lambda m: isinstance(m, Block))
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    x, y = make_batch(cfg, 4, 0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, y)
+    loss.backward()
+    return saved
+
+
+def test_activation_checkpointing_saves_less(pool2: WorkerPool) -> None:
+    plain = pool2.run(_saved_activation_bytes, False)[0]
+    checkpointed = pool2.run(_saved_activation_bytes, True)[0]
+    assert checkpointed < 0.5 * plain, (checkpointed, plain)
+
+
+# --- communication hooks ------------------------------------------------------------------------------
+
+
+def wrap_with_hook(model: nn.Module, hook_name: str, strategy: str = "FULL_SHARD") -> nn.Module:
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy)
+    if hook_name == "default":
+        model.register_comm_hook(DefaultState(dist.group.WORLD), reduce_scatter_hook)
+    else:
+        model.register_comm_hook(LowPrecisionState(dist.group.WORLD, torch.bfloat16), bf16_compress_hook)
+    return model
+
+
+def test_default_comm_hook_parity(pool2: WorkerPool, reference: RunResult) -> None:
+    for got in pool2.run(_run, SPEC, functools.partial(wrap_with_hook, hook_name="default")):
+        assert_parity(got, reference)
+
+
+def _compressed(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = wrap_with_hook(TinyGPT(GPTConfig()), "bf16")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(6):
+        x, y = make_batch(model.cfg, 4, step % 2)
+        COMM_STATS.reset()
+        loss = model(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model_bytes = sum(p.numel() * 4 for p in TinyGPT(GPTConfig()).parameters())
+    return {"losses": losses, "reduce_bytes": COMM_STATS.bytes["reduce_scatter"], "model_bytes": model_bytes}
+
+
+def test_bf16_compression_hook_halves_reduce_bytes_and_trains(pool2: WorkerPool) -> None:
+    got = pool2.run(_compressed)[0]
+    assert got["reduce_bytes"] == pytest.approx(got["model_bytes"] / 2 / 2, rel=0.05)  # bf16: half of fp32
+    assert got["losses"][-1] < got["losses"][0]
+
+
+def _hook_on_hybrid(rank: int, world: int) -> None:
+    model = FSDP(
+        nn.Linear(4, 4), sharding_strategy="HYBRID_SHARD", process_group=(dist.group.WORLD, dist.new_group([rank]))
+    )
+    model.register_comm_hook(DefaultState(), reduce_scatter_hook)
+
+
+def test_comm_hook_refused_for_hybrid(pool2: WorkerPool) -> None:
+    with pytest.raises(RankFailure, match=re.escape("register_comm_hook with sharding_strategy=HYBRID_SHARD")):
+        pool2.run(_hook_on_hybrid)
+
+
+# --- frozen parameters --------------------------------------------------------------------------------
+
+
+class LoRA(nn.Module):
+    """A frozen linear layer plus a small trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.up.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def lora_model() -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig())
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.fc = LoRA(block.fc)
+        block.attn = LoRA(block.attn)
+    return model
+
+
+def _lora(rank: int, world: int, entry: str) -> dict[str, object]:
+    model = lora_model()
+    if entry == "fsdp":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+        model = fully_shard(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for step in range(3):
+        x, y = make_batch(model.cfg if entry == "fsdp" else GPTConfig(), 8, step)
+        loss = model(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+        loss.backward()
+        grad_bytes = sum(
+            (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * 4
+            for p in model.parameters()
+            if p.grad is not None
+        )
+        frozen_with_grad = sum(1 for p in model.parameters() if not p.requires_grad and p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    with FSDP.summon_full_params(model, writeback=False):
+        params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"losses": losses, "grad_bytes": grad_bytes, "frozen_with_grad": frozen_with_grad, "params": params}
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_lora_trains_with_parity_and_adapter_only_gradients(pool2: WorkerPool, entry: str) -> None:
+    model = lora_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(3):
+        x, y = make_batch(model.cfg, 8, step)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    adapter_bytes = sum(p.numel() * 4 for p in adapters.values())
+    results = pool2.run(_lora, entry)
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), atol=1e-5, rtol=1e-5)
+        assert got["frozen_with_grad"] == 0
+        assert got["params"].keys() == adapters.keys()
+        for name, ref in adapters.items():
+            torch.testing.assert_close(got["params"][name], ref, atol=ATOL, rtol=RTOL, msg=name)
+    # Per-rank gradient bytes are the adapters' shard, not the model's.
+    assert sum(r["grad_bytes"] for r in results) == pytest.approx(adapter_bytes, rel=0.1)
+
+
+# --- sharded gradient scaler --------------------------------------------------------------------------
+
+
+def _scaler_skips_on_all_ranks(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = FSDP(TinyGPT(GPTConfig()), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(init_scale=1024.0)
+    x, y = make_batch(model.cfg, 2, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(x, y)).backward()
+    if rank == 1:  # an overflow on one rank only
+        next(p for p in model.parameters() if p.grad is not None and p.grad.numel()).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    scale_after_skip = scaler.get_scale()
+    opt.zero_grad()
+    scaler.scale(model(x, y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    changed = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"skipped": unchanged, "scale": scale_after_skip, "stepped_next": changed}
+
+
+def test_sharded_grad_scaler_skips_everywhere(pool2: WorkerPool) -> None:
+    for got in pool2.run(_scaler_skips_on_all_ranks):
+        assert got["skipped"] is True
+        assert got["scale"] == 512.0
+        assert got["stepped_next"] is True
