@@ -25,7 +25,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard import FullyShardedDataParallel as OurFSDP
+from fullshard import MixedPrecision
 from fullshard import fully_shard as our_fully_shard
+from fullshard.engine.collectives import COMM_STATS
 from fullshard.testing import run_on_ranks
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
@@ -93,6 +95,29 @@ def ours_fsdp(model: nn.Module, strategy: str) -> nn.Module:
     return OurFSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
 
 
+BF16_MP = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+def ours_fsdp_bf16(model: nn.Module, prefetch: str) -> nn.Module:
+    """FULL_SHARD in bf16; prefetch "none" (gather on demand), "default" (BACKWARD_PRE), "all" (+ forward)."""
+    return OurFSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        mixed_precision=BF16_MP,
+        backward_prefetch=None if prefetch == "none" else "BACKWARD_PRE",
+        forward_prefetch=prefetch == "all",
+    )
+
+
+def torch_fsdp2_bf16(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
 def ours_fully_shard(model: nn.Module) -> nn.Module:
     for block in model.blocks:
         our_fully_shard(block)
@@ -134,7 +159,12 @@ SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "torch FSDP2 fully_shard": (torch_fsdp2, "FULL_SHARD"),
     "torch FSDP1 FULL_SHARD": (functools.partial(torch_fsdp1, strategy="FULL_SHARD"), "FULL_SHARD"),
     "torch DDP": (ddp, "NO_SHARD"),
+    "fullshard FSDP bf16, no prefetch": (functools.partial(ours_fsdp_bf16, prefetch="none"), "FULL_SHARD"),
+    "fullshard FSDP bf16, backward prefetch": (functools.partial(ours_fsdp_bf16, prefetch="default"), "FULL_SHARD"),
+    "fullshard FSDP bf16, fwd+bwd prefetch": (functools.partial(ours_fsdp_bf16, prefetch="all"), "FULL_SHARD"),
+    "torch FSDP2 bf16": (torch_fsdp2_bf16, "FULL_SHARD"),
 }
+BF16_SYSTEMS = {name for name in SYSTEMS if "bf16" in name}
 THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 
@@ -145,12 +175,13 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
     model = SYSTEMS[name][0](model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     per = batch // world
-    times, comm = [], []
+    times, comm, waits = [], [], []
     for step in range(steps):
         x, y = make_batch(cfg, batch, seed=step)
         x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         dist.barrier()
         counter = CollectiveBytes(world)
+        COMM_STATS.reset()
         start = time.perf_counter()
         with counter:
             loss = model(x, y)
@@ -159,12 +190,14 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - start)
         comm.append(counter.bytes)
+        waits.append(COMM_STATS.wait_s["all_gather"])
     warm = max(2, steps // 4)
     return {
         "step_s": statistics.median(times[warm:]),
         "state_bytes": _state_bytes(model, opt),
         "model_bytes": model_bytes,
         "comm_bytes": statistics.median(comm[warm:]),
+        "ag_wait_s": statistics.median(waits[warm:]),
     }
 
 
@@ -192,9 +225,11 @@ def report(results: list[dict[str, Any]], names: list[str]) -> None:
 
     baseline = "torch FSDP2 fully_shard"
     table = Table(title=f"{WORLD} gloo CPU ranks; medians; bytes per rank")
-    for col in ("system", "step ms", "vs FSDP2", "state MB", "state / (model-state/N)", "comm MB/step", "theory MB"):
+    columns = ("system", "step ms", "vs FSDP2", "state MB", "state / (model-state/N)", "comm MB/step", "theory MB")
+    for col in (*columns, "AG wait ms"):
         table.add_column(col, justify="right")
     base = max(r[baseline]["step_s"] for r in results) if baseline in names else None
+    bf16_base = max(r["torch FSDP2 bf16"]["step_s"] for r in results) if "torch FSDP2 bf16" in names else None
     for name in names:
         step = max(r[name]["step_s"] for r in results)  # the slowest rank sets the pace
         state = max(r[name]["state_bytes"] for r in results)
@@ -203,17 +238,29 @@ def report(results: list[dict[str, Any]], names: list[str]) -> None:
         shards = 1 if strategy == "NO_SHARD" else WORLD
         ideal = 4 * model_bytes / shards  # params + grads + Adam's two moments, fp32
         comm = max(r[name]["comm_bytes"] for r in results)
-        theory = THEORY_FACTOR[strategy] * model_bytes * (WORLD - 1) / WORLD
+        compute_bytes = model_bytes / 2 if name in BF16_SYSTEMS else model_bytes
+        theory = THEORY_FACTOR[strategy] * compute_bytes * (WORLD - 1) / WORLD
+        reference = bf16_base if name in BF16_SYSTEMS else base
+        wait = max(r[name]["ag_wait_s"] for r in results) if name.startswith("fullshard") else None
         table.add_row(
             name,
             f"{step * 1e3:.1f}",
-            f"{step / base:.2f}" if base else "-",
+            f"{step / reference:.2f}" if reference else "-",
             f"{state / 1e6:.2f}",
             f"{state / ideal:.3f}",
             f"{comm / 1e6:.2f}",
             f"{theory / 1e6:.2f}",
+            f"{wait * 1e3:.1f}" if wait is not None else "-",
         )
-    Console(width=150).print(table)
+    console = Console(width=160)
+    console.print(table)
+    console.print("bf16 rows are compared with torch FSDP2 bf16; the others with torch FSDP2 in fp32.")
+    on_demand, prefetched = "fullshard FSDP bf16, no prefetch", "fullshard FSDP bf16, fwd+bwd prefetch"
+    if on_demand in names and prefetched in names:
+        exposed = max(r[on_demand]["ag_wait_s"] for r in results)
+        left = max(r[prefetched]["ag_wait_s"] for r in results)
+        if exposed > 0:
+            console.print(f"all-gather time hidden behind compute by prefetching: {1 - left / exposed:.0%}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,13 @@ from fullshard import (
     apply_activation_checkpointing,
     fully_shard,
 )
-from fullshard.comm_hooks import DefaultState, LowPrecisionState, bf16_compress_hook, reduce_scatter_hook
+from fullshard.comm_hooks import (
+    DefaultState,
+    LowPrecisionState,
+    allreduce_hook,
+    bf16_compress_hook,
+    reduce_scatter_hook,
+)
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_state
 from fullshard.testing import RankFailure, WorkerPool
@@ -347,8 +353,27 @@ def wrap_with_hook(model: nn.Module, hook_name: str, strategy: str = "FULL_SHARD
     return model
 
 
-def test_default_comm_hook_parity(pool2: WorkerPool, reference: RunResult) -> None:
-    for got in pool2.run(_run, SPEC, functools.partial(wrap_with_hook, hook_name="default")):
+def wrap_with_allreduce_hook(model: nn.Module) -> nn.Module:
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy="NO_SHARD")
+    model.register_comm_hook(DefaultState(dist.group.WORLD), allreduce_hook)
+    return model
+
+
+def wrap_fully_shard_with_hook(model: nn.Module) -> nn.Module:
+    for block in model.blocks:
+        fully_shard(block)
+    model = fully_shard(model)
+    model.register_comm_hook(DefaultState(dist.group.WORLD), reduce_scatter_hook)
+    return model
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [functools.partial(wrap_with_hook, hook_name="default"), wrap_with_allreduce_hook, wrap_fully_shard_with_hook],
+    ids=["reduce_scatter_hook", "allreduce_hook_no_shard", "fully_shard"],
+)
+def test_default_comm_hooks_parity(pool2: WorkerPool, reference: RunResult, shard: object) -> None:
+    for got in pool2.run(_run, SPEC, shard):
         assert_parity(got, reference)
 
 

@@ -63,6 +63,25 @@ class FSDPModule:
         for state in states:
             state.config = _replace(state.config, reshard_after_forward=bool(reshard_after_forward))
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Prefetch in forward: with a non-empty list, this unit starts gathering the unit that ran after it
+        in the first iteration as soon as its own parameters are gathered (an empty list turns it off)."""
+        state = self._fullshard_state()
+        state.config = _replace(state.config, forward_prefetch=bool(modules))
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Reduce this unit's and every inner unit's gradients with ``hook`` (signatures as in
+        ``FullyShardedDataParallel.register_comm_hook``); call on the root before the first forward."""
+        for unit in unit_states_in(self):  # type: ignore[arg-type]
+            if unit.group is None:
+                continue
+            if unit.group.shard_group.replicate_pg is not None and unit.group.shard_group.shard_pg is not None:
+                raise ValueError(
+                    "register_comm_hook on a module sharded over a 2-D mesh: communication hooks cover one "
+                    "reduction, and hybrid sharding needs two. Use a 1-D mesh with a hook, or no hook."
+                )
+            unit.group.comm_hook = (state, hook)
+
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load DTensors or full tensors under the module's keys; checked before anything is copied."""
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]

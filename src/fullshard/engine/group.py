@@ -193,7 +193,9 @@ class ParamGroup:
             self._gather = (None, send)
         else:
             out = torch.empty(self.world * self.shard_numel, dtype=send.dtype, device=self.device)
-            self._gather = (all_gather_flat(out, send, self.shard_group.shard_pg, async_op=async_op), out)
+            # Always issued asynchronously: a caller that needs the result now calls wait_for_unshard()
+            # at once, and the time blocked there is then the whole (exposed) all-gather.
+            self._gather = (all_gather_flat(out, send, self.shard_group.shard_pg, async_op=True), out)
         self._unsharded_version = self.flat_shard._version
         self.state = ShardState.UNSHARDING
 
