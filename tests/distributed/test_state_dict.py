@@ -23,6 +23,7 @@ from fullshard import (
     FSDP,
     FullStateDictConfig,
     LocalStateDictConfig,
+    MixedPrecision,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictSettings,
@@ -142,6 +143,28 @@ def _unwrapped_into_sharded(rank: int, world: int, entry: str) -> bool:
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
 def test_unwrapped_state_dict_loads_into_sharded_model(pool2: WorkerPool, entry: str) -> None:
     assert pool2.run(_unwrapped_into_sharded, entry) == [True, True]
+
+
+def _mixed_precision(rank: int, world: int) -> dict[str, Any]:
+    # - Set up: bf16 compute and buffers; a step casts the buffers (lazy init) and moves the fp32 shards
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    model = FSDP(make(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp)
+    train_step(model)
+    # - Run: the FULL dict, and a round trip into another bf16 model
+    got = model.state_dict()
+    other = FSDP(make(seed=4), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp)
+    train_step(other)
+    other.load_state_dict(got)
+    return {
+        "dtypes": {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in make().state_dict().items()},
+        "buffer_cast": model.pos_scale.dtype == torch.bfloat16,
+        "round_trip": same(other.state_dict(), got),
+    }
+
+
+def test_mixed_precision_saves_original_dtypes(pool2: WorkerPool) -> None:
+    for result in pool2.run(_mixed_precision):
+        assert result == {"dtypes": True, "buffer_cast": True, "round_trip": True}
 
 
 # --- SHARDED ----------------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ Values, per type (``G`` = the unit's padded shard numel, see [Note: group buffer
   elements, same placements) whose local tensor is this rank's padded flat shard. It only loads into the
   same model on the same number of ranks.
 
+Buffers are saved in the dtype they had when the unit was built, even after mixed precision cast them
+(torch's FSDP does the same), so that the state dict of a bf16-trained model loads into an fp32 one.
+
 Loading takes full tensors or DTensors (any mesh and placement of the right global shape) for the
 parameter keys, or ``_flat_param`` entries, whatever the type in force. Buffers and parameters outside any
 unit are left to ``nn.Module``.
@@ -105,21 +108,37 @@ class _DictUnit:
     segment: str  # "_fsdp_wrapped_module." for a wrapper, "" for a fully_shard module
     where: str  # how errors name the unit, e.g. "FullyShardedDataParallel(TinyGPT)"
     consumed: set[str] = field(default_factory=set)  # clean keys taken by the running load
+    buffer_dtypes: list[tuple[str, torch.dtype]] = field(default_factory=list)  # raw relative key, dtype
     _keys: list[tuple[ShardedParam, list[str]]] | None = None
+
+    def _paths(self) -> dict[int, list[str]]:
+        paths: dict[int, list[str]] = {}
+        for path, module in self.state.module.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), []).append(path + "." if path else "")
+        return paths
 
     def param_keys(self) -> list[tuple[ShardedParam, list[str]]]:
         """Each own parameter with its raw keys relative to the unit module (several when tied)."""
         if self._keys is None:
             group = self.state.group
-            paths: dict[int, list[str]] = {}
-            for path, module in self.state.module.named_modules(remove_duplicate=False):
-                paths.setdefault(id(module), []).append(path + "." if path else "")
+            paths = self._paths()
             params = [] if group is None else group.params
             self._keys = [
                 (sp, [base + name for module, name in sp.registrations for base in paths.get(id(module), [])])
                 for sp in params
             ]
         return self._keys
+
+    def record_buffer_dtypes(self) -> None:
+        """Remember the unit's floating-point buffers' dtypes before mixed precision casts them."""
+        paths = self._paths()
+        self.buffer_dtypes = [
+            (base + name, buf.dtype)
+            for module in self.state.own_modules
+            for name, buf in module._buffers.items()
+            if buf is not None and buf.is_floating_point()
+            for base in paths.get(id(module), [])
+        ]
 
 
 _UNITS: weakref.WeakKeyDictionary[nn.Module, _DictUnit] = weakref.WeakKeyDictionary()
@@ -129,7 +148,9 @@ def install_state_dict_hooks(
     module: nn.Module, state: UnitState, *, default_type: StateDictType, segment: str, where: str
 ) -> None:
     """Attach the hooks of [Note: state dict hooks] to the unit ``module``; ``default_type`` is in force until set."""
-    _UNITS[module] = _DictUnit(state, default_settings(default_type), segment, where)
+    unit = _DictUnit(state, default_settings(default_type), segment, where)
+    unit.record_buffer_dtypes()
+    _UNITS[module] = unit
     module.register_state_dict_post_hook(_post_state_dict)
     module.register_load_state_dict_pre_hook(_pre_load)
     module.register_load_state_dict_post_hook(_post_load)
@@ -300,6 +321,10 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
             _save_sharded(unit, group, destination, prefix, config.offload_to_cpu)
         else:
             _save_local(unit, group, destination, prefix, config.offload_to_cpu)
+    for key, dtype in unit.buffer_dtypes:  # buffers cast by mixed precision are saved in their own dtype
+        value = destination.get(prefix + key)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            destination[prefix + key] = value.to(dtype)
     if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and _rank() != 0:
         for key in [k for k in destination if k.startswith(prefix)]:
             del destination[key]
