@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.engine import state_dict as sd
+from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
@@ -80,6 +81,10 @@ class FSDPModule:
                     "reduction, and hybrid sharding needs two. Use a 1-D mesh with a hook, or no hook."
                 )
             unit.group.comm_hook = (state, hook)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load DTensors or full tensors under the module's keys; checked before anything is copied."""
+        return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
 
 
 def _replace(config: UnitConfig, **changes: Any) -> UnitConfig:
@@ -159,6 +164,8 @@ def fully_shard(
     state = build_unit(
         module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False, offload=offload
     )
+    where = f"fully_shard({type(module).__name__})"
+    sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(
         lambda m, args, kwargs: state.pre_forward(args, kwargs), prepend=True, with_kwargs=True

@@ -19,8 +19,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.engine import grad_norm, summon
-from fullshard.engine.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard.engine import grad_norm, optim_state, summon
+from fullshard.engine import state_dict as sd
+from fullshard.engine.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
@@ -112,6 +123,13 @@ class FullyShardedDataParallel(nn.Module):
         init = InitOptions(param_init_fn=param_init_fn, sync_module_states=bool(sync_module_states))
         self._unit = build_unit(
             self, shard_group, config, ignored=ignored, label=type(module).__name__, offload=offload, init=init
+        )
+        sd.install_state_dict_hooks(
+            self,
+            self._unit,
+            default_type=StateDictType.FULL_STATE_DICT,
+            segment=WRAPPED_NAME + ".",
+            where=f"FullyShardedDataParallel({type(module).__name__})",
         )
 
     # --- module plumbing ----------------------------------------------------------------------------
@@ -226,6 +244,118 @@ class FullyShardedDataParallel(nn.Module):
     @property
     def unit_state(self) -> UnitState:
         return self._unit
+
+    # --- state dicts (see fullshard.engine.state_dict and fullshard.engine.optim_state) --------------
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load full tensors or DTensors under the unwrapped model's keys; checked before anything is copied."""
+        return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType | str,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set what ``state_dict()`` and ``optim_state_dict`` return for every unit in ``module``."""
+        return sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state dict settings of the units in ``module`` (which must agree)."""
+        return sd.get_state_dict_type(module)
+
+    @staticmethod
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType | str,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """:meth:`set_state_dict_type` for the duration of a ``with`` block."""
+        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by parameter names, full or sharded as the model's state dict type says."""
+        return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """Turn an :meth:`optim_state_dict` result into what ``optim.load_state_dict`` takes on this rank."""
+        return optim_state.optim_state_dict_to_load(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter names (``{}`` on ranks > 0 with ``rank0_only``)."""
+        return optim_state.full_optim_state_dict(model, optim, rank0_only=rank0_only, group=group)
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by parameter names, per-element states as DTensors."""
+        return optim_state.sharded_optim_state_dict(model, optim)
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
+        return optim_state.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`shard_full_optim_state_dict`, with the full dict held by rank 0 only."""
+        return optim_state.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """This rank's part of a :meth:`sharded_optim_state_dict` result, ready for ``optim.load_state_dict``."""
+        return optim_state.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType | str,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+    ) -> dict[str, Any]:
+        """Re-key an optimizer state dict by parameter names or by parameter ids."""
+        return optim_state.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
 
 
 FSDP = FullyShardedDataParallel

@@ -1,0 +1,598 @@
+"""Optimizer state dicts of sharded models, keyed by parameter names (the unwrapped model's FQNs).
+
+[Note: optimizer state of a sharded parameter]
+The optimizer steps on each unit's sharded parameters (``ShardedParam.sharded_param``), so the
+per-element states it keeps (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) have the
+parameter's local shape ``layout.local_shape`` (DTensors under ``fully_shard``). Every state tensor of
+positive dimension of a sharded parameter is taken to be such a per-element state, as torch's FSDP does;
+0-dim tensors (``step``) and non-tensors are equal on every rank and pass through. The forms:
+
+- full: ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}`` with per-element
+  states as full tensors, gathered one unit and one state name at a time (one all-gather of a flat buffer
+  laid out like the unit's flat shard).
+- sharded: the same keys; per-element states as DTensors of the parameter's full shape on the unit's mesh,
+  placed as in the model's sharded state dict (see ``state_dict.py``). No communication.
+- local: the same keys; per-element states as this rank's plain local tensors. No communication.
+- loadable (what ``optim.load_state_dict`` takes): integer ids in the optimizer's order, per-element states
+  as this rank's rows (fresh tensors), DTensors where the optimizer's parameter is one.
+
+Parameters outside any unit (ignored ones) are whole on every rank and pass through in every form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard.engine.api import OptimStateKeyType, StateDictType
+from fullshard.engine.coerce import coerce_enum
+from fullshard.engine.group import ParamGroup
+from fullshard.engine.param import ShardedParam, replacement_for
+from fullshard.engine.state import unit_states_in
+from fullshard.engine.state_dict import clean_key, get_state_dict_type, rows_of, sharded_dtensor
+
+__all__ = [
+    "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
+
+OsdT = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter as the optimizer sees it, with its name in the unwrapped model."""
+
+    fqn: str
+    param: torch.Tensor  # what the optimizer holds: a sharded parameter (maybe a DTensor) or a whole one
+    group: ParamGroup | None  # its unit's group; None outside any unit
+    sp: ShardedParam | None
+
+
+def model_params(model: nn.Module) -> list[_Param]:
+    """``model``'s parameters in ``model.parameters()`` order (tied ones once), sharded ones as stepped on."""
+    owners = {
+        (id(holder), name): (state.group, sp)
+        for state in unit_states_in(model)
+        if state.group is not None
+        for sp in state.group.params
+        for holder, name in sp.registrations
+    }
+    seen: set[int] = set()
+    out = []
+    for path, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            group, sp = owners.get((id(module), name), (None, None))
+            tensor = param if sp is None else sp.sharded_param
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                out.append(_Param(clean_key(f"{path}.{name}" if path else name), tensor, group, sp))
+    return out
+
+
+def _rows_from(model: nn.Module, param_lists: list[list[Any]], caller: str) -> list[list[_Param]]:
+    by_id = {id(p.param): p for p in model_params(model)}
+    rows = []
+    for params in param_lists:
+        row = []
+        for tensor in params:
+            info = by_id.get(id(tensor))
+            if info is None:
+                raise ValueError(_foreign_param_message(tensor, caller))
+            row.append(info)
+        rows.append(row)
+    return rows
+
+
+def _foreign_param_message(tensor: torch.Tensor, caller: str) -> str:
+    if replacement_for(tensor) is not None:
+        return (
+            f"{caller}: the optimizer holds the original parameters of a model that was sharded after the "
+            "optimizer was created. Create the optimizer after wrapping, from the sharded model's parameters."
+        )
+    return (
+        f"{caller}: the optimizer holds a parameter of shape {tuple(tensor.shape)} that is not a parameter of "
+        "`model`. Pass the model whose parameters the optimizer was built from."
+    )
+
+
+def _optim_rows(model: nn.Module, optim: torch.optim.Optimizer, caller: str) -> list[list[_Param]]:
+    return _rows_from(model, [list(g["params"]) for g in optim.param_groups], caller)
+
+
+def _target_rows(
+    model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None, caller: str
+) -> list[list[_Param]] | None:
+    """The optimizer's parameter groups (from ``optim``, else ``optim_input``), or None when neither is given."""
+    if optim is not None:
+        return _optim_rows(model, optim, caller)
+    if optim_input is None:
+        return None
+    items = list(optim_input)
+    if items and isinstance(items[0], dict):
+        return _rows_from(model, [list(g["params"]) for g in items], caller)
+    return _rows_from(model, [items], caller)
+
+
+def _is_elementwise(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, dict[str, Any]], list[OsdT]]:
+    """``osd`` (``optim.state_dict()``: integer ids) as fqn -> state and param groups listing fqns."""
+    groups = osd["param_groups"]
+    ids = [i for g in groups for i in g["params"]]
+    params = [p for row in rows for p in row]
+    if len(groups) != len(rows) or len(ids) != len(params):
+        raise ValueError(
+            f"{caller}(optim_state_dict=...): it has {len(groups)} param groups of {len(ids)} parameters, but "
+            f"the optimizer has {len(rows)} of {len(params)}. Pass optim.state_dict() of this optimizer, or None."
+        )
+    states = {p.fqn: osd["state"][i] for i, p in zip(ids, params) if i in osd["state"]}
+    named_groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [p.fqn for p in row]}
+        for g, row in zip(groups, rows)
+    ]
+    return states, named_groups
+
+
+# --- full -----------------------------------------------------------------------------------------------
+
+
+def _gather_unit_state(group: ParamGroup, holders: list[_Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors of one per-element state of ``holders`` (params of ``group``): one all-gather."""
+    dtype = _local(values[0]).dtype
+    flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
+    for p, value in zip(holders, values):
+        local = _local(value)
+        if p.sp is None or tuple(local.shape) != p.sp.layout.local_shape:
+            raise AssertionError(
+                f"[rank {dist.get_rank()}] optimizer state of {p.fqn!r} has shape {tuple(local.shape)}, expected "
+                f"the parameter's local shape {None if p.sp is None else p.sp.layout.local_shape}"
+            )
+        p.sp.local_view(flat).copy_(local)
+    fulls = group.gather_full(flat)
+    index = {id(sp): i for i, sp in enumerate(group.params)}
+    return [fulls[index[id(p.sp)]].to(_local(v).dtype) for p, v in zip(holders, values)]
+
+
+def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[_Param]]]:
+    """Parameters with state, by unit, in optimizer order (the same on every rank)."""
+    units: dict[int, tuple[ParamGroup, list[_Param]]] = {}
+    for p in params:
+        if p.group is not None and p.fqn in states:
+            units.setdefault(id(p.group), (p.group, []))[1].append(p)
+    return list(units.values())
+
+
+def _elementwise_names(members: list[_Param], states: dict[str, dict[str, Any]]) -> list[str]:
+    names: dict[str, None] = {}
+    for p in members:
+        names.update((n, None) for n, v in states[p.fqn].items() if _is_elementwise(v) or _is_spec(v))
+    return list(names)
+
+
+def _full_states(
+    params: list[_Param], states: dict[str, dict[str, Any]], keep: bool, offload: bool
+) -> dict[str, dict[str, Any]]:
+    """``states`` with per-element states of sharded parameters gathered in full (collective on every rank)."""
+    out = {fqn: dict(state) for fqn, state in states.items()} if keep else {}
+    for group, members in _by_unit(params, states):
+        for name in _elementwise_names(members, states):
+            holders = [p for p in members if _is_elementwise(states[p.fqn].get(name))]
+            fulls = _gather_unit_state(group, holders, [states[p.fqn][name] for p in holders])
+            for p, full in zip(holders, fulls):
+                if keep:
+                    out[p.fqn][name] = full
+    if keep and offload:
+        out = {fqn: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for fqn, s in out.items()}
+    return out
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    optim_state_dict: OsdT | None = None,
+    rank0_only: bool = True,
+    offload_to_cpu: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> OsdT:
+    """The full optimizer state dict keyed by FQNs (see the module note); ``{}`` on ranks > 0 if ``rank0_only``."""
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    rows = _optim_rows(model, optim, "full_optim_state_dict")
+    states, groups = _named(osd, rows, "full_optim_state_dict")
+    keep = not rank0_only or dist.get_rank(group) == 0
+    full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu)
+    return {"state": full, "param_groups": groups} if keep else {}
+
+
+# --- sharded and local --------------------------------------------------------------------------------
+
+
+def sharded_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    *,
+    optim_state_dict: OsdT | None = None,
+    offload_to_cpu: bool = False,
+    as_dtensor: bool = True,
+) -> OsdT:
+    """Keyed by FQNs, per-element states as DTensors of the full shape, or with ``as_dtensor=False`` as this
+    rank's plain local tensors (the local form). No communication."""
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    rows = _optim_rows(model, optim, "sharded_optim_state_dict")
+    states, groups = _named(osd, rows, "sharded_optim_state_dict")
+    params = {p.fqn: p for row in rows for p in row}
+
+    def convert(p: _Param, value: Any) -> Any:
+        if p.group is None or p.sp is None or not _is_elementwise(value):
+            return value
+        local = _local(value).detach()
+        local = local.cpu() if offload_to_cpu else local
+        return sharded_dtensor(p.group, p.sp, local) if as_dtensor else local
+
+    state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
+    return {"state": state, "param_groups": groups}
+
+
+# --- loadable -----------------------------------------------------------------------------------------
+
+
+def _like_param(p: _Param, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (this rank's) as a fresh tensor on the parameter's device, a DTensor where the parameter is one."""
+    rows = rows.to(_local(p.param).device, copy=True)
+    if isinstance(p.param, DTensor) and p.group is not None and p.sp is not None:
+        return sharded_dtensor(p.group, p.sp, rows)
+    return rows
+
+
+def _to_local_state(p: _Param, name: str, value: Any) -> Any:
+    """One saved state value (full, DTensor, or this rank's local rows) as the optimizer must hold it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if p.group is None or p.sp is None or not _is_elementwise(value):
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        return whole.clone()
+    lay = p.sp.layout
+    shape = tuple(value.shape)
+    if not isinstance(value, DTensor) and shape == lay.local_shape and shape != p.sp.shape:
+        rows = value  # already this rank's rows (a local optimizer state dict)
+    else:
+        rows = rows_of(p.group, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
+    return _like_param(p, rows)
+
+
+def _check_names(states: dict[Any, Any], params: dict[str, _Param], caller: str) -> None:
+    numeric = [k for k in states if not isinstance(k, str)]
+    if numeric:
+        raise ValueError(
+            f"{caller}: the optimizer state dict is keyed by parameter ids ({numeric[:4]}...), but this method "
+            "takes one keyed by parameter names. Re-key it first: FullyShardedDataParallel.rekey_optim_state_dict("
+            "osd, OptimStateKeyType.PARAM_NAME, model)."
+        )
+    unknown = [k for k in states if k not in params]
+    if unknown:
+        raise ValueError(
+            f"{caller}: the optimizer state dict has state for {unknown[:8]}, which are not parameters of the "
+            f"model (whose parameters are e.g. {list(params)[:4]}). Load it into the model it was saved from."
+        )
+
+
+def _loadable(
+    osd: OsdT,
+    model: nn.Module,
+    rows: list[list[_Param]] | None,
+    convert: Callable[[_Param, str, Any], Any],
+    *,
+    named: bool = False,
+    caller: str,
+) -> OsdT:
+    """Build what ``optim.load_state_dict`` takes from an FQN-keyed ``osd``; see the module note.
+
+    ``rows`` are the optimizer's parameter groups; None takes the groups of ``osd`` in their order.
+    """
+    params = {p.fqn: p for p in model_params(model)}
+    states, saved_groups = osd["state"], osd["param_groups"]
+    _check_names(states, params, caller)
+    if rows is None:
+        _check_names({f: None for g in saved_groups for f in g["params"]}, params, caller)
+        rows = [[params[f] for f in g["params"]] for g in saved_groups]
+    group_of = {fqn: g for g in saved_groups for fqn in g["params"]}
+    out_state: dict[Any, Any] = {}
+    out_groups = []
+    next_id = 0
+    for row in rows:
+        source = next((group_of[p.fqn] for p in row if p.fqn in group_of), None)
+        if source is None:
+            raise ValueError(
+                f"{caller}: the optimizer's param group holding {[p.fqn for p in row][:4]} matches no param group "
+                "of the optimizer state dict. Build the optimizer with the same parameter groups as when it was saved."
+            )
+        ids = []
+        for p in row:
+            key = p.fqn if named else next_id
+            if p.fqn in states:
+                out_state[key] = {n: convert(p, n, v) for n, v in states[p.fqn].items()}
+            ids.append(key)
+            next_id += 1
+        out_groups.append({**{k: v for k, v in source.items() if k != "params"}, "params": ids})
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: OsdT,
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> OsdT:
+    """What ``optim.load_state_dict`` takes, from a full, sharded or local FQN-keyed dict.
+
+    Under FULL_STATE_DICT with ``rank0_only`` only rank 0 needs to hold the dict: it is scattered.
+    """
+    settings = get_state_dict_type(model)
+    rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
+        result = scatter_full_optim_state_dict(optim_state_dict, model, optim=optim, group=group)
+    else:
+        rows = _optim_rows(model, optim, "optim_state_dict_to_load")
+        result = _loadable(
+            optim_state_dict,
+            model,
+            rows,
+            _to_local_state,
+            named=is_named_optimizer,
+            caller="optim_state_dict_to_load",
+        )
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def shard_full_optim_state_dict(
+    full_optim_state_dict: OsdT,
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> OsdT:
+    """This rank's part of a full FQN-keyed dict, loadable by ``optim`` (no communication).
+
+    Without ``optim`` (or ``optim_input``) the optimizer is assumed to have the dict's param groups, in order.
+    """
+    rows = _target_rows(model, optim, optim_input, "shard_full_optim_state_dict")
+    return _loadable(full_optim_state_dict, model, rows, _to_local_state, caller="shard_full_optim_state_dict")
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: OsdT, model: nn.Module, optim: torch.optim.Optimizer
+) -> OsdT:
+    """This rank's part of a sharded FQN-keyed dict (DTensors), loadable by ``optim``."""
+    rows = _optim_rows(model, optim, "flatten_sharded_optim_state_dict")
+    return _loadable(sharded_optim_state_dict, model, rows, _to_local_state, caller="flatten_sharded_optim_state_dict")
+
+
+def optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: OsdT | None = None, group: Any = None
+) -> OsdT:
+    """The optimizer state dict in the form set by the model's state dict type (full, sharded or local)."""
+    settings = get_state_dict_type(model)
+    config = settings.optim_state_dict_config
+    kind = settings.state_dict_type
+    if kind is StateDictType.FULL_STATE_DICT:
+        rank0_only = getattr(config, "rank0_only", False)
+        return full_optim_state_dict(
+            model,
+            optim,
+            optim_state_dict=optim_state_dict,
+            rank0_only=rank0_only,
+            offload_to_cpu=config.offload_to_cpu,
+            group=group,
+        )
+    as_dtensor = kind is StateDictType.SHARDED_STATE_DICT
+    return sharded_optim_state_dict(
+        model, optim, optim_state_dict=optim_state_dict, offload_to_cpu=config.offload_to_cpu, as_dtensor=as_dtensor
+    )
+
+
+# --- scatter ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Stands for a tensor in the structure rank 0 broadcasts before scattering."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _is_spec(value: Any) -> bool:
+    return isinstance(value, _Spec)
+
+
+def _skeleton(osd: OsdT) -> OsdT:
+    state = {
+        fqn: {n: _Spec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
+        for fqn, s in osd["state"].items()
+    }
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _skeleton_or_error(full: Any) -> OsdT | str:
+    if isinstance(full, dict) and isinstance(full.get("state"), dict) and "param_groups" in full:
+        return _skeleton(full)
+    return (
+        f"scatter_full_optim_state_dict(full_optim_state_dict={type(full).__name__}): rank 0 must pass the full "
+        "optimizer state dict (from full_optim_state_dict(), with 'state' and 'param_groups'); other ranks may "
+        "pass None."
+    )
+
+
+def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
+    for fqn, state in skeleton["state"].items():
+        p = params[fqn]
+        want = p.sp.shape if p.sp is not None else tuple(p.param.shape)
+        for name, value in state.items():
+            if _is_spec(value) and value.shape != want:
+                raise ValueError(
+                    f"scatter_full_optim_state_dict: optimizer state {name!r} of {fqn!r} has shape {value.shape} "
+                    f"but the parameter has shape {want}. Load a state dict saved from this architecture."
+                )
+
+
+def _scatter_unit(
+    group: ParamGroup,
+    holders: list[_Param],
+    name: str,
+    full_states: dict[str, dict[str, Any]] | None,
+    shard_ranks: list[int],
+    pg: dist.ProcessGroup,
+    src: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Scatter one per-element state of ``holders`` from ``src``; returns this rank's flat shard of it."""
+    out = torch.empty(group.shard_numel, dtype=dtype, device=group.device)
+    pieces = None
+    if full_states is not None:
+        pieces = []
+        for shard_rank in shard_ranks:
+            flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
+            for p in holders:
+                if p.sp is None:
+                    raise AssertionError(f"[rank {dist.get_rank()}] {p.fqn}: scattered without a unit")
+                lay = p.sp.layout.for_rank(shard_rank)
+                full = full_states[p.fqn][name].reshape(lay.dim0, lay.row_numel)
+                flat.narrow(0, p.sp.offset, lay.local_numel).copy_(
+                    full.narrow(0, lay.row_offset, lay.local_rows).reshape(-1)
+                )
+            pieces.append(flat)
+    dist.scatter(out, pieces, src=src, group=pg)
+    return out
+
+
+def _scatter_states(
+    params: list[_Param], skeleton: OsdT, full_states: dict[str, dict[str, Any]] | None, pg: dist.ProcessGroup, src: int
+) -> dict[str, dict[str, Any]]:
+    """Every rank's local per-element states, scattered unit by unit from ``src``, which holds them in full."""
+    specs = skeleton["state"]
+    out = {fqn: dict(s) for fqn, s in specs.items()}
+    groups = list({id(p.group): p.group for p in params if p.group is not None}.values())
+    position = {id(g): i for i, g in enumerate(groups)}
+    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, [g.shard_group.shard_rank for g in groups], group=pg)
+    for group, members in _by_unit(params, specs):
+        column = [ranks[position[id(group)]] for ranks in everyone]
+        for name in _elementwise_names(members, specs):
+            holders = [p for p in members if _is_spec(specs[p.fqn].get(name))]
+            dtype = specs[holders[0].fqn][name].dtype
+            flat = _scatter_unit(group, holders, name, full_states, column, pg, src, dtype)
+            for p in holders:
+                out[p.fqn][name] = p.sp.local_view(flat).to(specs[p.fqn][name].dtype, copy=True)  # type: ignore[union-attr]
+    for p in params:
+        for name, value in out.get(p.fqn, {}).items():
+            if _is_spec(value):  # a parameter outside any unit: whole on every rank
+                tensor = (
+                    full_states[p.fqn][name] if full_states is not None else torch.empty(value.shape, dtype=value.dtype)
+                )
+                tensor = tensor.to(_local(p.param).device)
+                dist.broadcast(tensor, src=src, group=pg)
+                out[p.fqn][name] = tensor
+    return out
+
+
+def scatter_full_optim_state_dict(
+    full_optim_state_dict: OsdT | None,
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> OsdT:
+    """Like :func:`shard_full_optim_state_dict`, but only rank 0 (of ``group``) holds the full dict.
+
+    Rank 0 broadcasts the dict's structure (no tensors), then scatters each unit's per-element states one
+    state name at a time: every other rank receives only its own shard.
+    """
+    pg = group or dist.group.WORLD
+    src = dist.get_global_rank(pg, 0)
+    is_src = dist.get_rank(pg) == 0
+    holder: list[Any] = [None]
+    if is_src:
+        holder = [_skeleton_or_error(full_optim_state_dict)]
+    dist.broadcast_object_list(holder, src=src, group=pg)
+    if isinstance(holder[0], str):  # rank 0's input is unusable: every rank raises, none waits
+        raise ValueError(holder[0])
+    skeleton: OsdT = holder[0]
+    params = model_params(model)
+    by_fqn = {p.fqn: p for p in params}
+    _check_names(skeleton["state"], by_fqn, "scatter_full_optim_state_dict")
+    _check_spec_shapes(skeleton, by_fqn)
+    full_states = full_optim_state_dict["state"] if is_src else None  # type: ignore[index]
+    local = {"state": _scatter_states(params, skeleton, full_states, pg, src), "param_groups": skeleton["param_groups"]}
+    rows = _target_rows(model, optim, optim_input, "scatter_full_optim_state_dict")
+
+    def wrap(p: _Param, name: str, value: Any) -> Any:
+        if p.group is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value.clone() if isinstance(value, torch.Tensor) else value
+        return _like_param(p, value)
+
+    return _loadable(local, model, rows, wrap, caller="scatter_full_optim_state_dict")
+
+
+# --- rekey --------------------------------------------------------------------------------------------
+
+
+def rekey_optim_state_dict(
+    optim_state_dict: OsdT,
+    optim_state_key_type: OptimStateKeyType | str,
+    model: nn.Module,
+    optim_input: Iterable[Any] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+) -> OsdT:
+    """Re-key ``optim_state_dict`` by parameter names (FQNs) or by parameter ids (positions in the optimizer).
+
+    Ids count the optimizer's parameters in order: ``optim``'s, else ``optim_input``'s, else ``model.parameters()``.
+    Works for wrapped and unwrapped models alike; values are not touched.
+    """
+    kind = coerce_enum(optim_state_key_type, OptimStateKeyType, arg="optim_state_key_type", allow_int=True)
+    rows = _target_rows(model, optim, optim_input, "rekey_optim_state_dict")
+    order = [p for row in rows for p in row] if rows is not None else model_params(model)
+    names = [p.fqn for p in order]
+    if kind is OptimStateKeyType.PARAM_NAME:
+        mapping: dict[Any, Any] = dict(enumerate(names))
+        keep = str
+    else:
+        mapping = {name: i for i, name in enumerate(names)}
+        keep = int
+
+    def rekey(key: Any) -> Any:
+        if isinstance(key, keep):
+            return key
+        if key not in mapping:
+            raise ValueError(
+                f"rekey_optim_state_dict: key {key!r} names no parameter of the model's {len(names)} parameters "
+                "(in optimizer order). Pass the model (and optim) the state dict belongs to."
+            )
+        return mapping[key]
+
+    state = {rekey(k): v for k, v in optim_state_dict["state"].items()}
+    groups = [{**g, "params": [rekey(k) for k in g["params"]]} for g in optim_state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,544 @@
+"""Model state dicts of sharded modules: FULL, SHARDED and LOCAL, through hooks on every unit.
+
+[Note: state dict hooks]
+Every unit module (a ``FullyShardedDataParallel`` wrapper or a ``fully_shard`` module) carries three hooks,
+so that ``state_dict()`` / ``load_state_dict()`` work from any module above it (the unit itself, a plain
+module holding units, ``DDP(FSDP(...))``):
+
+- state-dict post-hook: ``nn.Module.state_dict`` has stored the unit's registered (sharded) parameters
+  under their raw keys; the hook replaces them by what the unit's :class:`StateDictType` asks for, then a
+  wrapper drops its ``_fsdp_wrapped_module.`` segment from every key below it, keeping the order. Keys are
+  therefore the original module's keys, and a FULL state dict equals the unwrapped model's.
+- load pre-hook: a wrapper inserts its segment back into the incoming keys below it; then the unit takes its
+  own parameters' entries out of the dict and copies this rank's rows of them into its flat shard, so
+  ``nn.Module`` never copies a full tensor into a shard.
+- load post-hook: the keys the unit took are removed from ``missing_keys`` (``nn.Module`` reports them,
+  not finding them any more), and every reported key is cleaned of wrapper segments.
+
+Values, per type (``G`` = the unit's padded shard numel, see [Note: group buffers] in ``group.py``):
+
+- FULL_STATE_DICT: full tensors, gathered one unit at a time; with ``rank0_only`` ranks other than 0 drop
+  each unit's tensors (and buffers) as soon as they are gathered, ending with ``{}``.
+- SHARDED_STATE_DICT: per parameter, a ``DTensor`` of the full shape over the unit's mesh: ``Shard(0)`` on a
+  1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D (replicate, shard) mesh, ``Replicate()`` for NO_SHARD.
+  Its local tensor is a view of the flat shard (no copy), as ``fully_shard``'s parameters are.
+- LOCAL_STATE_DICT: per unit, ``<unit prefix>_flat_param``: a 1-D ``DTensor`` (global ``shard_size * G``
+  elements, same placements) whose local tensor is this rank's padded flat shard. It only loads into the
+  same model on the same number of ranks.
+
+Buffers are saved in the dtype they had when the unit was built, even after mixed precision cast them
+(torch's FSDP does the same), so that the state dict of a bf16-trained model loads into an fp32 one.
+
+Loading takes full tensors or DTensors (any mesh and placement of the right global shape) for the
+parameter keys, or ``_flat_param`` entries, whatever the type in force. Buffers and parameters outside any
+unit are left to ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fullshard.engine.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from fullshard.engine.coerce import coerce_enum
+from fullshard.engine.group import ParamGroup
+from fullshard.engine.param import ShardedParam
+from fullshard.engine.state import UnitState, unit_state, unit_states_in
+
+__all__ = [
+    "FLAT_PARAM",
+    "clean_key",
+    "get_state_dict_type",
+    "install_state_dict_hooks",
+    "load_checked",
+    "placements_for",
+    "rows_of",
+    "set_state_dict_type",
+    "sharded_dtensor",
+    "state_dict_type",
+]
+
+WRAPPED_SEGMENT = "_fsdp_wrapped_module."
+FLAT_PARAM = "_flat_param"
+
+_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def clean_key(key: str) -> str:
+    """``key`` without any ``_fsdp_wrapped_module`` segment."""
+    return ".".join(part for part in key.split(".") if part != WRAPPED_SEGMENT[:-1])
+
+
+def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
+    model_cfg, optim_cfg = _CONFIGS[state_dict_type]
+    return StateDictSettings(state_dict_type, model_cfg(), optim_cfg())
+
+
+@dataclass
+class _DictUnit:
+    """State-dict bookkeeping of one unit module; see [Note: state dict hooks]."""
+
+    state: UnitState
+    settings: StateDictSettings
+    segment: str  # "_fsdp_wrapped_module." for a wrapper, "" for a fully_shard module
+    where: str  # how errors name the unit, e.g. "FullyShardedDataParallel(TinyGPT)"
+    consumed: set[str] = field(default_factory=set)  # clean keys taken by the running load
+    buffer_dtypes: list[tuple[str, torch.dtype]] = field(default_factory=list)  # raw relative key, dtype
+    _keys: list[tuple[ShardedParam, list[str]]] | None = None
+
+    def _paths(self) -> dict[int, list[str]]:
+        paths: dict[int, list[str]] = {}
+        for path, module in self.state.module.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), []).append(path + "." if path else "")
+        return paths
+
+    def param_keys(self) -> list[tuple[ShardedParam, list[str]]]:
+        """Each own parameter with its raw keys relative to the unit module (several when tied)."""
+        if self._keys is None:
+            group = self.state.group
+            paths = self._paths()
+            params = [] if group is None else group.params
+            self._keys = [
+                (sp, [base + name for module, name in sp.registrations for base in paths.get(id(module), [])])
+                for sp in params
+            ]
+        return self._keys
+
+    def record_buffer_dtypes(self) -> None:
+        """Remember the unit's floating-point buffers' dtypes before mixed precision casts them."""
+        paths = self._paths()
+        self.buffer_dtypes = [
+            (base + name, buf.dtype)
+            for module in self.state.own_modules
+            for name, buf in module._buffers.items()
+            if buf is not None and buf.is_floating_point()
+            for base in paths.get(id(module), [])
+        ]
+
+
+_UNITS: weakref.WeakKeyDictionary[nn.Module, _DictUnit] = weakref.WeakKeyDictionary()
+
+
+def install_state_dict_hooks(
+    module: nn.Module, state: UnitState, *, default_type: StateDictType, segment: str, where: str
+) -> None:
+    """Attach the hooks of [Note: state dict hooks] to the unit ``module``; ``default_type`` is in force until set."""
+    unit = _DictUnit(state, default_settings(default_type), segment, where)
+    unit.record_buffer_dtypes()
+    _UNITS[module] = unit
+    module.register_state_dict_post_hook(_post_state_dict)
+    module.register_load_state_dict_pre_hook(_pre_load)
+    module.register_load_state_dict_post_hook(_post_load)
+
+
+def _unit(module: nn.Module) -> _DictUnit:
+    unit = _UNITS.get(module)
+    if unit is None:
+        raise AssertionError(f"[rank {_rank()}] {type(module).__name__}: state dict hook on a module without a unit")
+    return unit
+
+
+def _units_in(module: nn.Module, caller: str) -> list[_DictUnit]:
+    units = [u for s in unit_states_in(module) if (u := _UNITS.get(s.module)) is not None]
+    if not units:
+        raise ValueError(
+            f"{caller}(module={type(module).__name__}): the module holds no sharded unit. Pass the model after "
+            "wrapping it with FullyShardedDataParallel or fully_shard."
+        )
+    return units
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# --- settings -----------------------------------------------------------------------------------------
+
+
+def _coerce_config(config: Any, wanted: type, base: type, arg: str, type_name: str) -> Any:
+    """``config`` as ``wanted``: ours, the base class (its fields carried over), or torch's class of that name."""
+    if config is None:
+        return wanted()
+    if type(config) is wanted:
+        return config
+    if type(config).__name__ in (wanted.__name__, base.__name__):
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(wanted) if hasattr(config, f.name)}
+        return wanted(**values)
+    raise ValueError(
+        f"set_state_dict_type({arg}={type(config).__name__}(...)): {type_name} takes a {wanted.__name__} "
+        f"(or a plain {base.__name__}). Pass {wanted.__name__}(...) or leave {arg} unset for the defaults."
+    )
+
+
+def set_state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType | str,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> StateDictSettings:
+    """Set the state dict type and configs of every unit in ``module``; return the settings in force before.
+
+    Unset configs take their type's defaults. The previous settings returned are the first unit's.
+    """
+    units = _units_in(module, "set_state_dict_type")
+    kind = coerce_enum(state_dict_type, StateDictType, arg="state_dict_type", allow_int=True)
+    model_cls, optim_cls = _CONFIGS[kind]
+    settings = StateDictSettings(
+        kind,
+        _coerce_config(state_dict_config, model_cls, StateDictConfig, "state_dict_config", kind.name),
+        _coerce_config(optim_state_dict_config, optim_cls, OptimStateDictConfig, "optim_state_dict_config", kind.name),
+    )
+    previous = units[0].settings
+    for unit in units:
+        unit.settings = settings
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings in force on the units of ``module``; raises ``AssertionError`` if the units disagree."""
+    units = _units_in(module, "get_state_dict_type")
+    settings = units[0].settings
+    for unit in units[1:]:
+        if unit.settings != settings:
+            raise AssertionError(
+                f"get_state_dict_type({type(module).__name__}): the units disagree: {units[0].where} has "
+                f"{settings} but {unit.where} has {unit.settings}. Set one type for the whole model with "
+                "FullyShardedDataParallel.set_state_dict_type(model, ...)."
+            )
+    return settings
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module,
+    state_dict_type: StateDictType | str,
+    state_dict_config: StateDictConfig | None = None,
+    optim_state_dict_config: OptimStateDictConfig | None = None,
+) -> Iterator[None]:
+    """:func:`set_state_dict_type` for the block; every unit gets its own previous settings back."""
+    units = _units_in(module, "state_dict_type")
+    previous = [u.settings for u in units]
+    set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for unit, settings in zip(units, previous):
+            unit.settings = settings
+
+
+# --- values -------------------------------------------------------------------------------------------
+
+
+def placements_for(group: ParamGroup) -> tuple[Placement, ...]:
+    """How a unit's sharded tensors lie on its mesh (see the module docstring)."""
+    mesh = group.shard_group.get_mesh()
+    if mesh.ndim == 2:
+        return (Replicate(), Shard(0))
+    if group.shard_group.shard_pg is None:
+        return (Replicate(),)
+    return (Shard(0),)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def sharded_dtensor(group: ParamGroup, sp: ShardedParam, local: torch.Tensor) -> DTensor:
+    """``local`` (this rank's real rows of ``sp``) as a DTensor of ``sp``'s full shape on the unit's mesh."""
+    if not sp.shape:
+        raise ValueError(
+            f"sharded state dict: parameter {sp.fqn!r} is 0-dimensional, which cannot be sharded on dim 0. "
+            "Use StateDictType.FULL_STATE_DICT for this model, or make the parameter shape (1,)."
+        )
+    shape = torch.Size(sp.shape)
+    mesh = group.shard_group.get_mesh()
+    return DTensor.from_local(
+        local, mesh, placements_for(group), run_check=False, shape=shape, stride=_contiguous_stride(sp.shape)
+    )
+
+
+def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
+    """This rank's real rows (``layout.local_shape``) of ``value``: a full tensor or a DTensor of ``sp``'s shape.
+
+    A DTensor on the unit's own mesh and placements gives its local tensor; any other is gathered first
+    (a collective over its mesh, which every rank reaches in the same order).
+    """
+    shape = tuple(value.shape)
+    if shape != sp.shape:
+        raise ValueError(
+            f"{key}: the value has shape {shape} but the parameter has shape {sp.shape}. Load a state dict "
+            "of the same architecture (full shapes, as the unwrapped model's state_dict() has)."
+        )
+    if isinstance(value, DTensor):
+        if value.device_mesh == group.shard_group.get_mesh() and tuple(value.placements) == placements_for(group):
+            return value.to_local()
+        value = value.full_tensor()
+    lay = sp.layout
+    return value.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
+
+
+# --- save ---------------------------------------------------------------------------------------------
+
+
+def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    unit = _unit(module)
+    group = unit.state.group
+    kind = unit.settings.state_dict_type
+    config = unit.settings.state_dict_config
+    if group is not None:
+        if kind is StateDictType.FULL_STATE_DICT:
+            _save_full(unit, group, destination, prefix, config)
+        elif kind is StateDictType.SHARDED_STATE_DICT:
+            _save_sharded(unit, group, destination, prefix, config.offload_to_cpu)
+        else:
+            _save_local(unit, group, destination, prefix, config.offload_to_cpu)
+    for key, dtype in unit.buffer_dtypes:  # buffers cast by mixed precision are saved in their own dtype
+        value = destination.get(prefix + key)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            destination[prefix + key] = value.to(dtype)
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and _rank() != 0:
+        for key in [k for k in destination if k.startswith(prefix)]:
+            del destination[key]
+    if unit.segment:
+        _rename_prefix(destination, prefix + unit.segment, prefix)
+
+
+def _save_full(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, config: Any) -> None:
+    fulls = group.gather_full()  # collective over the shard group: every rank, every unit, same order
+    if getattr(config, "rank0_only", False) and _rank() != 0:
+        return
+    for (_, keys), full in zip(unit.param_keys(), fulls):
+        value = full.cpu() if config.offload_to_cpu else full
+        for key in keys:
+            out[prefix + key] = value
+
+
+def _save_sharded(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, offload: bool) -> None:
+    for sp, keys in unit.param_keys():
+        local = sp.local_view(group.flat_shard).detach()
+        value = sharded_dtensor(group, sp, local.cpu() if offload else local)
+        for key in keys:
+            out[prefix + key] = value
+
+
+def _save_local(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, offload: bool) -> None:
+    for _, keys in unit.param_keys():
+        for key in keys:
+            out.pop(prefix + key, None)
+    flat = group.flat_shard.detach()
+    flat = flat.cpu() if offload else flat
+    world = group.shard_group.shard_size
+    mesh = group.shard_group.get_mesh()
+    shape = torch.Size((world * group.shard_numel,))
+    out[prefix + FLAT_PARAM] = DTensor.from_local(
+        flat, mesh, placements_for(group), run_check=False, shape=shape, stride=(1,)
+    )
+
+
+def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
+    """Replace the leading ``raw`` of keys by ``clean``, keeping the order (and the ``_metadata`` keys)."""
+    if any(k.startswith(raw) for k in destination):
+        items = list(destination.items())
+        destination.clear()
+        for key, value in items:
+            destination[clean + key[len(raw) :] if key.startswith(raw) else key] = value
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is not None and any(k == raw[:-1] or k.startswith(raw) for k in metadata):
+        items = list(metadata.items())
+        metadata.clear()
+        for key, value in items:
+            if key == raw[:-1]:
+                metadata[clean[:-1]] = value
+            elif key.startswith(raw):
+                metadata[clean + key[len(raw) :]] = value
+            elif key not in metadata:
+                metadata[key] = value
+
+
+# --- load ---------------------------------------------------------------------------------------------
+
+
+def _pre_load(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    unit = _unit(module)
+    if unit.segment:
+        _insert_segment(state_dict, prefix, unit.segment)
+    group = unit.state.group
+    if group is None:
+        return
+    group.reshard()
+    unit.consumed = set()
+    flat_key = prefix + FLAT_PARAM
+    if flat_key in state_dict:
+        _load_local(group, state_dict.pop(flat_key), clean_key(flat_key))
+        unit.consumed = {clean_key(prefix + k) for _, keys in unit.param_keys() for k in keys}
+        return
+    with torch.no_grad():
+        for sp, keys in unit.param_keys():
+            present = [prefix + k for k in keys if prefix + k in state_dict]
+            if not present:
+                continue
+            values = [state_dict.pop(k) for k in present]
+            unit.consumed.update(clean_key(k) for k in present)
+            sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
+
+
+def _insert_segment(state_dict: dict[str, Any], prefix: str, segment: str) -> None:
+    """Move keys ``prefix + rest`` to ``prefix + segment + rest`` (not the unit's own ``_flat_param``)."""
+    own = prefix + FLAT_PARAM
+    moved = [k for k in state_dict if k.startswith(prefix) and k != own and not k.startswith(prefix + segment)]
+    for key in moved:
+        state_dict[prefix + segment + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _load_local(group: ParamGroup, value: Any, key: str) -> None:
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if not isinstance(local, torch.Tensor) or local.numel() != group.shard_numel:
+        got = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
+        raise ValueError(
+            f"{key}: a LOCAL_STATE_DICT flat shard of {got} elements, but this rank's shard of the unit holds "
+            f"{group.shard_numel}. Local state dicts only load into the same model on the same number of ranks; "
+            "use SHARDED_STATE_DICT or FULL_STATE_DICT to change either."
+        )
+    with torch.no_grad():
+        group.flat_shard.copy_(local.reshape(-1))
+
+
+def _post_load(module: nn.Module, incompatible: _IncompatibleKeys) -> None:
+    unit = _unit(module)
+    consumed, unit.consumed = unit.consumed, set()
+    incompatible.missing_keys[:] = [k for k in map(clean_key, incompatible.missing_keys) if k not in consumed]
+    incompatible.unexpected_keys[:] = [clean_key(k) for k in incompatible.unexpected_keys]
+
+
+# --- checked load (the entry points' load_state_dict) -------------------------------------------------
+
+
+@dataclass
+class _Expected:
+    """What a state dict of a module holds: clean key -> full shape (``None``: not a tensor)."""
+
+    shapes: dict[str, tuple[int, ...] | None]
+    flats: dict[str, tuple[int, set[str]]]  # clean `_flat_param` key -> (G, the parameter keys it stands for)
+
+
+def _expected(module: nn.Module) -> _Expected:
+    sharded: dict[tuple[int, str], ShardedParam] = {}
+    for state in unit_states_in(module):
+        for sp in [] if state.group is None else state.group.params:
+            for holder, name in sp.registrations:
+                sharded[(id(holder), name)] = sp
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    keys_of: dict[int, set[str]] = {}
+    flat_units: list[tuple[str, ParamGroup]] = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        base = path + "." if path else ""
+        state = unit_state(m)
+        if state is not None and state.group is not None:
+            flat_units.append((clean_key(base + FLAT_PARAM), state.group))
+        for name, p in m._parameters.items():
+            if p is not None:
+                sp = sharded.get((id(m), name))
+                shapes[clean_key(base + name)] = sp.shape if sp is not None else tuple(p.shape)
+                if sp is not None:
+                    keys_of.setdefault(id(sp), set()).add(clean_key(base + name))
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                shapes[clean_key(base + name)] = tuple(b.shape)
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            shapes[clean_key(base + "_extra_state")] = None
+    flats = {
+        key: (group.shard_numel, set().union(*(keys_of.get(id(sp), set()) for sp in group.params)))
+        for key, group in flat_units
+    }
+    return _Expected(shapes, flats)
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(repr(k) for k in keys[:8])
+    return f"[{shown}{', ...' if len(keys) > 8 else ''}] ({len(keys)})"
+
+
+def _mismatches(module: nn.Module, state_dict: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """Missing keys, unexpected keys and shape mismatches (as text) of ``state_dict`` against ``module``."""
+    state_dict = {clean_key(k): v for k, v in state_dict.items()}
+    want = _expected(module)
+    covered = set().union(*(keys for k, (_, keys) in want.flats.items() if k in state_dict))
+    missing = [k for k in want.shapes if k not in state_dict and k not in covered]
+    unexpected = [k for k in state_dict if k not in want.shapes and k not in want.flats]
+    shapes = []
+    for key, shape in want.shapes.items():
+        value = state_dict.get(key)
+        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+            shapes.append(f"{key!r}: {tuple(value.shape)} in the state dict, {shape} in the model")
+    return missing, unexpected, shapes
+
+
+def load_checked(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    assign: bool,
+    load: Callable[..., _IncompatibleKeys],
+) -> _IncompatibleKeys:
+    """Check ``state_dict`` against ``module`` (keys when ``strict``, shapes always), then ``load`` it.
+
+    Raises ``RuntimeError`` before anything is copied, naming the missing and unexpected keys and the
+    shape mismatches. Every rank checks the same dict, so every rank raises.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_state_dict(state_dict={type(state_dict).__name__}): expected a dict of name -> tensor.")
+    missing, unexpected, shapes = _mismatches(module, state_dict)
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {_listed(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {_listed(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatches [{'; '.join(shapes[:8])}{'; ...' if len(shapes) > 8 else ''}]")
+    if problems:
+        where = _unit(module).where
+        raise RuntimeError(
+            f"{where}.load_state_dict(strict={strict}): the state dict does not match the model: "
+            f"{'; '.join(problems)}. Load a state dict of this architecture, keyed as the unwrapped model's "
+            "state_dict() is (FULL and SHARDED state dicts are)"
+            + (", or pass strict=False to load only the keys present." if not shapes else ".")
+        )
+    return load(state_dict, strict=strict, assign=assign)
