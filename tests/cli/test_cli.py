@@ -28,8 +28,11 @@ WORKER = textwrap.dedent(
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)
     launch = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("FSDP_", "ACCELERATE_")))
-    print(f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} SUM={total.item():g} "
-          f"ARGS={sys.argv[1:]} {launch}", flush=True)
+    # One write per line: the launcher runs workers unbuffered, and print() writes the newline apart,
+    # so two ranks' lines could interleave.
+    sys.stdout.write(f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} SUM={total.item():g} "
+                     f"ARGS={sys.argv[1:]} {launch}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     """
 )
