@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.api import StateDictType
+from fullshard.engine.api import FullStateDictConfig, StateDictType
 from fullshard.engine.fully_shard import FSDPModule
+from fullshard.engine.state_dict import state_dict_type
 from fullshard.engine.summon import summon_full_params
 from fullshard.engine.wrapper import FullyShardedDataParallel
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -86,10 +87,12 @@ def finish_model_load(model: nn.Module, plugin: FullyShardedDataParallelPlugin, 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer in full, on the CPU, on rank 0 (other ranks: ``{}``); a collective."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=True):
-        if rank != 0:
-            return {}
-        return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in model.state_dict().items()}
+    config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        full = model.state_dict()
+    if rank != 0:
+        return {}
+    return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in full.items()}
 
 
 def load_full_model_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:
@@ -100,7 +103,9 @@ def load_full_model_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     with summon_full_params(model, writeback=True), torch.no_grad():
-        target = {k.replace(_WRAPPED, ""): v for k, v in model.state_dict().items()}
+        # The summoned parameters are full nn.Parameters under their original names (tied ones under each).
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        target = {k.replace(_WRAPPED, ""): v for k, v in named}
         problem = [_full_problem(full_sd or {}, target) if rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(problem, src=0)
