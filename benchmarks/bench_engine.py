@@ -201,8 +201,14 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
     }
 
 
-def _bench_all(rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
+def _bench_all(
+    rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int, direct_min_mb: float | None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
+    if direct_min_mb is not None:
+        from fullshard.engine import group
+
+        group.DIRECT_MIN_BYTES = int(direct_min_mb * 2**20)
     return {name: _bench_one(rank, world, name, cfg, steps, batch) for name in names}
 
 
@@ -213,9 +219,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
+    parser.add_argument(
+        "--direct_min_mb",
+        type=float,
+        default=None,
+        help="gathered size from which fullshard gathers a parameter on its own (default: the engine's)",
+    )
     args = parser.parse_args()
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.width)
-    results = run_on_ranks(_bench_all, WORLD, args.systems, cfg, args.steps, args.batch)
+    results = run_on_ranks(_bench_all, WORLD, args.systems, cfg, args.steps, args.batch, args.direct_min_mb)
     report(results, args.systems)
 
 

@@ -172,3 +172,52 @@ def _torch_enum_strategy(rank: int, world: int) -> str:
 
 def test_torch_enum_accepted(pool2: WorkerPool) -> None:
     assert pool2.run(_torch_enum_strategy) == ["SHARD_GRAD_OP", "SHARD_GRAD_OP"]
+
+
+def _run_with_direct_gathers(rank: int, world: int, spec: TrainSpec, shard: functools.partial) -> RunResult:
+    """Lower the threshold so that every large-enough parameter takes the direct (per-parameter) path."""
+    from fullshard.engine import group
+
+    previous = group.DIRECT_MIN_BYTES
+    group.DIRECT_MIN_BYTES = 512  # bytes gathered: the matrices go direct, norms and biases stay packed
+    try:
+        return run(rank, world, spec, shard)
+    finally:
+        group.DIRECT_MIN_BYTES = previous
+
+
+def _count_direct(rank: int, world: int) -> tuple[int, int]:
+    from fullshard.engine import group
+    from fullshard.engine.state import unit_states_in
+
+    previous = group.DIRECT_MIN_BYTES
+    group.DIRECT_MIN_BYTES = 512
+    try:
+        model = wrap_fsdp(TrainSpec().model(), "FULL_SHARD")
+    finally:
+        group.DIRECT_MIN_BYTES = previous
+    groups = [s.group for s in unit_states_in(model) if s.group is not None]
+    return sum(len(g.direct) for g in groups), sum(len(g.packed) for g in groups)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_direct_per_parameter_gathers_keep_parity(pool2: WorkerPool, reference: RunResult, strategy: str) -> None:
+    direct, packed = pool2.run(_count_direct)[0]
+    assert direct > 0 and packed > 0  # both paths are exercised
+    for result in pool2.run(_run_with_direct_gathers, SPEC, functools.partial(wrap_fsdp, strategy=strategy)):
+        assert_parity(result, reference)
+
+
+def test_direct_gathers_with_accumulation_and_bf16(pool2: WorkerPool) -> None:
+    from fullshard import MixedPrecision
+
+    spec = TrainSpec(accumulate=2)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard = functools.partial(wrap_fsdp, strategy="FULL_SHARD", mixed_precision=mp)
+    bf16 = TrainSpec(accumulate=2, compute_dtype=torch.bfloat16, optimizer="sgd", lr=0.1)
+    want = reference_run(spec)
+    for result in pool2.run(_run_with_direct_gathers, spec, functools.partial(wrap_fsdp, strategy="FULL_SHARD")):
+        assert_parity(result, want)
+    want_bf16 = reference_run(bf16)
+    for result in pool2.run(_run_with_direct_gathers, bf16, shard):
+        torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_bf16.losses), atol=2e-2, rtol=1e-2)

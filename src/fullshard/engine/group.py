@@ -23,6 +23,16 @@ Alive in each state (besides ``flat_shard`` and any sharded gradients):
 
 With one rank per shard group and no dtype cast (NO_SHARD), ``flat_full`` aliases ``flat_shard``:
 unsharding is registering views, and resharding frees nothing.
+
+[Note: packed and direct parameters]
+Gathering all of a unit in one collective needs a copy-out from the rank-major all-gather output into
+``flat_full``; on gloo that copy and gloo's throughput on very large buffers cost more than the latency
+saved once a unit holds tens of MB (``benchmarks/bench_layout.py``). But a single parameter's padded full
+block *is* rank-major: an all-gather of its padded shard lands directly in its ``flat_full`` block, and a
+reduce-scatter reads its gradient block directly. So on gloo, parameters whose gathered size reaches
+``DIRECT_MIN_BYTES`` are *direct*: laid out after the *packed* ones (a prefix of ``flat_shard`` and of the
+gradient layout), and gathered and reduced one collective each, with no copy at all. The packed prefix
+keeps one collective for all the small parameters (norms, biases), which would each cost gloo's latency.
 """
 
 from __future__ import annotations
@@ -71,9 +81,9 @@ class GroupPrecision:
 
 @dataclass
 class _PendingReduce:
-    work: dist.Work | None
-    output: torch.Tensor  # 1D, G, reduce dtype
-    keep_alive: torch.Tensor | None  # the reduce-scatter input, until the work completes
+    works: list[dist.Work]
+    output: torch.Tensor  # 1D, G_t, reduce dtype
+    keep_alive: object  # the reduce-scatter inputs, until the works complete
     divided: bool
 
 
@@ -110,18 +120,32 @@ class ParamGroup:
             ShardedParam(name, regs, ShardLayout(tuple(p.shape), world, rank), p.dtype, p.requires_grad)
             for name, regs, p in entries
         ]
-        offsets = group_offsets([sp.layout.padded_shard_numel for sp in self.params])
-        for sp, offset in zip(self.params, offsets):
+        self.world = world
+        # See [Note: packed and direct parameters]: small parameters first, gathered as one flat buffer.
+        min_numel = DIRECT_MIN_BYTES // self.precision.param_dtype.itemsize
+        is_direct = [
+            world > 1 and world * sp.layout.padded_shard_numel >= min_numel and _gathers_directly(shard_group)
+            for sp in self.params
+        ]
+        self.direct = [sp for sp, d in zip(self.params, is_direct) if d]
+        self.packed = [sp for sp, d in zip(self.params, is_direct) if not d]
+        self._direct_ids = {id(sp) for sp in self.direct}
+        ordered = self.packed + self.direct
+        self.layout_order = ordered  # parameters by offset in flat_shard and flat_full
+        for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
+        self.packed_numel = sum(sp.layout.padded_shard_numel for sp in self.packed)  # G_p <= G, a prefix
         # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
-        self.grad_params = [sp for sp in self.params if sp.requires_grad]
+        self.grad_params = [sp for sp in ordered if sp.requires_grad]
         for sp, offset in zip(
             self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
         ):
             sp.grad_offset = offset
         self.grad_numel = sum(sp.layout.padded_shard_numel for sp in self.grad_params)  # G_t <= G
-        self.world = world
+        self.packed_grad_numel = sum(
+            sp.layout.padded_shard_numel for sp in self.grad_params if id(sp) not in self._direct_ids
+        )
         self.use_dtensor = use_dtensor
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
@@ -133,9 +157,10 @@ class ParamGroup:
         # Told (old, new) on every state change; the unit state counts gathered units with it.
         self.listener: Callable[[ShardState, ShardState], None] | None = None
         self.summoned = False  # full-precision copies registered by summon_full_params
-        self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
         self._pending: list[_PendingReduce] = []
         self._unsharded_version = -1
+        self._full_version = 0  # flat_full's version counter when a direct gather was issued
         for sp, (_, _, original) in zip(self.params, entries):
             retire(original, sp.sharded_param)
             set_owner(sp.sharded_param, label)
@@ -202,12 +227,9 @@ class ParamGroup:
             self.state = ShardState.SHARDED  # the shards changed since the gather: gather again
         send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
         if self.world == 1:
-            self._gather = (None, send)
+            self._gather = ([], send)
         else:
-            out = torch.empty(self.world * self.shard_numel, dtype=send.dtype, device=self.device)
-            # Always issued asynchronously: a caller that needs the result now calls wait_for_unshard()
-            # at once, and the time blocked there is then the whole (exposed) all-gather.
-            self._gather = (all_gather_flat(out, send, self.shard_group.shard_pg, async_op=True), out)
+            self._gather = self._issue_gathers(send)
         self._unsharded_version = self.flat_shard._version
         self.state = ShardState.UNSHARDING
 
@@ -217,32 +239,63 @@ class ParamGroup:
             return
         if self._gather is None:
             raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: UNSHARDING without a gather")
-        work, gathered = self._gather
+        works, gathered = self._gather
         self._gather = None
-        if work is not None:
+        if works:
             start = time.perf_counter()
-            work.wait()
+            for work in works:
+                work.wait()
+            if self.direct:
+                # gloo copies into a direct block with ATen ops on its own thread, bumping flat_full's version
+                # counter whenever it finishes; put back the version autograd saw (see _copy_out).
+                torch._C._autograd._unsafe_set_version_counter((self.flat_full,), (self._full_version,))
             COMM_STATS.add_wait("all_gather", time.perf_counter() - start)
-        if not self.alias_full:
+        if not self.alias_full and gathered is not None:
             self._copy_out(gathered)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
-    def _copy_out(self, gathered: torch.Tensor) -> None:
+    def _issue_gathers(self, send: torch.Tensor) -> tuple[list[dist.Work], torch.Tensor | None]:
+        """Start the all-gathers: one for the packed prefix, one per direct parameter (into place).
+
+        Always asynchronous: a caller that needs the result now calls wait_for_unshard() at once, and
+        the time blocked there is then the whole (exposed) all-gather.
+        """
+        pg, works = self.shard_group.shard_pg, []
+        out = None
+        if self.packed:
+            out = torch.empty(self.world * self.packed_numel, dtype=send.dtype, device=self.device)
+            works.append(all_gather_flat(out, send.narrow(0, 0, self.packed_numel), pg, async_op=True))
+        if self.direct:
+            self._allocate_full()
+            self._full_version = self.flat_full._version
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                for sp in self.direct:
+                    shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
+                    works.append(all_gather_flat(self._full_block(sp), shard, pg, async_op=True))
+        return works, out
+
+    def _allocate_full(self) -> None:
         full = self.flat_full
         storage = full.untyped_storage()
         nbytes = full.numel() * full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+
+    def _copy_out(self, gathered: torch.Tensor) -> None:
+        """Move the packed parameters' rank-major pieces into their ``flat_full`` blocks."""
+        self._allocate_full()
+        full = self.flat_full
         # The copy must not bump the version counter: autograd saved views of flat_full in forward and
         # checks the counter in backward, and this write restores exactly the data they saw.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
             if self.world == 1:
                 full.copy_(gathered)
                 return
-            blocks = [self._full_block(sp).view(self.world, -1) for sp in self.params]
-            sizes = [sp.layout.padded_shard_numel for sp in self.params]
-            torch.split_with_sizes_copy(gathered.view(self.world, self.shard_numel), sizes, dim=1, out=blocks)
+            blocks = [self._full_block(sp).view(self.world, -1) for sp in self.packed]
+            sizes = [sp.layout.padded_shard_numel for sp in self.packed]
+            by_rank = gathered.view(self.world, self.packed_numel)
+            torch.split_with_sizes_copy(by_rank, sizes, dim=1, out=blocks)
 
     def _full_block(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
         """``sp``'s padded full block inside ``flat`` (default ``flat_full``), in ``flat_full``'s layout."""
@@ -251,12 +304,12 @@ class ParamGroup:
 
     def _register_full_views(self) -> None:
         sizes: list[int] = []
-        for sp in self.params:
+        for sp in self.layout_order:
             sizes += [sp.layout.numel, self.world * sp.layout.padded_shard_numel - sp.layout.numel]
         # One split (not one slice per parameter): its backward writes the whole flat gradient at once.
         with torch.enable_grad():
             pieces = torch.split(self.flat_full, sizes)
-            for i, sp in enumerate(self.params):
+            for i, sp in enumerate(self.layout_order):
                 view = pieces[2 * i].view(sp.shape)
                 sp.register(view if sp.requires_grad else view.detach())
 
@@ -290,32 +343,47 @@ class ParamGroup:
         rdtype = self.precision.reduce_dtype
         if grad is None:
             grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
-        rank_major = self._rank_major(grad, rdtype)  # (N, G_t)
-        del grad
-        dp = self.shard_group.data_parallel_size
+        elif grad.dtype != rdtype:
+            grad = grad.to(rdtype)
         if self.comm_hook is not None:
-            self._pending.append(self._reduce_with_hook(rank_major))
+            self._pending.append(self._reduce_with_hook(self._rank_major(grad, rdtype)))
             return
+        dp = self.shard_group.data_parallel_size
         # Low-precision sums can overflow: divide before reducing then, after reducing otherwise.
         predivide = rdtype in (torch.float16, torch.bfloat16) and dp > 1
         if predivide:
-            rank_major.div_(dp)
+            grad.div_(dp)  # ours: autograd handed it over when .grad was cleared
         if self.world == 1:
-            output = rank_major.view(-1)
+            output = self._rank_major(grad, rdtype).view(-1)
             work = all_reduce_flat(output, self.shard_group.replicate_pg, async_op=async_op)
-            self._pending.append(_PendingReduce(work, output, None, predivide))
+            self._pending.append(_PendingReduce([work] if work is not None else [], output, None, predivide))
             return
+        rank_major = self._rank_major(grad, rdtype, packed_only=True)  # (N, G_t_packed)
         output = torch.empty(self.grad_numel, dtype=rdtype, device=self.device)
-        work = reduce_scatter_flat(output, rank_major.view(-1), self.shard_group.shard_pg, async_op=async_op)
-        self._pending.append(_PendingReduce(work, output, rank_major, predivide))
+        pg, works = self.shard_group.shard_pg, []
+        if self.packed_grad_numel:
+            packed_out = output.narrow(0, 0, self.packed_grad_numel)
+            works.append(reduce_scatter_flat(packed_out, rank_major.view(-1), pg, async_op=True))
+        for sp in self.grad_params[len(self.grad_params) - self._direct_grad_count :]:
+            # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
+            out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
+            works.append(reduce_scatter_flat(out, self._full_block(sp, grad), pg, async_op=True))
+        self._pending.append(_PendingReduce(works, output, (rank_major, grad), predivide))
 
-    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The trainable parameters' padded gradient blocks reordered rank-major: (N, G_t), ``dtype``."""
+    @property
+    def _direct_grad_count(self) -> int:
+        return sum(1 for sp in self.grad_params if id(sp) in self._direct_ids)
+
+    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype, *, packed_only: bool = False) -> torch.Tensor:
+        """Trainable parameters' padded gradient blocks reordered rank-major: (N, G_t) or, with
+        ``packed_only``, the packed ones only: (N, G_t_packed). In ``dtype``."""
         if self.world == 1 and self.grad_numel == self.shard_numel:
             return grad.to(dtype).view(1, -1)  # flat_full's layout is already rank-major for one rank
-        blocks = [self._full_block(sp, grad).view(self.world, -1) for sp in self.grad_params]
-        out = torch.empty(self.world, self.grad_numel, dtype=dtype, device=self.device)
-        torch.cat(blocks, dim=1, out=out)
+        params = [sp for sp in self.grad_params if not packed_only or id(sp) not in self._direct_ids]
+        numel = sum(sp.layout.padded_shard_numel for sp in params)
+        out = torch.empty(self.world, numel, dtype=dtype, device=self.device)
+        if params:
+            torch.cat([self._full_block(sp, grad).view(self.world, -1) for sp in params], dim=1, out=out)
         return out
 
     def _reduce_with_hook(self, rank_major: torch.Tensor) -> _PendingReduce:
@@ -326,10 +394,10 @@ class ParamGroup:
         if self.world == 1:
             output = rank_major.view(-1)
             hook(state, output)
-            return _PendingReduce(None, output, None, True)
+            return _PendingReduce([], output, None, True)
         output = torch.empty(self.grad_numel, dtype=rank_major.dtype, device=self.device)
         hook(state, rank_major.view(-1), output)
-        return _PendingReduce(None, output, None, True)
+        return _PendingReduce([], output, None, True)
 
     @property
     def has_pending_reduce(self) -> bool:
@@ -339,9 +407,10 @@ class ParamGroup:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
             pending = self._pending.pop(0)
-            if pending.work is not None:
+            if pending.works:
                 start = time.perf_counter()
-                pending.work.wait()
+                for work in pending.works:
+                    work.wait()
                 COMM_STATS.add_wait("reduce_scatter", time.perf_counter() - start)
             output = pending.output
             if self.world > 1 and self.shard_group.replicate_pg is not None and self.comm_hook is None:
@@ -396,6 +465,17 @@ class ParamGroup:
                 lay = sp.layout
                 rows = full.detach().reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows)
                 sp.local_view(self.flat_shard).copy_(rows.reshape(lay.local_shape).to(self.storage_device))
+
+
+DIRECT_MIN_BYTES = 4 * 2**20
+"""A parameter whose gathered size reaches this is gathered (and reduced) on its own, in place."""
+
+
+def _gathers_directly(shard_group: ShardGroup) -> bool:
+    """Direct per-parameter collectives pay off on gloo (CPU), where the copy-out is dear and each call
+    cheap relative to megabytes; on NCCL one flat collective per unit stays best."""
+    pg = shard_group.shard_pg
+    return pg is not None and dist.get_backend(pg) == "gloo"
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:
