@@ -213,3 +213,50 @@ def test_same_layout_continues_bitwise(request: pytest.FixtureRequest, tmp_path:
     assert saved[0] == straight[:K]
     for losses, _, _ in results:
         assert losses == straight[K:], "same world and strategy: training continues bitwise"
+
+
+# --- through the Accelerator: save_state on 2 ranks, load_state on 4 with the other entry point ------------
+
+
+def accelerator_run(rank: int, world: int, version: int, root: str, mode: str) -> Any:
+    import warnings
+
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
+
+    strategy = "SHARD_GRAD_OP" if version == 1 else "FULL_SHARD"
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=version,
+        sharding_strategy=strategy,
+        state_dict_type="SHARDED_STATE_DICT",
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"],
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model = make(seed=0 if mode == "save" else 9)
+    model, opt = accelerator.prepare(model, make_optim(model, lr_scale=1.0 if mode == "save" else 10.0))
+    if mode == "save":
+        losses = train(model, opt, range(K))
+        accelerator.save_state(root)
+        return losses, *full_states(model, opt.optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.load_state(root)
+    loaded = full_states(model, opt.optimizer)
+    return train(model, opt, range(K, K + M)), *loaded, [str(w.message) for w in caught if "random" in str(w.message)]
+
+
+@pytest.mark.parametrize("versions", [(2, 1), (1, 2)], ids=["fully_shard-to-wrapper", "wrapper-to-fully_shard"])
+def test_accelerator_state_reshards_2_to_4(
+    pool2: WorkerPool, pool4: WorkerPool, tmp_path: Path, versions: tuple[int, int]
+) -> None:
+    # - Set up: K steps and save_state on 2 ranks
+    saved = pool2.run(accelerator_run, versions[0], str(tmp_path), "save")[0]
+    # - Run: load_state on 4 ranks with the other entry point, M more steps
+    results = pool4.run(accelerator_run, versions[1], str(tmp_path), "load")
+    # - Check: the exact state; the reference's losses; rank 0 says ranks 2 and 3 had no random states
+    want = reference()
+    for losses, weights, osd, _ in results:
+        assert_same_state((weights, osd), saved[1:])
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[K:]), atol=1e-5, rtol=1e-5)
+    assert len(results[0][3]) == 1 and "rank(s) [2, 3]" in results[0][3][0]
+    assert all(not r[3] for r in results[1:])

@@ -147,7 +147,15 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name.replace(_WRAPPED, "") for name, p in model.named_parameters(remove_duplicate=False)}
+    """Parameter id -> its first name (a tied parameter goes by the name it was registered under first).
+
+    The same names as the engine's ``FSDP.optim_state_dict`` and torch's ``get_optimizer_state_dict``, so a
+    checkpoint of either entry point, or of torch's FSDP, loads into the other.
+    """
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name.replace(_WRAPPED, ""))
+    return names
 
 
 def _fsdp2_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

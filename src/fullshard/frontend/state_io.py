@@ -21,6 +21,7 @@ back with ``torch.load(weights_only=True)``: the RNG states are stored as plain 
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from fullshard.checkpoint import (
 )
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
+    RNG_STATE_NAME,
     custom_checkpoint_file_name,
     optimizer_file_name,
     sampler_file_name,
@@ -154,14 +156,13 @@ def _expect(path: Path, where: str) -> Path:
     return path
 
 
-def _files_to_read(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
+def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
     files = [folder / (_full_model_file(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
     files += [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
               for i in range(len(objects.optimizers))]  # fmt: skip
     files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
     files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
-    files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
-    return [*files, folder / rng_state_file_name(rank)]
+    return [*files, *(folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom)))]
 
 
 def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -170,17 +171,19 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
     _check(objects, where)
     folder, rank = Path(input_dir), dist.get_rank()
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
-    problem: list[str | None] = [None]
+    problem: str | None = None
     try:
-        for path in _files_to_read(folder, objects, full, rank):
+        for path in _files_to_read(folder, objects, full):
             _expect(path, where)
     except FileNotFoundError as exc:
-        problem = [str(exc)]
+        problem = str(exc)
+    rng_file = folder / rng_state_file_name(rank)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem[0])
-    first = next((p for p in everyone if p), None)
+    dist.all_gather_object(everyone, (problem, rng_file.is_file()))
+    first = next((p for p, _ in everyone if p), None)
     if first:
         raise FileNotFoundError(first)
+    _warn_missing_rng(where, [r for r, (_, has) in enumerate(everyone) if not has])
     _load_models_and_optimizers(folder, objects, plugin, full)
     for i, scheduler in enumerate(objects.schedulers):
         scheduler.load_state_dict(torch.load(folder / scheduler_file_name(i), weights_only=True))
@@ -188,7 +191,19 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
         loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
     for i, obj in enumerate(objects.custom):
         obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
-    _set_rng_state(torch.load(folder / rng_state_file_name(rank), weights_only=True))
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def _warn_missing_rng(where: str, ranks: list[int]) -> None:
+    """Rank 0 warns once when some ranks have no RNG state file (the checkpoint came from fewer ranks)."""
+    if ranks and dist.get_rank() == 0:
+        warnings.warn(
+            f"{where}: no {RNG_STATE_NAME}_<rank>.pkl for rank(s) {ranks} (the checkpoint was "
+            "saved by fewer processes); their random states are left as they are. Model, optimizer, schedulers "
+            "and the other ranks' random states were loaded.",
+            stacklevel=3,
+        )
 
 
 def _load_models_and_optimizers(
