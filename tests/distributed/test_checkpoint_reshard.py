@@ -238,6 +238,14 @@ def accelerator_run(rank: int, world: int, version: int, root: str, mode: str) -
         losses = train(model, opt, range(K))
         accelerator.save_state(root)
         return losses, *full_states(model, opt.optimizer)
+    if mode == "damaged":
+        before = full_states(model, opt.optimizer)[0]
+        try:
+            accelerator.load_state(root)
+        except FileNotFoundError as exc:
+            after = full_states(model, opt.optimizer)[0]
+            return str(exc), all(torch.equal(after[k], v) for k, v in before.items())
+        return "no error", False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         accelerator.load_state(root)
@@ -260,3 +268,60 @@ def test_accelerator_state_reshards_2_to_4(
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want[K:]), atol=1e-5, rtol=1e-5)
     assert len(results[0][3]) == 1 and "rank(s) [2, 3]" in results[0][3][0]
     assert all(not r[3] for r in results[1:])
+
+
+# --- bad input: refused on every rank, naming keys, shapes or files, before anything is modified -----------
+
+
+def load_mismatched(rank: int, world: int, layout: str, root: str, what: str) -> tuple[str, bool]:
+    """Load ``root`` into a model it does not fit (or from a damaged folder); the error and whether it was untouched."""
+    cfg = GPTConfig(tie_weights=True, n_layer=3, vocab_size=41) if what == "model" else CFG
+    torch.manual_seed(9)
+    model = shard(TinyGPT(cfg), layout)
+    opt = make_optim(model)
+    before = full_states(model, opt)
+    try:
+        load_into(model, opt, root)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    after = full_states(model, opt)
+    same_weights = all(torch.equal(after[0][k], v) for k, v in before[0].items())
+    # init_optimizer_state ran first: the optimizer holds its zero template, nothing from the checkpoint
+    zero_state = all(not torch.count_nonzero(v) for s in after[1]["state"].values() for v in s.values())
+    return message, same_weights and zero_state
+
+
+@pytest.mark.parametrize("layout", ["fully_shard", "FULL_SHARD"])
+def test_mismatched_model_is_refused_naming_keys_and_shapes(pool2: WorkerPool, tmp_path: Path, layout: str) -> None:
+    # - Set up: a checkpoint of a 2-layer, 37-token model
+    pool2.run(save, layout, str(tmp_path))
+    # - Run: load it into a 3-layer, 41-token model
+    results = pool2.run(load_mismatched, layout, str(tmp_path), "model")
+    # - Check: every rank raises the same error, naming the keys and shapes; nothing was modified
+    for message, untouched in results:
+        assert message.startswith(f"load_sharded(checkpoint_dir='{tmp_path / 'pytorch_model_fsdp_0'}'): the checkpoint")
+        assert "Missing from the checkpoint: ['model.blocks.2.attn.weight'," in message
+        assert "model.wte.weight: checkpoint (37, 15), target (41, 15)" in message
+        assert untouched
+
+
+def test_missing_rank_file_is_refused_naming_it(pool2: WorkerPool, tmp_path: Path) -> None:
+    pool2.run(save, "FULL_SHARD", str(tmp_path))
+    missing = tmp_path / "optimizer_0" / "__1_0.distcp"
+    missing.unlink()
+    for message, untouched in pool2.run(load_mismatched, "fully_shard", str(tmp_path), "file"):
+        assert message == f"{missing} is missing: the checkpoint in {missing.parent} is incomplete; re-save it."
+        assert not untouched, "the model folder was whole and loaded; the optimizer folder was refused"
+
+
+def test_accelerator_refuses_a_damaged_checkpoint_before_loading_anything(pool2: WorkerPool, tmp_path: Path) -> None:
+    # - Set up: save_state, then lose rank 1's optimizer shard file
+    pool2.run(accelerator_run, 2, str(tmp_path), "save")
+    missing = tmp_path / "optimizer_0" / "__1_0.distcp"
+    missing.unlink()
+    # - Run / Check: every rank refuses, naming the file; the model was not loaded either
+    for message, model_untouched in pool2.run(accelerator_run, 2, str(tmp_path), "damaged"):
+        assert message == f"{missing} is missing: the checkpoint in {missing.parent} is incomplete; re-save it."
+        assert model_untouched

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.checkpoint import (
+    check_sharded,
     load_sharded,
     model_folder_name,
     optimizer_folder_name,
@@ -209,22 +210,36 @@ def _warn_missing_rng(where: str, ranks: list[int]) -> None:
 def _load_models_and_optimizers(
     folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, full: bool
 ) -> None:
+    if not full:
+        _load_sharded_folders(folder, objects, plugin)
+        return
     rank = dist.get_rank()
     for i, model in enumerate(objects.models):
-        if full:
-            sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
-            model_state.load_full_model_state_dict(model, sd)
-        else:
-            template = model_state.sharded_model_state_dict(model, plugin)
-            load_sharded({"model": template}, folder / model_folder_name(i))
-            model_state.finish_model_load(model, plugin, template)
+        sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
+        model_state.load_full_model_state_dict(model, sd)
     for i, optimizer in enumerate(objects.optimizers):
-        model = objects.model_for(i)
-        if full:
-            osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
-            model_state.load_full_optim_state(model, optimizer, plugin, osd)
-        else:
-            model_state.init_optimizer_state(optimizer)
-            template = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
-            load_sharded(template, folder / optimizer_folder_name(i))
-            model_state.load_optim_state(model, optimizer, plugin, template["optimizer"])
+        osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
+        model_state.load_full_optim_state(objects.model_for(i), optimizer, plugin, osd)
+
+
+def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Every model and optimizer folder is checked against its template before any is loaded (collectives).
+
+    A folder that is incomplete or does not fit (keys, shapes) is refused on every rank with the model and
+    optimizer untouched; only the optimizer's zero template state (``init_optimizer_state``) exists by then.
+    """
+    templates = [({"model": model_state.sharded_model_state_dict(model, plugin)}, folder / model_folder_name(i))
+                 for i, model in enumerate(objects.models)]  # fmt: skip
+    for i, optimizer in enumerate(objects.optimizers):
+        model_state.init_optimizer_state(optimizer)
+        osd = model_state.optim_state(objects.model_for(i), optimizer, plugin)
+        templates.append(({"optimizer": osd}, folder / optimizer_folder_name(i)))
+    for template, path in templates:
+        check_sharded(template, path)
+    for template, path in templates:
+        load_sharded(template, path)
+    for i, model in enumerate(objects.models):
+        model_state.finish_model_load(model, plugin, templates[i][0]["model"])
+    for i, optimizer in enumerate(objects.optimizers):
+        loaded = templates[len(objects.models) + i][0]["optimizer"]
+        model_state.load_optim_state(objects.model_for(i), optimizer, plugin, loaded)
