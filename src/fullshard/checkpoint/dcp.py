@@ -279,6 +279,10 @@ def _flat(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
     return planner.state_dict
 
 
+def _listed(items: list[str], limit: int = 20) -> str:
+    return f"{items[:limit]} and {len(items) - limit} more" if len(items) > limit else str(items)
+
+
 def _check_keys_and_shapes(state: dict[str, Any], metadata: Metadata, root: Path, strict: bool) -> None:
     flat = _flat(state, metadata)
     stored = metadata.state_dict_metadata
@@ -294,7 +298,7 @@ def _check_keys_and_shapes(state: dict[str, Any], metadata: Metadata, root: Path
     if missing or unexpected or mismatched:
         raise ValueError(
             f"load_sharded(checkpoint_dir='{root}'): the checkpoint does not match the target state dict. "
-            f"Missing from the checkpoint: {missing[:20]}. In the checkpoint but not the target: {unexpected[:20]}. "
-            f"Shape mismatches: {mismatched[:20]}. Load into the state dict of the model that was saved"
-            + (", or pass strict=False to ignore extra checkpoint keys." if unexpected else ".")
+            f"Missing from the checkpoint: {_listed(missing)}. In the checkpoint but not the target: "
+            f"{_listed(unexpected)}. Shape mismatches: {_listed(mismatched)}. Load into the state dict of the "
+            "model that was saved" + (", or pass strict=False to ignore extra checkpoint keys." if unexpected else ".")
         )
