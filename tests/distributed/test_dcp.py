@@ -215,6 +215,17 @@ def test_single_process_without_process_group(tmp_path: Path) -> None:
     assert _load_single_process(path, 8)
 
 
+def test_check_sharded_reads_nothing_into_the_target(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    ckpt.save_sharded({"model": _full_state(8)}, path)
+    target = {"model": {k: torch.zeros_like(v) for k, v in _full_state(8).items()}}
+    ckpt.check_sharded(target, path)
+    assert all(not torch.count_nonzero(v) for v in target["model"].values()), "a check loads nothing"
+    target["model"]["embed.weight"] = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match=re.escape("model.embed.weight: checkpoint (7, 4), target (8, 4)")):
+        ckpt.check_sharded(target, path)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -1,6 +1,6 @@
 """On-disk formats: sharded DCP checkpoints (atomic save/load), weight export and the streaming merge."""
 
-from fullshard.checkpoint.dcp import load_sharded, save_sharded
+from fullshard.checkpoint.dcp import check_sharded, load_sharded, save_sharded
 from fullshard.checkpoint.export import parse_size, save_weights
 from fullshard.checkpoint.merge import merge_fsdp_weights
 from fullshard.checkpoint.names import (
@@ -31,6 +31,7 @@ __all__ = [
     "SCHEDULER_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
+    "check_sharded",
     "load_sharded",
     "merge_fsdp_weights",
     "model_folder_name",

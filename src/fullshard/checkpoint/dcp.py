@@ -44,7 +44,7 @@ from fullshard.checkpoint.reader import (
     resolve_checkpoint_dir,
 )
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["check_sharded", "load_sharded", "save_sharded"]
 
 _LEAF_TYPES = (torch.Tensor, int, float, bool, str, bytes, type(None))
 
@@ -204,20 +204,29 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_sharded(
+def check_sharded(
     state: dict[str, Any],
     checkpoint_dir: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
     strict: bool = True,
 ) -> None:
-    """Load ``checkpoint_dir`` into ``state`` in place (tensors and DTensors are filled; other values replaced).
+    """Raise, on every rank, if :func:`load_sharded` of ``checkpoint_dir`` into ``state`` would be refused.
 
-    The checkpoint may have been saved with any number of ranks and any sharding. Before any collective,
-    every rank checks that the folder is complete, that every key of ``state`` is in it with the same
-    shape, and (``strict``) that it holds no key ``state`` lacks; any failure raises on every rank, naming the
-    keys and shapes. Pass ``strict=False`` to load a subset of a checkpoint.
+    A collective over ``process_group``; reads only ``.metadata`` and file sizes, modifies nothing. Checks
+    that the folder is complete (every data file present and long enough), that every key of ``state`` is
+    in it with the same global shape, and (``strict``) that it holds no key ``state`` lacks. Call it on
+    every folder of a multi-folder checkpoint (model, optimizer) before loading any of them.
     """
+    _checked_metadata(state, checkpoint_dir, process_group, strict)
+
+
+def _checked_metadata(
+    state: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    process_group: dist.ProcessGroup | None,
+    strict: bool,
+) -> tuple[Path, Metadata]:
     error: BaseException | None = None
     try:
         _check_state(state, "load_sharded")
@@ -235,6 +244,25 @@ def load_sharded(
             f"load_sharded(checkpoint_dir='{checkpoint_dir}'): the checks failed on rank(s) {bad} (see their errors) "
             "but passed here; every rank must pass the same state dict keys and the same folder."
         )
+    return root, metadata
+
+
+def load_sharded(
+    state: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> None:
+    """Load ``checkpoint_dir`` into ``state`` in place (tensors and DTensors are filled; other values replaced).
+
+    The checkpoint may have been saved with any number of ranks and any sharding. Before any collective,
+    every rank checks that the folder is complete, that every key of ``state`` is in it with the same
+    shape, and (``strict``) that it holds no key ``state`` lacks; any failure raises on every rank, naming the
+    keys and shapes (:func:`check_sharded`), and leaves ``state`` untouched. Pass ``strict=False`` to load a
+    subset of a checkpoint.
+    """
+    root, metadata = _checked_metadata(state, checkpoint_dir, process_group, strict)
     with quiet_single_process_warning():
         dcp.load(
             state,
@@ -249,6 +277,10 @@ def _flat(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
     planner = SafeLoadPlanner()
     planner.set_up_planner(state, metadata, is_coordinator=False)
     return planner.state_dict
+
+
+def _listed(items: list[str], limit: int = 20) -> str:
+    return f"{items[:limit]} and {len(items) - limit} more" if len(items) > limit else str(items)
 
 
 def _check_keys_and_shapes(state: dict[str, Any], metadata: Metadata, root: Path, strict: bool) -> None:
@@ -266,7 +298,7 @@ def _check_keys_and_shapes(state: dict[str, Any], metadata: Metadata, root: Path
     if missing or unexpected or mismatched:
         raise ValueError(
             f"load_sharded(checkpoint_dir='{root}'): the checkpoint does not match the target state dict. "
-            f"Missing from the checkpoint: {missing[:20]}. In the checkpoint but not the target: {unexpected[:20]}. "
-            f"Shape mismatches: {mismatched[:20]}. Load into the state dict of the model that was saved"
-            + (", or pass strict=False to ignore extra checkpoint keys." if unexpected else ".")
+            f"Missing from the checkpoint: {_listed(missing)}. In the checkpoint but not the target: "
+            f"{_listed(unexpected)}. Shape mismatches: {_listed(mismatched)}. Load into the state dict of the "
+            "model that was saved" + (", or pass strict=False to ignore extra checkpoint keys." if unexpected else ".")
         )

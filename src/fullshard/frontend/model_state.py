@@ -26,9 +26,11 @@ from torch import nn
 
 from fullshard.engine.api import FullStateDictConfig, StateDictType
 from fullshard.engine.fully_shard import FSDPModule
+from fullshard.engine.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.state_dict import state_dict_type
 from fullshard.engine.summon import summon_full_params
 from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.frontend.optim import AcceleratedOptimizer
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
 __all__ = [
@@ -135,31 +137,25 @@ def _full_problem(full_sd: dict[str, torch.Tensor], target: dict[str, torch.Tens
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (as after one step) without changing any parameter.
+    """Create the state a fresh optimizer lacks (zeros, parameters unchanged), as a template to load into.
 
-    Steps once with zero gradients and every learning rate set to 0 (so weight decay is a no-op too), then
-    restores the learning rates and the gradients. A template to load a checkpoint into needs the state.
+    Steps the wrapped optimizer, never :class:`AcceleratedOptimizer` (whose ``step`` does nothing on an
+    accumulation step). See [Note: loading into a fresh optimizer] in ``engine/optim_init.py``.
     """
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    grads = [p.grad for p in params]
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in optimizer.param_groups:
-        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-    try:
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
-        for p, g in zip(params, grads):
-            p.grad = g
+    inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+    engine_init_optimizer_state(inner)
 
 
 def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name.replace(_WRAPPED, "") for name, p in model.named_parameters(remove_duplicate=False)}
+    """Parameter id -> its first name (a tied parameter goes by the name it was registered under first).
+
+    The same names as the engine's ``FSDP.optim_state_dict`` and torch's ``get_optimizer_state_dict``, so a
+    checkpoint of either entry point, or of torch's FSDP, loads into the other.
+    """
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name.replace(_WRAPPED, ""))
+    return names
 
 
 def _fsdp2_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

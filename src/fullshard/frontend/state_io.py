@@ -21,6 +21,7 @@ back with ``torch.load(weights_only=True)``: the RNG states are stored as plain 
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.checkpoint import (
+    check_sharded,
     load_sharded,
     model_folder_name,
     optimizer_folder_name,
@@ -39,6 +41,7 @@ from fullshard.checkpoint import (
 )
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
+    RNG_STATE_NAME,
     custom_checkpoint_file_name,
     optimizer_file_name,
     sampler_file_name,
@@ -154,14 +157,13 @@ def _expect(path: Path, where: str) -> Path:
     return path
 
 
-def _files_to_read(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
+def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
     files = [folder / (_full_model_file(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
     files += [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
               for i in range(len(objects.optimizers))]  # fmt: skip
     files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
     files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
-    files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
-    return [*files, folder / rng_state_file_name(rank)]
+    return [*files, *(folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom)))]
 
 
 def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -170,17 +172,19 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
     _check(objects, where)
     folder, rank = Path(input_dir), dist.get_rank()
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
-    problem: list[str | None] = [None]
+    problem: str | None = None
     try:
-        for path in _files_to_read(folder, objects, full, rank):
+        for path in _files_to_read(folder, objects, full):
             _expect(path, where)
     except FileNotFoundError as exc:
-        problem = [str(exc)]
+        problem = str(exc)
+    rng_file = folder / rng_state_file_name(rank)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem[0])
-    first = next((p for p in everyone if p), None)
+    dist.all_gather_object(everyone, (problem, rng_file.is_file()))
+    first = next((p for p, _ in everyone if p), None)
     if first:
         raise FileNotFoundError(first)
+    _warn_missing_rng(where, [r for r, (_, has) in enumerate(everyone) if not has])
     _load_models_and_optimizers(folder, objects, plugin, full)
     for i, scheduler in enumerate(objects.schedulers):
         scheduler.load_state_dict(torch.load(folder / scheduler_file_name(i), weights_only=True))
@@ -188,28 +192,54 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
         loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
     for i, obj in enumerate(objects.custom):
         obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
-    _set_rng_state(torch.load(folder / rng_state_file_name(rank), weights_only=True))
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def _warn_missing_rng(where: str, ranks: list[int]) -> None:
+    """Rank 0 warns once when some ranks have no RNG state file (the checkpoint came from fewer ranks)."""
+    if ranks and dist.get_rank() == 0:
+        warnings.warn(
+            f"{where}: no {RNG_STATE_NAME}_<rank>.pkl for rank(s) {ranks} (the checkpoint was "
+            "saved by fewer processes); their random states are left as they are. Model, optimizer, schedulers "
+            "and the other ranks' random states were loaded.",
+            stacklevel=3,
+        )
 
 
 def _load_models_and_optimizers(
     folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, full: bool
 ) -> None:
+    if not full:
+        _load_sharded_folders(folder, objects, plugin)
+        return
     rank = dist.get_rank()
     for i, model in enumerate(objects.models):
-        if full:
-            sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
-            model_state.load_full_model_state_dict(model, sd)
-        else:
-            template = model_state.sharded_model_state_dict(model, plugin)
-            load_sharded({"model": template}, folder / model_folder_name(i))
-            model_state.finish_model_load(model, plugin, template)
+        sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
+        model_state.load_full_model_state_dict(model, sd)
     for i, optimizer in enumerate(objects.optimizers):
-        model = objects.model_for(i)
-        if full:
-            osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
-            model_state.load_full_optim_state(model, optimizer, plugin, osd)
-        else:
-            model_state.init_optimizer_state(optimizer)
-            template = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
-            load_sharded(template, folder / optimizer_folder_name(i))
-            model_state.load_optim_state(model, optimizer, plugin, template["optimizer"])
+        osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
+        model_state.load_full_optim_state(objects.model_for(i), optimizer, plugin, osd)
+
+
+def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Every model and optimizer folder is checked against its template before any is loaded (collectives).
+
+    A folder that is incomplete or does not fit (keys, shapes) is refused on every rank with the model and
+    optimizer untouched; only the optimizer's zero template state (``init_optimizer_state``) exists by then.
+    """
+    templates = [({"model": model_state.sharded_model_state_dict(model, plugin)}, folder / model_folder_name(i))
+                 for i, model in enumerate(objects.models)]  # fmt: skip
+    for i, optimizer in enumerate(objects.optimizers):
+        model_state.init_optimizer_state(optimizer)
+        osd = model_state.optim_state(objects.model_for(i), optimizer, plugin)
+        templates.append(({"optimizer": osd}, folder / optimizer_folder_name(i)))
+    for template, path in templates:
+        check_sharded(template, path)
+    for template, path in templates:
+        load_sharded(template, path)
+    for i, model in enumerate(objects.models):
+        model_state.finish_model_load(model, plugin, templates[i][0]["model"])
+    for i, optimizer in enumerate(objects.optimizers):
+        loaded = templates[len(objects.models) + i][0]["optimizer"]
+        model_state.load_optim_state(objects.model_for(i), optimizer, plugin, loaded)
