@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin
-from fullshard.testing import WorkerPool
-from fullshard.testing.models import GPTConfig, TinyGPT
+from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT
 
 CFG = GPTConfig(n_layer=4)
 
@@ -106,3 +106,49 @@ def test_param_init_fn_materializes_meta_modules(pool2: WorkerPool, version: int
     assert values == {0.5, 1.5}, "each rank initialised (and kept) its own shard"
     state = pool2.run(init_on_meta, version, True)[0]
     assert {v for t in state.values() for v in t.unique().tolist()} == {0.5}, "sync_module_states: rank 0's values"
+
+
+class Scale(nn.Module):
+    """A module with a parameter and no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def prepare_broken(rank: int, world: int, version: int, problem: str) -> None:
+    saved_env = dict(os.environ)
+    try:
+        accelerator = Accelerator(fsdp_plugin=_plugin(version, cpu_ram_efficient_loading=True))
+        if problem == "shapes":
+            model = TinyGPT(GPTConfig(n_layer=2 + rank))
+        else:  # every rank on meta, rank 0 included, and a module that cannot initialise itself
+            with torch.device("meta"):
+                model = nn.Sequential(Block(CFG), Scale())
+        accelerator.prepare(model)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("shapes", "sync_module_states=True (model=TinyGPT): rank 1 built a different model than rank 0 (first "
+                   "difference: ('blocks.2.ln_1.weight', (15,)) vs rank 0's ('ln_f.weight', (15,)))."),
+        ("meta", "sync_module_states=True (model=Sequential): on rank 0, ['1'] are on the meta device and have no "
+                 "reset_parameters()"),
+    ],
+)  # fmt: skip
+def test_sync_problems_raise_on_every_rank_before_any_broadcast(
+    pool2: WorkerPool, version: int, problem: str, message: str
+) -> None:
+    with pytest.raises(RankFailure) as info:
+        pool2.run(prepare_broken, version, problem)
+    assert sorted(info.value.failures) == [0, 1]
+    for traceback in info.value.failures.values():
+        assert message in traceback

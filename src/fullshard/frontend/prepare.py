@@ -130,7 +130,7 @@ def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, block
     )
     sync = bool(plugin.sync_module_states) and dist.get_world_size() > 1
     if sync:
-        _check_same_model_everywhere(model)
+        _check_before_sync(model, plugin.param_init_fn)
     for unit in [*blocks, model]:
         if not isinstance(unit, FSDPModule):
             _initialize_unit(unit, plugin.param_init_fn, sync, ignored)
@@ -138,19 +138,31 @@ def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, block
     return model
 
 
-def _check_same_model_everywhere(model: nn.Module) -> None:
-    """Raise on every rank, before any broadcast, if the ranks built models of different shapes."""
+def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Raise on every rank, before any broadcast, if the ranks built models of different shapes, or if rank 0
+    has meta modules it cannot initialise (no ``param_init_fn`` and no ``reset_parameters()``)."""
     signature = [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    stuck = []
+    if dist.get_rank() == 0 and param_init_fn is None:
+        stuck = [name or "<root>" for name, m in model.named_modules()
+                 if _holds_meta(m) and m._parameters and not hasattr(m, "reset_parameters")]  # fmt: skip
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, signature)
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            differ = next((a, b) for a, b in zip([*theirs, None], [*everyone[0], None]) if a != b)
+    dist.all_gather_object(everyone, (signature, stuck))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            differ = next((a, b) for a, b in zip([*theirs, None], [*everyone[0][0], None]) if a != b)
             raise ValueError(
                 f"sync_module_states=True (model={type(model).__name__}): rank {rank} built a different model than "
                 f"rank 0 (first difference: {differ[0]} vs rank 0's {differ[1]}). Every rank must build the same "
                 "architecture; with cpu_ram_efficient_loading only the weights may differ (ranks > 0 on meta)."
             )
+    if everyone[0][1]:
+        raise ValueError(
+            f"sync_module_states=True (model={type(model).__name__}): on rank 0, {everyone[0][1][:3]} are on the "
+            "meta device and have no reset_parameters() to initialise them before they are broadcast. Build the "
+            "model on a real device on rank 0 (only the other ranks may use meta), or pass "
+            "FullyShardedDataParallelPlugin(param_init_fn=...)."
+        )
 
 
 def _initialize_unit(
@@ -166,15 +178,15 @@ def _initialize_unit(
     modules = own_modules(unit, ignored)
     device = resolve_device(None, unit)
     rank = dist.get_rank()
-    for prefix, module in modules:
+    for _, module in modules:
         if not _holds_meta(module):
             continue
         if param_init_fn is not None:
             param_init_fn(module)
         elif sync:
             module.to_empty(device=device, recurse=False)
-            if rank == 0:  # the others receive rank 0's values below
-                _reset(module, prefix)
+            if rank == 0 and hasattr(module, "reset_parameters"):  # checked by _check_before_sync
+                module.reset_parameters()  # the other ranks receive these values below
     if not sync:
         return
     with torch.no_grad():
@@ -187,17 +199,6 @@ def _initialize_unit(
 
 def _holds_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
-
-
-def _reset(module: nn.Module, prefix: str) -> None:
-    if hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-    elif module._parameters:
-        raise ValueError(
-            f"{type(module).__name__} at {prefix.rstrip('.') or '<root>'!r} is on the meta device on rank 0 and has "
-            "no reset_parameters() to initialise it. Build the model on a real device on rank 0 (only the other "
-            "ranks may use meta), or pass FullyShardedDataParallelPlugin(param_init_fn=...)."
-        )
 
 
 def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
@@ -233,6 +234,8 @@ def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, devi
             checkpoint_module(block)
     if plugin.fsdp_version == 2:
         return _shard_fsdp2(model, plugin, blocks)
+    if plugin.sync_module_states and dist.get_world_size() > 1:
+        _check_before_sync(model, plugin.param_init_fn)  # the wrapper checks per unit, where ranks could hang
     kwargs = plugin.fsdp_kwargs(model)
     if device.type == "cuda":
         kwargs["device_id"] = device
