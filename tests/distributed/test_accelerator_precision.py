@@ -13,6 +13,7 @@ Run / Check:
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,3 +122,27 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_all(pool2: WorkerPool, vers
         assert result["scales"] == [1024.0, 512.0, 512.0], f"rank {rank}: the scale backs off once, everywhere"
         assert result["master_dtypes"] == {torch.float32}
     _check_params(results[0]["params"], _reference_skipping(FP16_SPEC, OVERFLOW_STEP), atol=2e-4)
+
+
+def save_and_load_scaler(rank: int, world: int, folder: str) -> tuple[list[str], float, float]:
+    def build() -> tuple[Accelerator, Any, Any]:
+        accelerator = Accelerator(mixed_precision="fp16", fsdp_plugin=_plugin(2))
+        model = accelerator.prepare(FP16_SPEC.model())
+        return accelerator, model, accelerator.prepare(FP16_SPEC.make_optimizer(model.parameters()))
+
+    accelerator, model, optimizer = build()
+    accelerator.scaler.load_state_dict({**accelerator.scaler.state_dict(), "scale": 150.0})  # after some backoffs
+    accelerator.backward(model(*FP16_SPEC.micro_batches(0)[0]))
+    optimizer.step()
+    accelerator.save_state(folder)
+    files = sorted(p.name for p in Path(folder).iterdir())
+    restored = build()[0]
+    fresh = restored.scaler.get_scale()
+    restored.load_state(folder)
+    return files, fresh, restored.scaler.get_scale()
+
+
+def test_fp16_scaler_state_is_checkpointed(pool2: WorkerPool, tmp_path: Path) -> None:
+    files, fresh, loaded = pool2.run(save_and_load_scaler, str(tmp_path / "ckpt"))[1]
+    assert "scaler.pt" in files
+    assert (fresh, loaded) == (2.0**16, 150.0)

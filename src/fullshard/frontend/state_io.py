@@ -217,7 +217,9 @@ def _load_models_and_optimizers(
             osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
             model_state.load_full_optim_state(model, optimizer, plugin, osd)
         else:
-            model_state.init_optimizer_state(optimizer)
+            # The wrapped optimizer itself: the wrapper's step() may be a no-op (accumulation) or go through
+            # the fp16 scaler, and a template step must do neither.
+            model_state.init_optimizer_state(getattr(optimizer, "optimizer", optimizer))
             template = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
             load_sharded(template, folder / optimizer_folder_name(i))
             model_state.load_optim_state(model, optimizer, plugin, template["optimizer"])
