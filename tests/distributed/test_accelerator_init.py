@@ -9,7 +9,9 @@ sharded result equals rank 0's weights. ``param_init_fn`` materializes meta modu
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,9 +41,19 @@ def _live_numel(model: nn.Module) -> int:
     return sum(t.numel() for t in local if not t.is_meta)
 
 
-def load_ram_efficiently(rank: int, world: int, version: int) -> dict[str, Any]:
-    saved_env = dict(os.environ)  # the plugin exports FSDP_CPU_RAM_EFFICIENT_LOADING; keep the pool clean
+@contextlib.contextmanager
+def restoring_environ() -> Iterator[None]:
+    """The plugin exports FSDP_CPU_RAM_EFFICIENT_LOADING into ``os.environ``: keep the pool's ranks clean."""
+    saved = dict(os.environ)
     try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def load_ram_efficiently(rank: int, world: int, version: int) -> dict[str, Any]:
+    with restoring_environ():
         accelerator = Accelerator(fsdp_plugin=_plugin(version, cpu_ram_efficient_loading=True))
         if rank == 0:
             torch.manual_seed(3)
@@ -63,9 +75,6 @@ def load_ram_efficiently(rank: int, world: int, version: int) -> dict[str, Any]:
         finally:
             dist.broadcast = broadcast
         return {"on_meta": on_meta, "peak": max(peaks), "state": accelerator.get_state_dict(model)}
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
@@ -93,10 +102,13 @@ def fill_with_rank(module: nn.Module) -> None:
 
 
 def init_on_meta(rank: int, world: int, version: int, sync: bool) -> dict[str, torch.Tensor]:
-    accelerator = Accelerator(fsdp_plugin=_plugin(version, param_init_fn=fill_with_rank, sync_module_states=sync))
-    with torch.device("meta"):
-        model = TinyGPT(CFG)
-    return accelerator.get_state_dict(accelerator.prepare(model))
+    with restoring_environ():
+        options = {"param_init_fn": fill_with_rank, "sync_module_states": sync, "cpu_ram_efficient_loading": False}
+        plugin = _plugin(version, **options)
+        accelerator = Accelerator(fsdp_plugin=plugin)
+        with torch.device("meta"):
+            model = TinyGPT(CFG)
+        return accelerator.get_state_dict(accelerator.prepare(model))
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
@@ -120,8 +132,7 @@ class Scale(nn.Module):
 
 
 def prepare_broken(rank: int, world: int, version: int, problem: str) -> None:
-    saved_env = dict(os.environ)
-    try:
+    with restoring_environ():
         accelerator = Accelerator(fsdp_plugin=_plugin(version, cpu_ram_efficient_loading=True))
         if problem == "shapes":
             model = TinyGPT(GPTConfig(n_layer=2 + rank))
@@ -129,9 +140,6 @@ def prepare_broken(rank: int, world: int, version: int, problem: str) -> None:
             with torch.device("meta"):
                 model = nn.Sequential(Block(CFG), Scale())
         accelerator.prepare(model)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
