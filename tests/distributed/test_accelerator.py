@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fullshard import Accelerator, FullyShardedDataParallel, FullyShardedDataParallelPlugin
+from fullshard import Accelerator, FullyShardedDataParallelPlugin
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import GPTConfig, TinyGPT
@@ -116,8 +116,8 @@ def assert_matches_reference(results: list[Any], steps: int, accumulate: int = 1
 
 @pytest.mark.parametrize(
     "version, extra",
-    [(1, {}), (2, {}), (2, {"activation_checkpointing": True})],
-    ids=["fsdp1", "fsdp2", "fsdp2-activation-checkpointing"],
+    [(1, {}), (2, {}), (1, {"activation_checkpointing": True}), (2, {"activation_checkpointing": True})],
+    ids=["fsdp1", "fsdp2", "fsdp1-activation-checkpointing", "fsdp2-activation-checkpointing"],
 )
 def test_training_matches_single_process(pool2: WorkerPool, version: int, extra: dict[str, Any]) -> None:
     results = pool2.run(train, version, 3, 1, extra)
@@ -234,16 +234,7 @@ def resume(rank: int, world: int, version: int, kind: str, folder: str) -> Any:
     return straight, first + second, count, files
 
 
-STATE_DICT_API = hasattr(FullyShardedDataParallel, "optim_state_dict")
-
-
-@pytest.mark.parametrize(
-    "version",
-    [
-        pytest.param(1, marks=pytest.mark.skipif(not STATE_DICT_API, reason="engine state dict API not merged yet")),
-        2,
-    ],
-)
+@pytest.mark.parametrize("version", [1, 2])
 def test_save_state_layout_and_resume_reproduces_losses(pool2: WorkerPool, tmp_path: Path, version: int) -> None:
     results = pool2.run(resume, version, "SHARDED_STATE_DICT", str(tmp_path / "ckpt"))
     straight, resumed, count, files = results[0]

@@ -38,8 +38,6 @@ from fullshard.utils import compute_module_sizes, find_executable_batch_size
          "Accelerator(fsdp_plugin=str): expected a FullyShardedDataParallelPlugin"),
         ({"split_batches": True}, ValueError,
          "Accelerator(split_batches=True): fullshard deals whole batches to ranks"),
-        ({"mixed_precision": "fp16"}, ValueError,
-         'Accelerator(mixed_precision="fp16"): float16 training needs a loss scaler'),
         ({"mixed_precision": "int8"}, ValueError,
          "Accelerator(mixed_precision)='int8': not a precision. Use one of \"no\", \"fp16\", \"bf16\"."),
         ({"deepspeed_plugin": object()}, TypeError,

@@ -21,7 +21,10 @@ P = "FullyShardedDataParallelPlugin"
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in (*env.FSDP_VARS, *env.LAUNCH_VARS):
-        monkeypatch.delenv(var.env, raising=False)
+        # Recorded first, so that undoing also removes what the plugin writes itself (cpu_ram_efficient_loading
+        # exports FSDP_CPU_RAM_EFFICIENT_LOADING): later tests, and worker pools spawned later, start clean.
+        monkeypatch.setenv(var.env, "")
+        monkeypatch.delenv(var.env)
 
 
 class Block(nn.Module):

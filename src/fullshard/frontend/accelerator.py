@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fullshard.checkpoint import save_weights
+from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.frontend import env, model_state, ops, runtime, state_io, training
 from fullshard.frontend.data import GradientState, prepare_data_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -56,13 +57,7 @@ def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object, split_
 def _resolve_precision(mixed_precision: object) -> PrecisionType:
     if mixed_precision is None:
         mixed_precision = env.read_launch_env().get("mixed_precision")
-    precision = PrecisionType.parse(mixed_precision, arg="Accelerator(mixed_precision)")
-    if precision is PrecisionType.FP16:
-        raise ValueError(
-            'Accelerator(mixed_precision="fp16"): float16 training needs a loss scaler that works across shards, '
-            'which fullshard does not have yet. Use mixed_precision="bf16" (same memory, no scaler needed).'
-        )
-    return precision
+    return PrecisionType.parse(mixed_precision, arg="Accelerator(mixed_precision)")
 
 
 class Accelerator:
@@ -99,6 +94,8 @@ class Accelerator:
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
         self._process = runtime.init_process_state(cpu=cpu)
         self._objects = state_io.TrainingObjects()
+        if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
+            self._objects.scaler = ShardedGradScaler(device=self.device.type)
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -130,6 +127,11 @@ class Accelerator:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @property
+    def scaler(self) -> ShardedGradScaler | None:
+        """The fp16 loss scaler (``None`` unless ``mixed_precision="fp16"``)."""
+        return self._objects.scaler
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -172,7 +174,9 @@ class Accelerator:
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """Shard ``model`` as the plugin says (see ``prepare.py``) and remember it for checkpoints."""
         prepared = prepare_model(model, self.fsdp_plugin, self.device)
-        training.wrap_forward_with_autocast(prepared, PrecisionType(self.mixed_precision), self.device)
+        precision = PrecisionType(self.mixed_precision)
+        autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
+        training.wrap_forward_for_precision(prepared, precision, self.device, autocast=autocast)
         self._objects.models.append(prepared)
         return prepared
 
@@ -193,7 +197,7 @@ class Accelerator:
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, AcceleratedOptimizer):
             return obj
         switch_optimizer_to_sharded(obj)
-        wrapped = AcceleratedOptimizer(obj, self.gradient_state)
+        wrapped = AcceleratedOptimizer(obj, self.gradient_state, self.scaler)
         self._objects.optimizers.append(wrapped)
         return wrapped
 
@@ -212,8 +216,23 @@ class Accelerator:
     # --- training step ------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps``."""
-        (loss / self.gradient_accumulation_steps).backward(**kwargs)
+        """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale)."""
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Divide the gradients by the fp16 loss scale (a no-op otherwise); at most once per optimizer step.
+
+        Skipped on accumulation steps: the gradients are incomplete, and the next backward would add scaled
+        values to unscaled ones.
+        """
+        if self.scaler is None or not self.sync_gradients:
+            return
+        optimizers = self._objects.optimizers if optimizer is None else [optimizer]
+        for opt in optimizers:
+            self.scaler.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
@@ -231,7 +250,11 @@ class Accelerator:
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
-        """Clip gradients to a global norm over all shards; returns the norm before clipping (equal on all ranks)."""
+        """Clip gradients to a global norm over all shards; returns the norm before clipping (equal on all ranks).
+
+        With fp16 the gradients are unscaled first, so ``max_norm`` applies to the true gradients.
+        """
+        self.unscale_gradients()
         return training.clip_grad_norm(self._objects.models, parameters, max_norm, norm_type)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -4,6 +4,10 @@ Both consult the shared :class:`~fullshard.frontend.data.GradientState`: on an a
 (``sync_gradients`` is ``False``) ``optimizer.step()``, ``optimizer.zero_grad()`` and ``scheduler.step()`` do
 nothing, so a loop written for one step per batch accumulates without change.
 
+With float16 mixed precision the optimizer steps through the run's ``ShardedGradScaler``: the step is skipped
+on every rank when any rank's gradient shard holds an inf or nan, the scale is lowered, and the scheduler does
+not advance for that step (as in Accelerate, ``scaler.update()`` follows each optimizer's step).
+
 As in Accelerate (without ``split_batches``), one scheduler step advances the wrapped scheduler once per
 process: a schedule written for the batches of the whole dataset stays on time when every step consumes
 ``num_processes`` batches.
@@ -15,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.frontend.data import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
@@ -23,10 +28,16 @@ __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Delegates to ``optimizer``; ``step`` and ``zero_grad`` only act when gradients are synchronised."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_state: GradientState,
+        scaler: ShardedGradScaler | None = None,
+    ) -> None:
         # No super().__init__: the wrapped optimizer owns param_groups, state and defaults.
         self.optimizer = optimizer
         self.gradient_state = gradient_state
+        self.scaler = scaler
         self._step_was_skipped = False
 
     @property
@@ -47,7 +58,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """Whether the last ``step()`` call did nothing (an accumulation step)."""
+        """Whether the last ``step()`` call did nothing: an accumulation step, or an fp16 overflow."""
         return self._step_was_skipped
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -67,7 +78,18 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._step_was_skipped = not self.gradient_state.sync_gradients
         if self._step_was_skipped:
             return None
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if self.scaler is None:
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        return self._scaled_step(self.scaler, closure)
+
+    def _scaled_step(self, scaler: ShardedGradScaler, closure: Any) -> Any:
+        """Step through the scaler. The scale only ever drops (by ``backoff_factor`` < 1) when an inf or nan was
+        found, and that finding is agreed by all ranks, so a lower scale after ``update()`` means "skipped"."""
+        scale = scaler.get_scale()
+        result = scaler.step(self.optimizer, closure) if closure is not None else scaler.step(self.optimizer)
+        scaler.update()
+        self._step_was_skipped = scaler.get_scale() < scale
+        return result
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"

@@ -3,16 +3,23 @@
 Also Accelerate's FSDP2 helpers under their names (``fsdp2_prepare_model``, ``fsdp2_prepare_auto_wrap_policy``,
 ``fsdp2_load_full_state_dict``, ``fsdp2_switch_optimizer_parameters``) and the RAM-efficient-loading switches.
 
-Before sharding, :func:`prepare_model` materialises parameters left on the meta device (``param_init_fn``, else
-``to_empty``) and, with ``sync_module_states`` (forced by ``cpu_ram_efficient_loading``), broadcasts every
-parameter and buffer from rank 0. The broadcast happens on the full (unsharded) tensors, so each rank holds the
-whole model for a moment: RAM-efficient loading here saves the reading of the checkpoint on ranks > 0, not
-their peak memory.
+Everything the plugin describes is done by the engine, one unit at a time: mixed precision, CPU offload,
+``param_init_fn`` and ``sync_module_states`` go to ``FullyShardedDataParallel`` as they are; ``fully_shard``
+takes the precision and offload policies but has no ``param_init_fn`` / ``sync_module_states``, so
+:func:`_initialize_unit` gives them the same meaning just before each ``fully_shard`` call (see
+[Note: RAM-efficient loading]). Activation checkpointing is the engine's ``checkpoint_module`` on the blocks the
+auto-wrap policy selects.
+
+[Note: RAM-efficient loading]
+With ``cpu_ram_efficient_loading`` (which forces ``sync_module_states``) only rank 0 reads the pretrained
+weights; the other ranks build the model on the ``meta`` device. Sharding then goes unit by unit, innermost
+first: ranks > 0 give the unit's own modules empty storage (``to_empty``), rank 0 broadcasts the unit's
+parameters and buffers, and the unit is sharded at once, which frees the full tensors. So a rank > 0 holds at
+most one unit in full (plus the shards of the units done), never the whole model.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,9 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.checkpointing import checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.param import replacement_for
 from fullshard.engine.state import unit_state
+from fullshard.engine.unit import Ignored, own_modules, resolve_device
 from fullshard.engine.wrap import plan_units
 from fullshard.engine.wrapper import FullyShardedDataParallel
 from fullshard.frontend import env
@@ -94,7 +103,8 @@ def _blocks(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     """``fully_shard`` every block the plugin's policy selects, then the root; returns ``model`` (changed in place).
 
-    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``) and ``device``.
+    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). Meta-device modules are materialized
+    and, with ``sync_module_states``, given rank 0's values, one unit at a time (see the module docstring).
     """
     plugin = _plugin_of(accelerator, "fsdp2_prepare_model")
     return _shard_fsdp2(model, plugin, _blocks(model, plugin))
@@ -108,69 +118,128 @@ def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
 
 
 def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, blocks: list[nn.Module]) -> nn.Module:
+    """``fully_shard`` each block, then the root, initialising each unit first (:func:`_initialize_unit`)."""
     kwargs = plugin.fully_shard_kwargs()
-    ignored = {p for m in plugin.resolve_ignored_modules(model) for p in m.parameters()}
-    if ignored:
-        kwargs["ignored_params"] = ignored
-    for block in blocks:
-        if not isinstance(block, FSDPModule):
-            fully_shard(block, **kwargs)
-    if not isinstance(model, FSDPModule):
-        fully_shard(model, **kwargs)
+    ignored_modules = plugin.resolve_ignored_modules(model)
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
+    ignored = Ignored(
+        module_ids=frozenset(id(sub) for m in ignored_modules for sub in m.modules()),
+        param_ids=frozenset(id(p) for p in ignored_params),
+    )
+    sync = bool(plugin.sync_module_states) and dist.get_world_size() > 1
+    if sync:
+        _check_before_sync(model, plugin.param_init_fn)
+    for unit in [*blocks, model]:
+        if not isinstance(unit, FSDPModule):
+            _initialize_unit(unit, plugin.param_init_fn, sync, ignored)
+            fully_shard(unit, **kwargs)
     return model
 
 
-def _materialize(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> None:
-    """Give meta parameters storage, then broadcast everything from rank 0 if ``sync_module_states``."""
-    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-        if plugin.param_init_fn is not None:
-            for module in model.modules():
-                if any(t.device.type == "meta" for t in module.parameters(recurse=False)):
-                    plugin.param_init_fn(module)
-        else:
-            model.to_empty(device=device)
-    if device.type == "cuda":
-        model.to(device)
-    if plugin.sync_module_states and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Raise on every rank, before any broadcast, if the ranks built models of different shapes, or if rank 0
+    has meta modules it cannot initialise (no ``param_init_fn`` and no ``reset_parameters()``)."""
+    signature = [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    stuck = []
+    if dist.get_rank() == 0 and param_init_fn is None:
+        stuck = [name or "<root>" for name, m in model.named_modules()
+                 if _holds_meta(m) and m._parameters and not hasattr(m, "reset_parameters")]  # fmt: skip
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (signature, stuck))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != everyone[0][0]:
+            differ = next((a, b) for a, b in zip([*theirs, None], [*everyone[0][0], None]) if a != b)
+            raise ValueError(
+                f"sync_module_states=True (model={type(model).__name__}): rank {rank} built a different model than "
+                f"rank 0 (first difference: {differ[0]} vs rank 0's {differ[1]}). Every rank must build the same "
+                "architecture; with cpu_ram_efficient_loading only the weights may differ (ranks > 0 on meta)."
+            )
+    if everyone[0][1]:
+        raise ValueError(
+            f"sync_module_states=True (model={type(model).__name__}): on rank 0, {everyone[0][1][:3]} are on the "
+            "meta device and have no reset_parameters() to initialise them before they are broadcast. Build the "
+            "model on a real device on rank 0 (only the other ranks may use meta), or pass "
+            "FullyShardedDataParallelPlugin(param_init_fn=...)."
+        )
 
 
-def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> nn.Module:
-    """Shard ``model`` as ``plugin`` says; a model that is already sharded is returned as it is."""
-    if is_sharded(model):
-        return model
+def _initialize_unit(
+    unit: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, sync: bool, ignored: Ignored
+) -> None:
+    """Give ``fully_shard`` the meaning of FSDP's ``param_init_fn`` / ``sync_module_states`` for one unit.
+
+    Covers the unit's own modules (not units below it, nor ignored ones). Postcondition: with a
+    ``param_init_fn`` or ``sync``, none of them holds a meta tensor, and with ``sync`` every rank holds rank 0's
+    values on the compute device. Without either, meta modules are left to ``fully_shard`` (``to_empty`` then
+    ``reset_parameters()``).
+    """
+    modules = own_modules(unit, ignored)
+    device = resolve_device(None, unit)
+    rank = dist.get_rank()
+    for _, module in modules:
+        if not _holds_meta(module):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(module)
+        elif sync:
+            module.to_empty(device=device, recurse=False)
+            if rank == 0 and hasattr(module, "reset_parameters"):  # checked by _check_before_sync
+                module.reset_parameters()  # the other ranks receive these values below
+    if not sync:
+        return
+    with torch.no_grad():
+        for _, module in modules:
+            _move_own_tensors(module, device)
+            for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                if tensor is not None:
+                    dist.broadcast(tensor.data, src=0)
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
+
+
+def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
+    """Put ``module``'s own parameters and buffers on ``device`` (the broadcast needs them there under NCCL)."""
+    for param in module._parameters.values():
+        if param is not None and param.device != device:
+            param.data = param.data.to(device)
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.device != device:
+            module._buffers[name] = buf.to(device)
+
+
+def _check_activation_checkpointing(plugin: FullyShardedDataParallelPlugin) -> None:
     if plugin.activation_checkpointing and plugin.auto_wrap_policy is None:
         raise ValueError(
             "FullyShardedDataParallelPlugin(activation_checkpointing=True, auto_wrap_policy=None): the blocks to "
             "recompute are the ones the auto-wrap policy selects. Pass auto_wrap_policy='transformer_based_wrap' "
             "(with transformer_cls_names_to_wrap) or 'size_based_wrap'."
         )
+
+
+def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> nn.Module:
+    """Shard ``model`` as ``plugin`` says; a model that is already sharded is returned as it is.
+
+    ``device`` is the compute device (passed as ``device_id`` to the ``fsdp_version=1`` wrapper on CUDA).
+    """
+    if is_sharded(model):
+        return model
+    _check_activation_checkpointing(plugin)
     blocks = _blocks(model, plugin)
-    _materialize(model, plugin, device)
     if plugin.activation_checkpointing:
         for block in blocks:
-            _checkpoint_forward(block)
+            checkpoint_module(block)
     if plugin.fsdp_version == 2:
         return _shard_fsdp2(model, plugin, blocks)
+    if plugin.sync_module_states and dist.get_world_size() > 1:
+        _check_before_sync(model, plugin.param_init_fn)  # the wrapper checks per unit, where ranks could hang
     kwargs = plugin.fsdp_kwargs(model)
     if device.type == "cuda":
         kwargs["device_id"] = device
     return FullyShardedDataParallel(model, **kwargs)
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Recompute ``module``'s forward in backward instead of keeping its activations (non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed  # type: ignore[method-assign]
 
 
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:

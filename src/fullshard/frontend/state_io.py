@@ -8,6 +8,7 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
       scheduler.bin                                                 scheduler 0 (scheduler_1.bin, ...)
       sampler.bin                                                   dataloader 0's position (sampler_1.bin, ...)
       custom_checkpoint_0.pkl                                       objects of register_for_checkpointing
+      scaler.pt                                                     the fp16 loss scaler (mixed_precision="fp16")
       random_states_0.pkl random_states_1.pkl                       every rank's RNG states
 
 With ``FULL_STATE_DICT`` the model and optimizer are written by rank 0 in full instead:
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.checkpoint import (
+    SCALER_NAME,
     check_sharded,
     load_sharded,
     model_folder_name,
@@ -62,6 +64,7 @@ class TrainingObjects:
     schedulers: list[Any] = field(default_factory=list)
     dataloaders: list[Any] = field(default_factory=list)
     custom: list[Any] = field(default_factory=list)
+    scaler: Any = None  # the ShardedGradScaler of fp16 runs
 
     def model_for(self, optimizer_index: int) -> nn.Module:
         return self.models[min(optimizer_index, len(self.models) - 1)]
@@ -143,6 +146,8 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
             torch.save(loader.state_dict(), out / sampler_file_name(i))
         for i, obj in enumerate(objects.custom):
             torch.save(obj.state_dict(), out / custom_checkpoint_file_name(i))
+        if objects.scaler is not None:
+            torch.save(objects.scaler.state_dict(), out / SCALER_NAME)
     torch.save(_rng_state(), out / rng_state_file_name(rank))
     dist.barrier()
     return out
@@ -163,7 +168,8 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[P
               for i in range(len(objects.optimizers))]  # fmt: skip
     files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
     files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
-    return [*files, *(folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom)))]
+    files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
+    return [*files, *([folder / SCALER_NAME] if objects.scaler is not None else [])]
 
 
 def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -192,6 +198,8 @@ def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullySha
         loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
     for i, obj in enumerate(objects.custom):
         obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
+    if objects.scaler is not None:
+        objects.scaler.load_state_dict(torch.load(folder / SCALER_NAME, weights_only=True))
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
 

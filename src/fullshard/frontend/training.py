@@ -27,8 +27,9 @@ __all__ = [
     "clip_grad_norm",
     "extract_model_from_parallel",
     "no_sync",
+    "needs_autocast",
     "truncate_for_metrics",
-    "wrap_forward_with_autocast",
+    "wrap_forward_for_precision",
 ]
 
 _AUTOCAST_DTYPES = {PrecisionType.BF16: torch.bfloat16, PrecisionType.FP16: torch.float16}
@@ -93,18 +94,35 @@ def _to_fp32(output: Any) -> Any:
     )
 
 
-def wrap_forward_with_autocast(model: nn.Module, precision: PrecisionType, device: torch.device) -> None:
-    """Run ``model``'s forward under autocast and return float32 outputs (Accelerate's mixed precision).
+def needs_autocast(precision: PrecisionType, policy: object) -> bool:
+    """Whether the forward must also run under ``torch.autocast`` for the run's ``precision``.
 
-    The original forward stays reachable as ``model.forward.__wrapped__`` (``unwrap_model`` restores it).
+    Not when the engine's mixed precision policy sets ``param_dtype``: every gathered parameter is then already in
+    that dtype and the root's floating-point inputs are cast to it, so the forward computes in low precision
+    without autocast. Autocast on top would re-cast per op and, unlike the policy, keep some ops in float32
+    (which ops depends on the device), so the run would no longer be "the model cast to ``param_dtype``" that
+    the parity tests compare against. A policy without ``param_dtype`` (e.g. only ``reduce_dtype``) computes in
+    full precision, so there autocast is what makes the Accelerator's ``mixed_precision`` take effect.
+    """
+    return precision is not PrecisionType.NO and getattr(policy, "param_dtype", None) is None
+
+
+def wrap_forward_for_precision(
+    model: nn.Module, precision: PrecisionType, device: torch.device, *, autocast: bool
+) -> None:
+    """Return float32 outputs from ``model``'s forward (Accelerate's mixed precision), under autocast if asked.
+
+    Nothing changes in full precision. The original forward stays reachable as ``model.forward.__wrapped__``
+    (``unwrap_model(keep_fp32_wrapper=False)`` restores it).
     """
     if precision is PrecisionType.NO:
         return
     forward: Callable[..., Any] = model.forward
+    context = autocast_context if autocast else (lambda *_: contextlib.nullcontext())
 
     @functools.wraps(forward)
     def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
-        with autocast_context(precision, device):
+        with context(precision, device):
             output = forward(*args, **kwargs)
         return _to_fp32(output)
 
