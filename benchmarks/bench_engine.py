@@ -132,12 +132,14 @@ def torch_fsdp2(model: nn.Module) -> nn.Module:
     return fully_shard(model)
 
 
-def torch_fsdp1(model: nn.Module, strategy: str) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+def torch_fsdp1(model: nn.Module, strategy: str, bf16: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
     return FullyShardedDataParallel(
         model,
+        mixed_precision=mp,
         sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=TorchPolicy({Block}),
         use_orig_params=True,
@@ -163,6 +165,7 @@ SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "fullshard FSDP bf16, backward prefetch": (functools.partial(ours_fsdp_bf16, prefetch="default"), "FULL_SHARD"),
     "fullshard FSDP bf16, fwd+bwd prefetch": (functools.partial(ours_fsdp_bf16, prefetch="all"), "FULL_SHARD"),
     "torch FSDP2 bf16": (torch_fsdp2_bf16, "FULL_SHARD"),
+    "torch FSDP1 bf16": (functools.partial(torch_fsdp1, strategy="FULL_SHARD", bf16=True), "FULL_SHARD"),
 }
 BF16_SYSTEMS = {name for name in SYSTEMS if "bf16" in name}
 THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
