@@ -12,7 +12,7 @@ model). Here the list of tensors, their dtypes and global shapes come from ``.me
 safetensors header is written first (see [Note: streaming safetensors writer] in ``export.py``); then each
 tensor is assembled from all of its shards (every ``__<rank>_0.distcp`` that holds a piece of it, through
 DCP's reader with no process group) and written out at once, while a helper thread already reads the next
-one (reading and writing overlap: 2.3x faster than reading then writing, measured on 300M parameters). Peak
+one (reading and writing overlap: about twice as fast as one after the other on 300M parameters). Peak
 memory is about the two largest tensors, independent of the model size. ``pytorch_model.bin`` output cannot stream (``torch.save``
 pickles a whole dict): there the peak is one output file, so pass ``max_shard_size`` to bound it.
 
