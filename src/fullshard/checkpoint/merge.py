@@ -13,8 +13,8 @@ safetensors header is written first (see [Note: streaming safetensors writer] in
 tensor is assembled from all of its shards (every ``__<rank>_0.distcp`` that holds a piece of it, through
 DCP's reader with no process group) and written out at once, while a helper thread already reads the next
 one (reading and writing overlap: about twice as fast as one after the other on 300M parameters). Peak
-memory is about the two largest tensors, independent of the model size. ``pytorch_model.bin`` output cannot stream (``torch.save``
-pickles a whole dict): there the peak is one output file, so pass ``max_shard_size`` to bound it.
+memory is about the two largest tensors, independent of the model size. ``pytorch_model.bin`` output cannot
+stream (``torch.save`` pickles a whole dict): there the peak is one output file, so pass ``max_shard_size``.
 
 Optimizer folders hold non-tensor entries too (``param_groups``: learning rates, betas, ...). For
 ``pytorch_model.bin`` the nested optimizer state dict is written as is (``{"state": ..., "param_groups": ...}``,
