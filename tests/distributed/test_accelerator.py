@@ -234,6 +234,19 @@ def resume(rank: int, world: int, version: int, kind: str, folder: str) -> Any:
     return straight, first + second, count, files
 
 
+def resume_from_step0(rank: int, world: int, version: int, folder: str) -> Any:
+    straight, _, _ = run_steps(version, "SHARDED_STATE_DICT", range(3), seed=0)
+    run_steps(version, "SHARDED_STATE_DICT", range(0), seed=0, save=Path(folder))  # before any optimizer step
+    resumed, _, _ = run_steps(version, "SHARDED_STATE_DICT", range(3), seed=1, load=Path(folder))
+    return straight, resumed
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_state_saved_before_the_first_step_resumes(pool2: WorkerPool, tmp_path: Path, version: int) -> None:
+    straight, resumed = pool2.run(resume_from_step0, version, str(tmp_path / "ckpt0"))[0]
+    assert resumed == straight
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_save_state_layout_and_resume_reproduces_losses(pool2: WorkerPool, tmp_path: Path, version: int) -> None:
     results = pool2.run(resume, version, "SHARDED_STATE_DICT", str(tmp_path / "ckpt"))

@@ -137,6 +137,9 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
             if rank == 0:
                 torch.save(osd, out / optimizer_file_name(i))
         else:
+            # A checkpoint always holds every parameter's state (zeros before the first step): then any
+            # fresh optimizer, given the same zero template by load_state, finds every key it expects.
+            model_state.init_optimizer_state(optimizer)
             osd = model_state.optim_state(model, optimizer, plugin)
             save_sharded({"optimizer": osd}, out / optimizer_folder_name(i))
     if rank == 0:
