@@ -9,7 +9,6 @@ each block first, then the root.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +23,7 @@ from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
 from fullshard.engine.unit import Ignored, build_unit, resolve_device
+from fullshard.engine.warn import warn_rank0
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -113,7 +113,7 @@ def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offl
             "parameters and gradients on the CPU, or OffloadPolicy() / None not to."
         )
     if policy.pin_memory and device.type == "cpu":
-        warnings.warn(
+        warn_rank0(
             "CPUOffloadPolicy(pin_memory=True) has no effect here: the compute device is the CPU, so nothing is "
             "copied to an accelerator. Pass pin_memory=False to silence this.",
             stacklevel=3,

@@ -13,7 +13,6 @@ Rules (torch's, for both entry points):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from fullshard.engine.api import MixedPrecision, MixedPrecisionPolicy
 from fullshard.engine.group import GroupPrecision
+from fullshard.engine.warn import warn_rank0
 
 __all__ = ["Casts", "cast_floating", "casts_from_mixed_precision", "casts_from_policy", "group_precision"]
 
@@ -56,7 +56,7 @@ def casts_from_mixed_precision(mp: MixedPrecision | None) -> Casts:
         _check_dtype(getattr(mp, name, None), name, "MixedPrecision")
     param, reduce = mp.param_dtype, mp.reduce_dtype
     if mp.keep_low_precision_grads and param is None and reduce is None:
-        warnings.warn(
+        warn_rank0(
             "MixedPrecision(keep_low_precision_grads=True) has no effect without param_dtype or reduce_dtype: "
             "gradients are already in the parameters' dtype.",
             stacklevel=3,
@@ -92,7 +92,7 @@ def group_precision(casts: Casts, dtype: torch.dtype) -> GroupPrecision:
     param = casts.param_dtype or dtype
     reduce = casts.reduce_dtype or param
     if casts.reduce_dtype is not None and casts.param_dtype is None and reduce.itemsize > dtype.itemsize:
-        warnings.warn(
+        warn_rank0(
             f"reduce_dtype={reduce} without param_dtype reduces {dtype} gradients in a wider dtype, which only "
             "costs bandwidth: the result lands in the parameters' dtype. Leave reduce_dtype unset, or set "
             "param_dtype too.",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import os
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from torch.autograd import Variable
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.precision import Casts, cast_floating
+from fullshard.engine.warn import warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
 
@@ -251,7 +251,7 @@ class UnitState:
         if order_debug_enabled():
             raise RuntimeError(f"[rank {dist.get_rank()}] {message}. Every iteration must run units in one order.")
         if self.config.forward_prefetch:
-            warnings.warn(
+            warn_rank0(
                 f"forward_prefetch=True, but {message}; prefetching stops for this model and units are gathered "
                 "when they run. Turn forward_prefetch off for models whose forward order varies.",
                 stacklevel=4,
