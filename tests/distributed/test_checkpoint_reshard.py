@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType, fully_shard
+from fullshard import FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType
 from fullshard.checkpoint import load_sharded, model_folder_name, optimizer_folder_name, save_sharded
 from fullshard.engine.optim_init import init_optimizer_state
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import fully_shard_blocks
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(tie_weights=True)
@@ -44,9 +45,7 @@ def shard(model: nn.Module, layout: str) -> nn.Module:
     if layout == "plain":
         return model
     if layout == "fully_shard":
-        for block in model.blocks:
-            fully_shard(block)
-        return fully_shard(model)
+        return fully_shard_blocks(model)
     mesh = init_device_mesh("cpu", (2, 2)) if layout == "HYBRID_SHARD" else None
     return FSDP(model, sharding_strategy=layout, device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({Block}))
 

@@ -33,7 +33,7 @@ from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_state
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
-from fullshard.testing.parity import RunResult, TrainSpec, reference_run, sharded_run
+from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run, sharded_run
 from fullshard.wrap import ModuleWrapPolicy
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -62,9 +62,7 @@ def wrap_offload(model: nn.Module, entry: str) -> nn.Module:
     if entry == "fsdp":
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
     policy = CPUOffloadPolicy(pin_memory=False)
-    for block in model.blocks:
-        fully_shard(block, offload_policy=policy)
-    return fully_shard(model, offload_policy=policy)
+    return fully_shard_blocks(model, offload_policy=policy)
 
 
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
@@ -303,9 +301,7 @@ def wrap_checkpointed(model: nn.Module, entry: str) -> nn.Module:
     assert apply_activation_checkpointing(model, lambda m: isinstance(m, Block)) == len(model.blocks)
     if entry == "fsdp":
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+    return fully_shard_blocks(model)
 
 
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
@@ -360,9 +356,7 @@ def wrap_with_allreduce_hook(model: nn.Module) -> nn.Module:
 
 
 def wrap_fully_shard_with_hook(model: nn.Module) -> nn.Module:
-    for block in model.blocks:
-        fully_shard(block)
-    model = fully_shard(model)
+    model = fully_shard_blocks(model)
     model.register_comm_hook(DefaultState(dist.group.WORLD), reduce_scatter_hook)
     return model
 
@@ -445,9 +439,7 @@ def _lora(rank: int, world: int, entry: str) -> dict[str, object]:
     if entry == "fsdp":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
     else:
-        for block in model.blocks:
-            fully_shard(block)
-        model = fully_shard(model)
+        model = fully_shard_blocks(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     losses = []

@@ -18,7 +18,7 @@ from fullshard import FSDP, MixedPrecision, MixedPrecisionPolicy, fully_shard
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
-from fullshard.testing.parity import RunResult, TrainSpec, reference_run, sharded_run
+from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run, sharded_run
 from fullshard.wrap import ModuleWrapPolicy
 
 BF16 = torch.bfloat16
@@ -31,9 +31,7 @@ def wrap_fsdp_bf16(model: nn.Module) -> nn.Module:
 
 def wrap_fully_shard_bf16(model: nn.Module) -> nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+    return fully_shard_blocks(model, mp_policy=policy)
 
 
 def _run(rank: int, world: int, spec: TrainSpec, shard: object) -> RunResult:

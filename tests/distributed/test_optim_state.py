@@ -27,10 +27,10 @@ from fullshard import (
     FullStateDictConfig,
     OptimStateKeyType,
     StateDictType,
-    fully_shard,
 )
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import fully_shard_blocks
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(tie_weights=True)
@@ -50,9 +50,7 @@ def shard(model: nn.Module, entry: str) -> nn.Module:
         return FSDP(
             model, sharding_strategy="HYBRID_SHARD", device_mesh=mesh, auto_wrap_policy=ModuleWrapPolicy({Block})
         )
-    for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
+    return fully_shard_blocks(model)
 
 
 def make_optim(model: nn.Module, kind: str) -> torch.optim.Optimizer:

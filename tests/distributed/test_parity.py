@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FSDP, ShardingStrategy, fully_shard
+from fullshard import FSDP, ShardingStrategy
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig
-from fullshard.testing.parity import RunResult, TrainSpec, reference_run, sharded_run
+from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run, sharded_run
 from fullshard.wrap import ModuleWrapPolicy
 
 ATOL, RTOL = 2e-5, 1e-4
@@ -43,9 +43,7 @@ def wrap_fsdp(model: nn.Module, strategy: str, **kwargs: object) -> nn.Module:
 
 def wrap_fully_shard(model: nn.Module, reshard: bool, mesh_shape: tuple[int, ...] | None = None) -> nn.Module:
     mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard_blocks(model, mesh=mesh, reshard_after_forward=reshard)
 
 
 def wrap_fsdp_hybrid(model: nn.Module, strategy: str, how: str) -> nn.Module:

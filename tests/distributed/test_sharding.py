@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard import FSDP, FSDPModule, fully_shard
+from fullshard import FSDP, FSDPModule
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import fully_shard_blocks
 from fullshard.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -37,9 +38,7 @@ def _layout(rank: int, world: int, entry: str) -> dict[str, object]:
     if entry == "fsdp":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     else:
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        fully_shard_blocks(model)
     local = {n: _local(p).numel() for n, p in model.named_parameters()}
     placements = {str(getattr(p, "placements", None)) for _, p in model.named_parameters()}
     is_module = isinstance(model, FSDPModule), isinstance(model, TinyGPT)
@@ -116,9 +115,7 @@ def _summon_writeback(rank: int, world: int, entry: str) -> list[float]:
     if entry == "fsdp":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     else:
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        fully_shard_blocks(model)
     with FSDP.summon_full_params(model, writeback=True):
         for _, p in model.named_parameters():
             assert p.shape != torch.Size([0])

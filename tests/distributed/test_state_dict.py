@@ -28,10 +28,10 @@ from fullshard import (
     ShardedStateDictConfig,
     StateDictSettings,
     StateDictType,
-    fully_shard,
 )
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import fully_shard_blocks
 from fullshard.wrap import ModuleWrapPolicy
 
 CFG = GPTConfig(tie_weights=True)
@@ -61,9 +61,7 @@ def shard(model: nn.Module, entry: str, strategy: str = "FULL_SHARD", mesh_shape
         kwargs: dict[str, Any] = {"device_mesh": init_device_mesh("cpu", mesh_shape)} if mesh_shape else {}
         return FSDP(model, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
     mesh = init_device_mesh("cpu", mesh_shape) if mesh_shape else None
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    return fully_shard_blocks(model, mesh=mesh)
 
 
 def train_step(model: nn.Module, seed: int = 5) -> None:

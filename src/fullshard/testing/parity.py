@@ -10,15 +10,17 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.fully_shard import fully_shard
 from fullshard.engine.summon import summon_full_params
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
-__all__ = ["RunResult", "TrainSpec", "reference_run", "sharded_run"]
+__all__ = ["RunResult", "TrainSpec", "fully_shard_blocks", "reference_run", "sharded_run"]
 
 
 @dataclass(frozen=True)
@@ -135,3 +137,10 @@ def _without_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+def fully_shard_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """``fully_shard`` each of ``model.blocks`` and then ``model`` itself, all with ``kwargs``; return it."""
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    return fully_shard(model, **kwargs)
