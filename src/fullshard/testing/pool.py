@@ -39,15 +39,23 @@ class RankFailure(RuntimeError):
 
 
 def _worker_main(
-    rank: int, world_size: int, init_method: str, conn: Connection, env: dict[str, str], pg_timeout_s: float
+    rank: int,
+    world_size: int,
+    init_method: str,
+    conn: Connection,
+    env: dict[str, str],
+    pg_timeout_s: float,
+    backend: str = "gloo",
 ) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
@@ -76,8 +84,9 @@ def _health_check(rank: int, world_size: int) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.monitored_barrier(timeout=timedelta(seconds=5))
-    total = torch.ones(1)
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=5))
+    total = torch.ones(1, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(total)
     if int(total.item()) != world_size:
         raise RuntimeError(f"health check: all_reduce gave {total.item()}, expected {world_size}")
@@ -93,8 +102,10 @@ class WorkerPool:
         timeout_s: float = 300.0,
         grace_s: float = 20.0,
         env: dict[str, str] | None = None,
+        backend: str = "gloo",
     ) -> None:
         self.world_size = world_size
+        self.backend = backend  # "nccl": one GPU per rank, rank r on device r
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self.env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -111,7 +122,7 @@ class WorkerPool:
             # The process-group timeout bounds a collective that a failed peer left hanging.
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, init_method, child, self.env, self.grace_s),
+                args=(rank, self.world_size, init_method, child, self.env, self.grace_s, self.backend),
                 daemon=True,
             )
             proc.start()

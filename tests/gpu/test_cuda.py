@@ -1,0 +1,100 @@
+"""The CUDA/NCCL paths: device placement, CPU offload with an accelerator, mixed precision on the GPU.
+
+These run only where a GPU exists (this project's CI has none): one NCCL rank per GPU, as many ranks as
+GPUs up to 2. With one GPU the shard group has one rank, which still exercises device placement, the
+host-to-device copies of CPU offload and the casts; with two it exercises NCCL's collectives too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy
+from fullshard.engine.state import unit_state
+from fullshard.testing import WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import fully_shard_blocks
+from fullshard.wrap import ModuleWrapPolicy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
+
+STEPS, BATCH = 3, 4
+
+
+@pytest.fixture(scope="module")
+def gpu_pool() -> Iterator[WorkerPool]:
+    pool = WorkerPool(min(torch.cuda.device_count(), 2), backend="nccl")
+    yield pool
+    pool.close()
+
+
+def _reference_losses() -> list[float]:
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig()).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(model.cfg, BATCH, step)
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(rank: int, world: int, how: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    model: nn.Module = TinyGPT(GPTConfig())
+    seen: dict[str, object] = {}
+    model.blocks[0].fc.register_forward_pre_hook(
+        lambda m, a: seen.update(device=str(m.weight.device), dtype=m.weight.dtype)
+    )
+    if how == "fsdp":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=rank)
+    elif how == "offload":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cuda", rank),
+                     cpu_offload=CPUOffload(offload_params=True))  # fmt: skip
+    else:
+        model = fully_shard_blocks(model.cuda(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = BATCH // world
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(GPTConfig(), BATCH, step)
+        x, y = x[rank * per : (rank + 1) * per].cuda(), y[rank * per : (rank + 1) * per].cuda()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / world)
+    group = unit_state(model.blocks[0] if how == "bf16" else model.module.blocks[0]).group
+    return {
+        "losses": losses,
+        "seen": seen,
+        "params": {p.device.type for p in model.parameters()},
+        "storage": group.storage_device.type,
+    }
+
+
+@pytest.mark.parametrize("how", ["fsdp", "offload"])
+def test_cuda_training_matches_reference(gpu_pool: WorkerPool, how: str) -> None:
+    want = _reference_losses()
+    for got in gpu_pool.run(_train, how):
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), atol=1e-4, rtol=1e-4)
+        assert got["seen"]["device"].startswith("cuda")
+        expected = "cpu" if how == "offload" else "cuda"
+        assert got["params"] == {expected} and got["storage"] == expected
+
+
+def test_bf16_compute_on_cuda(gpu_pool: WorkerPool) -> None:
+    for got in gpu_pool.run(_train, "bf16"):
+        assert got["seen"]["dtype"] == torch.bfloat16 and got["seen"]["device"].startswith("cuda")
+        assert got["params"] == {"cuda"}
+        assert got["losses"][-1] < got["losses"][0]
