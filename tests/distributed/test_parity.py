@@ -219,3 +219,19 @@ def test_direct_gathers_with_accumulation_and_bf16(pool2: WorkerPool) -> None:
     want_bf16 = reference_run(bf16)
     for result in pool2.run(_run_with_direct_gathers, bf16, shard):
         torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(want_bf16.losses), atol=2e-2, rtol=1e-2)
+
+
+def _torch_clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+
+def _run_with_torch_clip(rank: int, world: int, spec: TrainSpec) -> RunResult:
+    return sharded_run(rank, world, spec, fully_shard_blocks, clip=_torch_clip)
+
+
+def test_torch_clip_grad_norm_on_fully_shard_dtensors(pool2: WorkerPool) -> None:
+    # torchtitan-style code clips with torch's own function: the DTensor gradients must give the global norm.
+    spec = TrainSpec(clip=0.05)
+    want = reference_run(spec)
+    for result in pool2.run(_run_with_torch_clip, spec):
+        assert_parity(result, want)
