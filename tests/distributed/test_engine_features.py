@@ -288,6 +288,35 @@ def test_meta_without_param_init_fn_uses_reset_parameters(pool2: WorkerPool) -> 
     assert all(s > 0 for s in sums[0])  # initialised, not left as uninitialised zeros/garbage of size 0
 
 
+class NoReset(nn.Module):
+    """Parameters but no reset_parameters(): nothing can initialise it on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _uninitialisable_on_rank0(rank: int, world: int, entry: str) -> None:
+    with torch.device("meta"):
+        model = NoReset()
+    if entry == "fsdp":
+        FSDP(model, sync_module_states=True)
+    else:
+        fully_shard(model, sync_module_states=True)
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_sync_module_states_problem_on_rank0_raises_everywhere(pool2: WorkerPool, entry: str) -> None:
+    # Rank 0 cannot initialise the module; the other rank must raise too instead of waiting for a broadcast.
+    with pytest.raises(RankFailure) as info:
+        pool2.run(_uninitialisable_on_rank0, entry)
+    assert set(info.value.failures) == {0, 1}
+    assert "sync_module_states=True, on rank 0: NoReset at '<root>' is on the meta device" in str(info.value)
+
+
 # --- activation checkpointing -------------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ each block first, then the root.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +24,7 @@ from fullshard.engine.group import Offload
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
-from fullshard.engine.unit import Ignored, build_unit, resolve_device
+from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
 from fullshard.engine.warn import warn_rank0
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -61,13 +63,13 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         states = unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
         for state in states:
-            state.config = _replace(state.config, reshard_after_forward=bool(reshard_after_forward))
+            state.config = replace(state.config, reshard_after_forward=bool(reshard_after_forward))
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Prefetch in forward: with a non-empty list, this unit starts gathering the unit that ran after it
         in the first iteration as soon as its own parameters are gathered (an empty list turns it off)."""
         state = self._fullshard_state()
-        state.config = _replace(state.config, forward_prefetch=bool(modules))
+        state.config = replace(state.config, forward_prefetch=bool(modules))
 
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """Reduce this unit's and every inner unit's gradients with ``hook`` (signatures as in
@@ -85,12 +87,6 @@ class FSDPModule:
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load DTensors or full tensors under the module's keys; checked before anything is copied."""
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
-
-
-def _replace(config: UnitConfig, **changes: Any) -> UnitConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 _CLASSES: dict[type, type] = {}
@@ -138,8 +134,15 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    sync_module_states: bool = False,
 ) -> M:
-    """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``."""
+    """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
+
+    Beyond torch's signature, ``param_init_fn`` and ``sync_module_states`` mean what they mean for
+    ``FullyShardedDataParallel``: how meta-device modules of this unit are initialised, and whether every
+    rank takes rank 0's values (so that ranks other than 0 may build the model on ``meta``).
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
     if not isinstance(reshard_after_forward, bool):
@@ -161,8 +164,16 @@ def fully_shard(
     )
     offload = _resolve_offload(offload_policy, device)
     ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
+    init = InitOptions(param_init_fn=param_init_fn, sync_module_states=bool(sync_module_states))
     state = build_unit(
-        module, shard_group, config, ignored=ignored, use_dtensor=True, guard_unit_module=False, offload=offload
+        module,
+        shard_group,
+        config,
+        ignored=ignored,
+        use_dtensor=True,
+        guard_unit_module=False,
+        offload=offload,
+        init=init,
     )
     where = f"fully_shard({type(module).__name__})"
     sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)

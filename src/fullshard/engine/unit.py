@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,11 +150,13 @@ class InitOptions:
     sync_module_states: bool = False
 
 
-def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, init: InitOptions) -> None:
+def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, init: InitOptions) -> str | None:
     """Give meta-device modules of one unit real storage on ``device`` and initialise them.
 
     Only this unit's modules are materialized, so at most one unit is ever whole in memory during init.
+    Returns what could not be initialised (a message), for the caller to raise where every rank will.
     """
+    problem = None
     for prefix, module in modules:
         on_meta = any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
         if not on_meta:
@@ -166,20 +169,29 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
             continue  # rank 0's values arrive by broadcast
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
-        elif module._parameters:
-            raise ValueError(
-                f"{type(module).__name__} at {prefix.rstrip('.') or '<root>'!r} is on the meta device and has no "
-                "reset_parameters() to initialise it after materialization. Pass param_init_fn=... (called with each "
-                "meta module), or build that module on a real device."
+        elif module._parameters and problem is None:
+            where = _clean(prefix.rstrip(".")) or "<root>"
+            problem = (
+                f"{type(module).__name__} at {where!r} is on the meta device and has no reset_parameters() to "
+                "initialise it after materialization. Pass param_init_fn=... (called with each meta module), or "
+                "build that module on a real device."
             )
+    return problem
 
 
-def _broadcast_from_rank0(label: str, entries: list[Entry], modules: list[tuple[str, nn.Module]]) -> None:
-    """sync_module_states: every rank takes rank 0's parameters and buffers (after checking shapes agree)."""
+def _broadcast_from_rank0(
+    label: str, entries: list[Entry], modules: list[tuple[str, nn.Module]], problem: str | None
+) -> None:
+    """sync_module_states: every rank takes rank 0's parameters and buffers, after checking on every rank that
+    no rank failed to initialise its modules (``problem``) and that the shapes agree."""
     tensors = [p for _, _, p in entries] + [b for _, m in modules for b in m._buffers.values() if b is not None]
     signature = [(name, tuple(p.shape)) for name, _, p in entries]
-    everyone: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, signature)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (signature, problem))
+    failed = next(((rank, p) for rank, (_, p) in enumerate(everyone) if p), None)
+    if failed is not None:
+        raise ValueError(f"sync_module_states=True, on rank {failed[0]}: {failed[1]}")
+    everyone = [theirs for theirs, _ in everyone]
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             raise RuntimeError(
@@ -208,7 +220,10 @@ def build_unit(
     label = label or type(module).__name__
     modules = own_modules(module, ignored)
     device = shard_group.device
-    _materialize(modules, device, init)
+    problem = _materialize(modules, device, init)
+    sync = init.sync_module_states and dist.get_world_size() > 1
+    if problem is not None and not sync:
+        raise ValueError(problem)
     for _, m in modules:
         for name, buf in m._buffers.items():
             if buf is not None and buf.device != device:
@@ -217,8 +232,8 @@ def build_unit(
     for _, _, param in entries:
         if param.device != device:
             param.data = param.data.to(device)
-    if init.sync_module_states and dist.get_world_size() > 1:
-        _broadcast_from_rank0(label, entries, modules)
+    if sync:
+        _broadcast_from_rank0(label, entries, modules, problem)
     group = None
     if entries:
         precision = group_precision(config.casts, entries[0][2].dtype)

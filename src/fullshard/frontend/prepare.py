@@ -4,11 +4,9 @@ Also Accelerate's FSDP2 helpers under their names (``fsdp2_prepare_model``, ``fs
 ``fsdp2_load_full_state_dict``, ``fsdp2_switch_optimizer_parameters``) and the RAM-efficient-loading switches.
 
 Everything the plugin describes is done by the engine, one unit at a time: mixed precision, CPU offload,
-``param_init_fn`` and ``sync_module_states`` go to ``FullyShardedDataParallel`` as they are; ``fully_shard``
-takes the precision and offload policies but has no ``param_init_fn`` / ``sync_module_states``, so
-:func:`_initialize_unit` gives them the same meaning just before each ``fully_shard`` call (see
-[Note: RAM-efficient loading]). Activation checkpointing is the engine's ``checkpoint_module`` on the blocks the
-auto-wrap policy selects.
+``param_init_fn`` and ``sync_module_states`` go to ``FullyShardedDataParallel`` and to ``fully_shard`` (which
+takes the last two as fullshard's extensions of torch's signature; see [Note: RAM-efficient loading]).
+Activation checkpointing is the engine's ``checkpoint_module`` on the blocks the auto-wrap policy selects.
 
 [Note: RAM-efficient loading]
 With ``cpu_ram_efficient_loading`` (which forces ``sync_module_states``) only rank 0 reads the pretrained
@@ -32,7 +30,6 @@ from fullshard.engine.checkpointing import checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.param import replacement_for
 from fullshard.engine.state import unit_state
-from fullshard.engine.unit import Ignored, own_modules, resolve_device
 from fullshard.engine.wrap import plan_units
 from fullshard.engine.wrapper import FullyShardedDataParallel
 from fullshard.frontend import env
@@ -124,17 +121,12 @@ def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, block
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
-    ignored = Ignored(
-        module_ids=frozenset(id(sub) for m in ignored_modules for sub in m.modules()),
-        param_ids=frozenset(id(p) for p in ignored_params),
-    )
-    sync = bool(plugin.sync_module_states) and dist.get_world_size() > 1
-    if sync:
-        _check_before_sync(model, plugin.param_init_fn)
+    if plugin.sync_module_states and dist.get_world_size() > 1:
+        _check_before_sync(model, plugin.param_init_fn)  # the whole model at once, before any unit is sharded
+    init = {"param_init_fn": plugin.param_init_fn, "sync_module_states": bool(plugin.sync_module_states)}
     for unit in [*blocks, model]:
         if not isinstance(unit, FSDPModule):
-            _initialize_unit(unit, plugin.param_init_fn, sync, ignored)
-            fully_shard(unit, **kwargs)
+            fully_shard(unit, **kwargs, **init)
     return model
 
 
@@ -165,50 +157,8 @@ def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], No
         )
 
 
-def _initialize_unit(
-    unit: nn.Module, param_init_fn: Callable[[nn.Module], None] | None, sync: bool, ignored: Ignored
-) -> None:
-    """Give ``fully_shard`` the meaning of FSDP's ``param_init_fn`` / ``sync_module_states`` for one unit.
-
-    Covers the unit's own modules (not units below it, nor ignored ones). Postcondition: with a
-    ``param_init_fn`` or ``sync``, none of them holds a meta tensor, and with ``sync`` every rank holds rank 0's
-    values on the compute device. Without either, meta modules are left to ``fully_shard`` (``to_empty`` then
-    ``reset_parameters()``).
-    """
-    modules = own_modules(unit, ignored)
-    device = resolve_device(None, unit)
-    rank = dist.get_rank()
-    for _, module in modules:
-        if not _holds_meta(module):
-            continue
-        if param_init_fn is not None:
-            param_init_fn(module)
-        elif sync:
-            module.to_empty(device=device, recurse=False)
-            if rank == 0 and hasattr(module, "reset_parameters"):  # checked by _check_before_sync
-                module.reset_parameters()  # the other ranks receive these values below
-    if not sync:
-        return
-    with torch.no_grad():
-        for _, module in modules:
-            _move_own_tensors(module, device)
-            for tensor in [*module._parameters.values(), *module._buffers.values()]:
-                if tensor is not None:
-                    dist.broadcast(tensor.data, src=0)
-
-
 def _holds_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
-
-
-def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
-    """Put ``module``'s own parameters and buffers on ``device`` (the broadcast needs them there under NCCL)."""
-    for param in module._parameters.values():
-        if param is not None and param.device != device:
-            param.data = param.data.to(device)
-    for name, buf in module._buffers.items():
-        if buf is not None and buf.device != device:
-            module._buffers[name] = buf.to(device)
 
 
 def _check_activation_checkpointing(plugin: FullyShardedDataParallelPlugin) -> None:
