@@ -45,7 +45,7 @@ class FSDPModule:
         """Gather this module's parameters now (to overlap with other work when ``async_op``)."""
         group = self._fullshard_state().group
         if group is not None:
-            group.unshard(async_op=async_op)
+            group.unshard()
             if not async_op:
                 group.wait_for_unshard()
 

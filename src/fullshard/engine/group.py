@@ -129,7 +129,6 @@ class ParamGroup:
         ]
         self.direct = [sp for sp, d in zip(self.params, is_direct) if d]
         self.packed = [sp for sp, d in zip(self.params, is_direct) if not d]
-        self._direct_ids = {id(sp) for sp in self.direct}
         ordered = self.packed + self.direct
         self.layout_order = ordered  # parameters by offset in flat_shard and flat_full
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
@@ -137,15 +136,15 @@ class ParamGroup:
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
         self.packed_numel = sum(sp.layout.padded_shard_numel for sp in self.packed)  # G_p <= G, a prefix
         # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
-        self.grad_params = [sp for sp in ordered if sp.requires_grad]
+        self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
+        self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
+        self.grad_params = self.packed_grad_params + self.direct_grad_params  # in layout order
         for sp, offset in zip(
             self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
         ):
             sp.grad_offset = offset
         self.grad_numel = sum(sp.layout.padded_shard_numel for sp in self.grad_params)  # G_t <= G
-        self.packed_grad_numel = sum(
-            sp.layout.padded_shard_numel for sp in self.grad_params if id(sp) not in self._direct_ids
-        )
+        self.packed_grad_numel = sum(sp.layout.padded_shard_numel for sp in self.packed_grad_params)
         self.use_dtensor = use_dtensor
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
@@ -213,8 +212,9 @@ class ParamGroup:
 
     # --- unshard / reshard --------------------------------------------------------------------------
 
-    def unshard(self, *, async_op: bool = False) -> None:
-        """Start gathering the full parameters (no-op if they are gathered and still current).
+    def unshard(self) -> None:
+        """Start gathering the full parameters (no-op if they are gathered and still current); the gather is
+        always asynchronous, and :meth:`wait_for_unshard` finishes it.
 
         Postcondition (after :meth:`wait_for_unshard`): state is ``UNSHARDED``, every registration
         resolves to a view of ``flat_full`` equal to the current shards.
@@ -346,7 +346,7 @@ class ParamGroup:
         elif grad.dtype != rdtype:
             grad = grad.to(rdtype)
         if self.comm_hook is not None:
-            self._pending.append(self._reduce_with_hook(self._rank_major(grad, rdtype)))
+            self._pending.append(self._reduce_with_hook(self._rank_major(grad, rdtype, self.grad_params)))
             return
         dp = self.shard_group.data_parallel_size
         # Low-precision sums can overflow: divide before reducing then, after reducing otherwise.
@@ -354,32 +354,26 @@ class ParamGroup:
         if predivide:
             grad.div_(dp)  # ours: autograd handed it over when .grad was cleared
         if self.world == 1:
-            output = self._rank_major(grad, rdtype).view(-1)
+            output = self._rank_major(grad, rdtype, self.grad_params).view(-1)
             work = all_reduce_flat(output, self.shard_group.replicate_pg, async_op=async_op)
             self._pending.append(_PendingReduce([work] if work is not None else [], output, None, predivide))
             return
-        rank_major = self._rank_major(grad, rdtype, packed_only=True)  # (N, G_t_packed)
+        rank_major = self._rank_major(grad, rdtype, self.packed_grad_params)  # (N, G_t_packed)
         output = torch.empty(self.grad_numel, dtype=rdtype, device=self.device)
         pg, works = self.shard_group.shard_pg, []
         if self.packed_grad_numel:
             packed_out = output.narrow(0, 0, self.packed_grad_numel)
             works.append(reduce_scatter_flat(packed_out, rank_major.view(-1), pg, async_op=True))
-        for sp in self.grad_params[len(self.grad_params) - self._direct_grad_count :]:
+        for sp in self.direct_grad_params:
             # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
             out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
             works.append(reduce_scatter_flat(out, self._full_block(sp, grad), pg, async_op=True))
         self._pending.append(_PendingReduce(works, output, (rank_major, grad), predivide))
 
-    @property
-    def _direct_grad_count(self) -> int:
-        return sum(1 for sp in self.grad_params if id(sp) in self._direct_ids)
-
-    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype, *, packed_only: bool = False) -> torch.Tensor:
-        """Trainable parameters' padded gradient blocks reordered rank-major: (N, G_t) or, with
-        ``packed_only``, the packed ones only: (N, G_t_packed). In ``dtype``."""
-        if self.world == 1 and self.grad_numel == self.shard_numel:
+    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype, params: list[ShardedParam]) -> torch.Tensor:
+        """``params``' padded gradient blocks (in layout order) reordered rank-major: (N, their G), ``dtype``."""
+        if self.world == 1 and len(params) == len(self.params):
             return grad.to(dtype).view(1, -1)  # flat_full's layout is already rank-major for one rank
-        params = [sp for sp in self.grad_params if not packed_only or id(sp) not in self._direct_ids]
         numel = sum(sp.layout.padded_shard_numel for sp in params)
         out = torch.empty(self.world, numel, dtype=dtype, device=self.device)
         if params:

@@ -10,7 +10,7 @@ instead of silently stepping on nothing.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ class ShardedParam:
     offset: int = 0
     grad_offset: int = 0  # where its gradient shard starts among the group's trainable parameters
     sharded_param: nn.Parameter | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:

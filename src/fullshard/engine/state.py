@@ -352,7 +352,7 @@ def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
         return
     if state.config.limit_all_gathers and ctx.gathered_non_root() >= 2:
         return
-    state.group.unshard(async_op=True)
+    state.group.unshard()
 
 
 def _reshard_leftovers(ctx: RootContext) -> None:
