@@ -99,9 +99,6 @@ class RootContext:
     gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
     position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in forward_order
 
-    def gathered_non_root(self) -> int:
-        return self.gathered
-
     def note_gathered(self) -> None:
         self.max_gathered = max(self.max_gathered, self.gathered)
 
@@ -350,7 +347,7 @@ def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
     """Start gathering ``state``'s parameters, unless gathered already or the rate limit is reached."""
     if state is None or state.group is None or state.group.state is not ShardState.SHARDED:
         return
-    if state.config.limit_all_gathers and ctx.gathered_non_root() >= 2:
+    if state.config.limit_all_gathers and ctx.gathered >= 2:
         return
     state.group.unshard()
 
