@@ -28,7 +28,10 @@ from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
+from fullshard.frontend.data import skip_first_batches
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.types import DistributedType
 
 __version__ = "0.1.0"
 
@@ -37,6 +40,8 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DataLoaderConfiguration",
+    "DistributedType",
     "FSDP",
     "FSDPModule",
     "FullyShardedDataParallel",
@@ -60,4 +65,5 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint_module",
     "fully_shard",
+    "skip_first_batches",
 ]

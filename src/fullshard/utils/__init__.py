@@ -12,6 +12,8 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.frontend.data import synchronize_rng_states
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
 from fullshard.frontend.ops import (
     broadcast,
@@ -48,6 +50,7 @@ __all__ = [
     "SCHEDULER_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
+    "DataLoaderConfiguration",
     "DistributedType",
     "PrecisionType",
     "broadcast",
@@ -71,5 +74,6 @@ __all__ = [
     "save",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_states",
     "wait_for_everyone",
 ]
