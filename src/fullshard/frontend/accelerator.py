@@ -72,6 +72,8 @@ def _resolve_precision(mixed_precision: object) -> PrecisionType:
 class Accelerator:
     """Prepares models, optimizers, dataloaders and schedulers for sharded training; see the module docstring."""
 
+    deepspeed_plugin = None  # accelerator.state.deepspeed_plugin: scripts test it to pick DeepSpeed's placeholders
+
     def __init__(
         self,
         split_batches: bool | None = None,

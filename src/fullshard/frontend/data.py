@@ -244,9 +244,10 @@ class ShardedDataLoader(DataLoader):
         state, dealer = self.gradient_state, self.batch_sampler
         state.end_of_dataloader = False
         synchronize_rng_states(self.rng_types, dealer.order.generator)
-        dealer.begin_epoch(self.skip_batches or dealer.pending_skip)
+        skip = self.skip_batches or dealer.pending_skip
+        dealer.begin_epoch(skip)
         self._forward_set_epoch(dealer.epoch)
-        iterator = super().__iter__()
+        iterator = self._resumed_iterator() if skip and self.generator is None else super().__iter__()
         current = next(iterator, _END)
         while current is not _END:
             upcoming = next(iterator, _END)
@@ -261,6 +262,19 @@ class ShardedDataLoader(DataLoader):
 
     def __len__(self) -> int:
         return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+    def _resumed_iterator(self) -> Iterator[Any]:
+        """The DataLoader iterator of an epoch resumed part-way, without touching the global torch RNG.
+
+        ``DataLoader.__iter__`` draws its workers' base seed from the global RNG. The uninterrupted run drew it
+        at the start of the epoch, before the checkpoint whose RNG states ``load_state`` restored; a second draw
+        here would shift every random number after the resume (dropout masks, ...). A private generator draws it.
+        """
+        self.generator = torch.Generator().manual_seed(self.batch_sampler.epoch)
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = None
 
 
 def _inherited_kwargs(loader: DataLoader) -> dict[str, Any]:
