@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fullshard import Accelerator, FullyShardedDataParallelPlugin
+from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
 from fullshard.testing.models import GPTConfig, TinyGPT
 from fullshard.utils import set_seed
 
@@ -94,7 +94,11 @@ def train(args: argparse.Namespace) -> list[float]:
         transformer_cls_names_to_wrap=["Block"],
         state_dict_type="SHARDED_STATE_DICT",
     )
-    accelerator = Accelerator(fsdp_plugin=plugin)
+    # use_stateful_dataloader: load_state also restores the position within the epoch (the loop below does
+    # not skip batches itself, as an Accelerate script with torchdata's StatefulDataLoader does not).
+    accelerator = Accelerator(
+        fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+    )
     model, optimizer, loader, scheduler = build(args, accelerator)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)

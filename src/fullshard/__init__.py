@@ -28,7 +28,13 @@ from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
+from fullshard.frontend.big_modeling import init_empty_weights
+from fullshard.frontend.data import skip_first_batches, synchronize_rng_states
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.kwargs_handlers import DDPCommunicationHookType, DistributedDataParallelKwargs
+from fullshard.frontend.modules import find_executable_batch_size
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.types import DistributedType
 
 __version__ = "0.1.0"
 
@@ -37,6 +43,10 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CPUOffloadPolicy",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
     "FSDP",
     "FSDPModule",
     "FullyShardedDataParallel",
@@ -59,5 +69,9 @@ __all__ = [
     "StateDictType",
     "apply_activation_checkpointing",
     "checkpoint_module",
+    "find_executable_batch_size",
     "fully_shard",
+    "init_empty_weights",
+    "skip_first_batches",
+    "synchronize_rng_states",
 ]

@@ -17,6 +17,7 @@ from fullshard.engine.api import ShardingStrategy
 from fullshard.frontend import ops
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.data import GradientState, ShardBatchSampler, prepare_data_loader
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration
 from fullshard.frontend.estimate import estimate_memory, find_unit_classes, unit_parameters
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import fsdp2_switch_optimizer_parameters, prepare_model
@@ -36,8 +37,12 @@ from fullshard.utils import compute_module_sizes, find_executable_batch_size
          "Accelerator(gradient_accumulation_steps=0): expected an int >= 1 (1 means no accumulation)."),
         ({"fsdp_plugin": "fsdp"}, TypeError,
          "Accelerator(fsdp_plugin=str): expected a FullyShardedDataParallelPlugin"),
-        ({"split_batches": True}, ValueError,
-         "Accelerator(split_batches=True): fullshard deals whole batches to ranks"),
+        ({"split_batches": True, "dataloader_config": DataLoaderConfiguration()}, ValueError,
+         "Accelerator(split_batches=True, dataloader_config=DataLoaderConfiguration(split_batches=False)): "
+         "the two disagree."),
+        ({"dataloader_config": {"split_batches": True}}, TypeError,
+         "Accelerator(dataloader_config=dict): expected a DataLoaderConfiguration"),
+        ({"rng_types": ["xla"]}, ValueError, "Accelerator(rng_types=['xla']): expected a list of 'generator', "),
         ({"mixed_precision": "int8"}, ValueError,
          "Accelerator(mixed_precision)='int8': not a precision. Use one of \"no\", \"fp16\", \"bf16\"."),
         ({"deepspeed_plugin": object()}, TypeError,

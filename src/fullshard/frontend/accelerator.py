@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from fullshard.checkpoint import save_weights
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.frontend import env, model_state, ops, runtime, state_io, training
-from fullshard.frontend.data import GradientState, prepare_data_loader
+from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
@@ -32,11 +33,24 @@ from fullshard.frontend.types import DistributedType, PrecisionType
 __all__ = ["Accelerator"]
 
 # Accelerate arguments accepted for compatibility that change nothing here (a warning says so).
-_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "kwargs_handlers", "dataloader_config", "rng_types",
-                   "dynamo_backend", "dynamo_plugin", "device_placement")  # fmt: skip
+_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "kwargs_handlers", "dynamo_backend", "dynamo_plugin",
+                   "device_placement")  # fmt: skip
 
 
-def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object, split_batches: object) -> None:
+def _check_rng_types(rng_types: object) -> tuple[str, ...]:
+    if rng_types is None:
+        return ("generator",)
+    kinds = [str(getattr(k, "value", k)) for k in rng_types] if isinstance(rng_types, (list, tuple)) else None
+    bad = [k for k in kinds or [] if k not in RNG_TYPES]
+    if kinds is None or bad:
+        raise ValueError(
+            f"Accelerator(rng_types={rng_types!r}): expected a list of {', '.join(map(repr, RNG_TYPES))} (the random "
+            "states synchronised from rank 0 at each epoch), or None for ['generator']."
+        )
+    return tuple(kinds)
+
+
+def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object) -> None:
     steps = gradient_accumulation_steps
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(
@@ -46,11 +60,6 @@ def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object, split_
         raise TypeError(
             f"Accelerator(fsdp_plugin={type(fsdp_plugin).__name__}): expected a FullyShardedDataParallelPlugin "
             "(from fullshard import FullyShardedDataParallelPlugin), or None for the default plugin."
-        )
-    if split_batches:
-        raise ValueError(
-            "Accelerator(split_batches=True): fullshard deals whole batches to ranks (each rank's batch has the "
-            "DataLoader's batch_size). Pass split_batches=False and divide the batch size by num_processes."
         )
 
 
@@ -63,14 +72,18 @@ def _resolve_precision(mixed_precision: object) -> PrecisionType:
 class Accelerator:
     """Prepares models, optimizers, dataloaders and schedulers for sharded training; see the module docstring."""
 
+    deepspeed_plugin = None  # accelerator.state.deepspeed_plugin: scripts test it to pick DeepSpeed's placeholders
+
     def __init__(
         self,
-        split_batches: bool = False,
+        split_batches: bool | None = None,
         mixed_precision: str | PrecisionType | None = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
-        even_batches: bool = True,
+        rng_types: list[str] | None = None,
+        even_batches: bool | None = None,
         step_scheduler_with_optimizer: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -78,18 +91,20 @@ class Accelerator:
         if unknown:
             raise TypeError(
                 f"Accelerator({unknown[0]}=...): not an argument fullshard knows. Supported: split_batches, "
-                "mixed_precision, gradient_accumulation_steps, cpu, fsdp_plugin, even_batches, "
+                "mixed_precision, gradient_accumulation_steps, cpu, dataloader_config, fsdp_plugin, rng_types, "
+                "even_batches, "
                 f"step_scheduler_with_optimizer (accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
             )
         if kwargs:
             warnings.warn(f"Accelerator: {sorted(kwargs)} are accepted for compatibility and ignored.", stacklevel=2)
-        _check_args(gradient_accumulation_steps, fsdp_plugin, split_batches)
+        _check_args(gradient_accumulation_steps, fsdp_plugin)
+        self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches)
+        self.rng_types = _check_rng_types(rng_types)
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
         self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
         if self.mixed_precision != "no" and self.fsdp_plugin.mixed_precision_policy is None:
             self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
-        self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
         self._process = runtime.init_process_state(cpu=cpu)
@@ -118,6 +133,20 @@ class Accelerator:
     @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
+
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
+    use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
 
     @property
     def sync_gradients(self) -> bool:
@@ -182,16 +211,27 @@ class Accelerator:
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
         """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data.py``."""
+        config = self.dataloader_config
         prepared = prepare_data_loader(
             data_loader,
             num_processes=self.num_processes,
             process_index=self.process_index,
             device=self.device,
             gradient_state=self.gradient_state,
-            even_batches=self.even_batches,
+            even_batches=config.even_batches,
+            split_batches=config.split_batches,
+            use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed,
+            non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader,
+            rng_types=self.rng_types,
         )
         self._objects.dataloaders.append(prepared)
         return prepared
+
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+        """``dataloader`` without its first ``num_batches`` batches (resuming mid-epoch; see ``data.py``)."""
+        return skip_first_batches(dataloader, num_batches)
 
     def _prepare_optimizer(self, obj: Any) -> Any:
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, AcceleratedOptimizer):
@@ -207,9 +247,8 @@ class Accelerator:
         if isinstance(obj, AcceleratedScheduler):
             return obj
         optimizers = [o for o in self._objects.optimizers if o.optimizer is obj.optimizer or o is obj.optimizer]
-        wrapped = AcceleratedScheduler(
-            obj, optimizers, self.gradient_state, self.num_processes, self.step_scheduler_with_optimizer
-        )
+        steps = 1 if self.split_batches else self.num_processes  # scheduler steps per optimizer step
+        wrapped = AcceleratedScheduler(obj, optimizers, self.gradient_state, steps, self.step_scheduler_with_optimizer)
         self._objects.schedulers.append(wrapped)
         return wrapped
 

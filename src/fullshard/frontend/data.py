@@ -3,21 +3,26 @@
 [Note: batch dealing]
 A prepared loader of batch size ``B`` on ``n`` ranks deals the original loader's batches round-robin, as
 Accelerate does: at step ``s`` rank ``k`` gets batch ``s * n + k``. So the ``n`` batches of one step, taken in
-rank order, are the contiguous global batch ``[s * n * B, (s + 1) * n * B)`` of the sampler's order, and
-``gather`` of per-rank outputs lists the samples in that order.
+rank order, are the contiguous global batch ``[s * n * B, (s + 1) * n * B)`` of the epoch's sample order, and
+``gather`` of per-rank outputs lists the samples in that order. With ``split_batches=True`` the global batch is
+the original batch (``B`` samples) and each rank gets ``B / n`` of it, in rank order.
 
-- Shuffling: a loader whose sampler is a ``RandomSampler`` deals the permutation of ``seed + epoch``, where
-  ``seed`` is drawn once (at ``prepare``) by rank 0 from its torch RNG and broadcast, so every rank deals the
-  same permutation. The epoch advances each time the loader is exhausted.
-- Resuming: :meth:`ShardedDataLoader.state_dict` holds the seed, the epoch and the batches already taken in
-  it; ``save_state`` writes it (``sampler.bin``) and after ``load_state`` the next iteration skips those
-  batches, so a run resumed mid-epoch sees exactly the batches the uninterrupted run would.
+- Sample order: see [Note: sample order] in ``sample_order.py`` (the same permutations as Accelerate).
 - ``even_batches=True`` (default): when the last step has fewer than ``n * B`` samples, it is completed with
   samples from the start of the epoch, so every rank runs the same number of full batches (no rank waits in
   a collective the others never reach). :attr:`ShardedDataLoader.remainder` is the number of real samples in
   that last step; ``gather_for_metrics`` drops the rest.
 - ``even_batches=False``: the batches are dealt as they are; the last ones may be short or missing on some ranks.
 - ``drop_last=True``: the incomplete last step is dropped instead.
+
+[Note: loader position]
+The epoch counter, the sample order's state and the number of batches yielded in the epoch live in the
+:class:`ShardBatchSampler`, which :func:`skip_first_batches` views share with their loader: whichever of them
+is iterated, ``state_dict`` tells where the data stands. It holds the epoch to deal next and the order's state
+that reproduces it (mid-epoch: the state the epoch started from, and the position; on the last batch or
+between epochs: the next epoch's). ``load_state_dict`` restores the epoch and the order always, and the
+position only when the loader was prepared with ``use_stateful_dataloader=True`` (Accelerate's semantics:
+without it, a resumed script skips the batches it has seen with ``skip_first_batches``).
 """
 
 from __future__ import annotations
@@ -27,14 +32,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from fullshard.frontend.ops import send_to_device
+from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 
-__all__ = ["GradientState", "ShardBatchSampler", "ShardedDataLoader", "prepare_data_loader"]
+__all__ = [
+    "GradientState",
+    "ShardBatchSampler",
+    "ShardedDataLoader",
+    "prepare_data_loader",
+    "skip_first_batches",
+    "synchronize_rng_states",
+]
 
 _END = object()
+RNG_TYPES = ("generator", "torch", "cuda")
+# DataLoader arguments a prepared loader inherits from the original (the batching ones are replaced).
+_INHERITED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+              "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")  # fmt: skip
 
 
 @dataclass
@@ -54,29 +70,34 @@ class GradientState:
 
 
 class ShardBatchSampler:
-    """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing]."""
+    """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing].
+
+    Also the loader's position (see [Note: loader position]): ``epoch`` (the epoch dealt next, or being
+    dealt), ``position`` (batches yielded in it), ``in_progress`` and ``at_last_batch``.
+    """
 
     def __init__(
-        self, sampler: Any, batch_size: int, num_processes: int, rank: int, *, drop_last: bool, even_batches: bool
+        self,
+        sampler: Any,
+        batch_size: int,
+        num_processes: int,
+        rank: int,
+        *,
+        drop_last: bool,
+        even_batches: bool,
+        order: SampleOrder | None = None,
     ) -> None:
         self.sampler, self.batch_size = sampler, batch_size
         self.num_processes, self.rank = num_processes, rank
         self.drop_last, self.even_batches = drop_last, even_batches
-        self.epoch = 0
+        self.order = order if order is not None else SampleOrder(sampler, "as_is")
         self.remainder = -1
-        self.seed = 0
-        if isinstance(sampler, RandomSampler):
-            seed = torch.randint(0, 2**62, (1,), generator=sampler.generator)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast(seed, src=0)
-            self.seed = int(seed.item())
-
-    def _order(self) -> list[int]:
-        if isinstance(self.sampler, RandomSampler):
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            s = self.sampler
-            return list(RandomSampler(s.data_source, s.replacement, s._num_samples, generator=g))
-        return list(iter(self.sampler))
+        self.epoch = 0
+        self.position = 0
+        self.in_progress = False
+        self.at_last_batch = False
+        self.pending_skip = 0  # batches the next iteration skips (a restored position)
+        self._skip_next = 0  # batches the iteration being started skips (set by the loader)
 
     def _global_batches(self, order: list[int]) -> list[list[int]]:
         step = self.batch_size * self.num_processes
@@ -90,10 +111,13 @@ class ShardBatchSampler:
         return [order[i : i + step] for i in range(0, len(order), step)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        # A generator: the order is drawn at the first batch requested, after DataLoader drew its base seed
+        # (from the same generator, when the DataLoader has one), as in Accelerate.
+        skip, self._skip_next = self._skip_next, 0
         b = self.batch_size
-        for global_batch in self._global_batches(self._order()):
+        for i, global_batch in enumerate(self._global_batches(self.order.draw(self.epoch))):
             mine = global_batch[self.rank * b : (self.rank + 1) * b]
-            if mine:
+            if mine and i >= skip:
                 yield mine
 
     def __len__(self) -> int:
@@ -106,70 +130,159 @@ class ShardBatchSampler:
             return full + 1
         return full + (1 if extra > self.rank * self.batch_size else 0)
 
+    # --- position ([Note: loader position]) ---------------------------------------------------------
+
+    def begin_epoch(self, skip: int) -> None:
+        self.order.begin_epoch()
+        self.pending_skip = 0
+        self._skip_next = self.position = skip
+        self.in_progress, self.at_last_batch = True, False
+
+    def end_epoch(self) -> None:
+        self.epoch += 1
+        self.position, self.in_progress, self.at_last_batch = 0, False, False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.in_progress and not self.at_last_batch:
+            return {"epoch": self.epoch, "position": self.position, **self.order.state_dict(at_epoch_start=True)}
+        epoch = self.epoch + (1 if self.in_progress else 0)
+        return {"epoch": epoch, "position": 0, **self.order.state_dict(at_epoch_start=False)}
+
+    def load_state_dict(self, state: dict[str, Any], *, restore_position: bool) -> None:
+        self.order.load_state_dict(state)
+        self.epoch = int(state["epoch"])
+        position = int(state.get("position", state.get("batches_done", 0)))  # batches_done: fullshard <= 0.1
+        self.pending_skip = position if restore_position else 0
+        self.position, self.in_progress, self.at_last_batch = 0, False, False
+
+
+def synchronize_rng_states(rng_types: tuple[str, ...] | list[str], generator: torch.Generator | None = None) -> None:
+    """Give every rank rank 0's random states of ``rng_types`` (a collective; Accelerate's function).
+
+    ``"generator"`` is ``generator``'s state (skipped when it is ``None``), ``"torch"`` the global torch RNG,
+    ``"cuda"`` the current CUDA device's.
+    """
+    for kind in rng_types:
+        if kind == "generator" and generator is not None:
+            generator.set_state(broadcast_from_rank0(generator.get_state()))
+        elif kind == "torch":
+            torch.set_rng_state(broadcast_from_rank0(torch.get_rng_state()))
+        elif kind == "cuda" and torch.cuda.is_available():
+            torch.cuda.set_rng_state(broadcast_from_rank0(torch.cuda.get_rng_state()))
+
 
 class ShardedDataLoader(DataLoader):
     """A ``DataLoader`` over this rank's batches that moves them to ``device`` and reports the last batch.
 
     While the last batch is being processed ``gradient_state.end_of_dataloader`` is ``True`` and
-    ``gradient_state.remainder`` says how many samples of the last global batch are real.
+    ``gradient_state.remainder`` says how many samples of the last global batch are real. ``skip_batches``
+    (a :func:`skip_first_batches` view) skips that many batches of every epoch it iterates.
     """
 
-    def __init__(self, dataset: Any, *, device: torch.device | None, gradient_state: GradientState, **kwargs: Any):
-        super().__init__(dataset, **kwargs)
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        device: torch.device | None,
+        gradient_state: GradientState,
+        batch_sampler: ShardBatchSampler,
+        split_batches: bool = False,
+        non_blocking: bool = False,
+        use_stateful_dataloader: bool = False,
+        rng_types: tuple[str, ...] = ("generator",),
+        skip_batches: int = 0,
+        **kwargs: Any,
+    ):
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self.device = device
         self.gradient_state = gradient_state
-        self._batches_done = 0  # batches yielded in the current epoch
-        self._skip = 0  # batches to skip at the next iteration (after load_state_dict)
+        self.split_batches = split_batches
+        self.non_blocking = non_blocking
+        self.use_stateful_dataloader = use_stateful_dataloader
+        self.rng_types = tuple(rng_types)
+        self.skip_batches = skip_batches
 
     @property
     def remainder(self) -> int:
-        return getattr(self.batch_sampler, "remainder", -1)
+        return self.batch_sampler.remainder
+
+    @property
+    def iteration(self) -> int:
+        """The epoch this loader deals next (Accelerate's ``DataLoaderShard.iteration``)."""
+        return self.batch_sampler.epoch
+
+    @property
+    def total_batch_size(self) -> int:
+        """Samples per step over all ranks (the original batch size with ``split_batches``)."""
+        return self.batch_sampler.batch_size * self.batch_sampler.num_processes
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
-        """Deal the permutation of ``epoch`` next (the epoch also advances by itself at each end)."""
+        """Deal ``epoch`` next (with ``use_seedable_sampler`` its permutation is that of ``data_seed + epoch``)."""
         self.batch_sampler.epoch = epoch
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the loader stands: its shuffling seed, the epoch, and the batches taken in it so far."""
-        sampler = self.batch_sampler
-        return {"seed": sampler.seed, "epoch": sampler.epoch, "batches_done": self._batches_done}
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data stands (see [Note: loader position]); plain values and tensors only."""
+        return self.batch_sampler.state_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``: the next iteration skips the batches already taken in its epoch."""
-        self.batch_sampler.seed, self.batch_sampler.epoch = int(state["seed"]), int(state["epoch"])
-        self._batches_done = self._skip = int(state["batches_done"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the epoch and the sample order; the position too with ``use_stateful_dataloader``."""
+        self.batch_sampler.load_state_dict(state, restore_position=self.use_stateful_dataloader)
+
+    def _forward_set_epoch(self, epoch: int) -> None:
+        # As Accelerate: a sampler (or else a dataset) with set_epoch hears the epoch at each iteration.
+        sampler = self.batch_sampler.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        elif hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        state = self.gradient_state
+        state, dealer = self.gradient_state, self.batch_sampler
         state.end_of_dataloader = False
-        skip, self._skip, self._batches_done = self._skip, 0, 0
-        iterator = super().__iter__()
-        for _ in range(skip):
-            next(iterator, None)
-            self._batches_done += 1
+        synchronize_rng_states(self.rng_types, dealer.order.generator)
+        skip = self.skip_batches or dealer.pending_skip
+        dealer.begin_epoch(skip)
+        self._forward_set_epoch(dealer.epoch)
+        iterator = self._resumed_iterator() if skip and self.generator is None else super().__iter__()
         current = next(iterator, _END)
         while current is not _END:
             upcoming = next(iterator, _END)
             if upcoming is _END:
                 state.end_of_dataloader, state.remainder = True, self.remainder
-            self._batches_done += 1
-            yield current if self.device is None else send_to_device(current, self.device)
+                dealer.at_last_batch = True
+            dealer.position += 1
+            yield current if self.device is None else send_to_device(current, self.device, self.non_blocking)
             current = upcoming
         state.end_of_dataloader = False
-        self.batch_sampler.epoch += 1
-        self._batches_done = 0
+        dealer.end_epoch()
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+    def _resumed_iterator(self) -> Iterator[Any]:
+        """The DataLoader iterator of an epoch resumed part-way, without touching the global torch RNG.
+
+        ``DataLoader.__iter__`` draws its workers' base seed from the global RNG. The uninterrupted run drew it
+        at the start of the epoch, before the checkpoint whose RNG states ``load_state`` restored; a second draw
+        here would shift every random number after the resume (dropout masks, ...). A private generator draws it.
+        """
+        self.generator = torch.Generator().manual_seed(self.batch_sampler.epoch)
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = None
 
 
-def prepare_data_loader(
-    loader: DataLoader,
-    *,
-    num_processes: int,
-    process_index: int,
-    device: torch.device | None,
-    gradient_state: GradientState,
-    even_batches: bool = True,
-) -> ShardedDataLoader:
-    """This rank's share of ``loader`` (see [Note: batch dealing]); the original loader is left unchanged."""
+def _inherited_kwargs(loader: DataLoader) -> dict[str, Any]:
+    return {k: getattr(loader, k) for k in _INHERITED if hasattr(loader, k)}
+
+
+def _check_loader(loader: DataLoader, num_processes: int, split_batches: bool) -> int:
+    """This rank's batch size for ``loader`` (refusing what cannot be dealt)."""
     if isinstance(loader.dataset, IterableDataset):
         raise ValueError(
             f"Accelerator.prepare(dataloader) got a DataLoader over an IterableDataset "
@@ -181,23 +294,103 @@ def prepare_data_loader(
             "Accelerator.prepare(dataloader) got a DataLoader with batch_size=None (a custom batch_sampler): "
             "fullshard deals fixed-size batches. Pass batch_size=... and sampler=... to the DataLoader instead."
         )
+    if not split_batches:
+        return loader.batch_size
+    if loader.batch_size % num_processes:
+        raise ValueError(
+            f"Accelerator.prepare(dataloader) with split_batches=True: the DataLoader's batch_size "
+            f"({loader.batch_size}) must be a multiple of the number of processes ({num_processes}). Use a "
+            f"batch_size divisible by {num_processes}, or split_batches=False."
+        )
+    return loader.batch_size // num_processes
+
+
+def prepare_data_loader(
+    loader: DataLoader,
+    *,
+    num_processes: int,
+    process_index: int,
+    device: torch.device | None,
+    gradient_state: GradientState,
+    even_batches: bool = True,
+    split_batches: bool = False,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    rng_types: tuple[str, ...] = ("generator",),
+) -> ShardedDataLoader:
+    """This rank's share of ``loader`` (see [Note: batch dealing]); the original loader is left unchanged.
+
+    A collective when the sample order needs one (a seedable sampler's seed comes from rank 0).
+    """
+    per_rank = _check_loader(loader, num_processes, split_batches)
+    order = make_sample_order(
+        loader.sampler, num_processes=num_processes, use_seedable_sampler=use_seedable_sampler, data_seed=data_seed
+    )
     batch_sampler = ShardBatchSampler(
         loader.sampler,
-        loader.batch_size,
+        per_rank,
         num_processes,
         process_index,
         drop_last=loader.drop_last,
         even_batches=even_batches,
+        order=order,
     )
     return ShardedDataLoader(
         loader.dataset,
         device=device,
         gradient_state=gradient_state,
         batch_sampler=batch_sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers,
+        split_batches=split_batches,
+        non_blocking=non_blocking,
+        use_stateful_dataloader=use_stateful_dataloader,
+        rng_types=rng_types,
+        **_inherited_kwargs(loader),
     )
+
+
+def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """``loader`` without the first ``num_batches`` batches of each epoch it is iterated for.
+
+    For a prepared loader the result shares its epoch, sample order and position (see [Note: loader
+    position]): iterate it for the epoch being resumed, then the prepared loader for the next ones.
+    """
+    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
+        raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): expected an int >= 0.")
+    if isinstance(loader, ShardedDataLoader):
+        return ShardedDataLoader(
+            loader.dataset,
+            device=loader.device,
+            gradient_state=loader.gradient_state,
+            batch_sampler=loader.batch_sampler,
+            split_batches=loader.split_batches,
+            non_blocking=loader.non_blocking,
+            use_stateful_dataloader=loader.use_stateful_dataloader,
+            rng_types=loader.rng_types,
+            skip_batches=num_batches,
+            **_inherited_kwargs(loader),
+        )
+    if loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"skip_first_batches({type(loader).__name__}): only a prepared loader, or a DataLoader with a "
+            "batch_size over a map-style dataset, can skip batches. Pass the loader accelerator.prepare returned."
+        )
+    return DataLoader(
+        loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, num_batches), **_inherited_kwargs(loader)
+    )
+
+
+class _SkipBatches:
+    """A batch sampler without the first ``skip`` batches of ``batch_sampler``."""
+
+    def __init__(self, batch_sampler: Any, skip: int) -> None:
+        self.batch_sampler, self.skip = batch_sampler, skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i, batch in enumerate(self.batch_sampler):
+            if i >= self.skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(len(self.batch_sampler) - self.skip, 0)

@@ -8,9 +8,9 @@ With float16 mixed precision the optimizer steps through the run's ``ShardedGrad
 on every rank when any rank's gradient shard holds an inf or nan, the scale is lowered, and the scheduler does
 not advance for that step (as in Accelerate, ``scaler.update()`` follows each optimizer's step).
 
-As in Accelerate (without ``split_batches``), one scheduler step advances the wrapped scheduler once per
-process: a schedule written for the batches of the whole dataset stays on time when every step consumes
-``num_processes`` batches.
+As in Accelerate, one scheduler step advances the wrapped scheduler once per process: a schedule written for
+the batches of the whole dataset stays on time when every step consumes ``num_processes`` batches. With
+``split_batches`` a step consumes one original batch, and the Accelerator passes ``num_processes=1``.
 """
 
 from __future__ import annotations

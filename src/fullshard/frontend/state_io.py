@@ -6,7 +6,7 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
       pytorch_model_fsdp_0/  __0_0.distcp __1_0.distcp .metadata   {"model": sharded model state dict}
       optimizer_0/           __0_0.distcp __1_0.distcp .metadata   {"optimizer": sharded optimizer state}
       scheduler.bin                                                 scheduler 0 (scheduler_1.bin, ...)
-      sampler.bin                                                   dataloader 0's position (sampler_1.bin, ...)
+      sampler.bin                                                   dataloader 0's epoch, order, position (_1, ...)
       custom_checkpoint_0.pkl                                       objects of register_for_checkpointing
       scaler.pt                                                     the fp16 loss scaler (mixed_precision="fp16")
       random_states_0.pkl random_states_1.pkl                       every rank's RNG states

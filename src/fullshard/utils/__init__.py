@@ -12,6 +12,34 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.frontend.availability import (
+    is_bf16_available,
+    is_cuda_available,
+    is_datasets_available,
+    is_hpu_available,
+    is_mlu_available,
+    is_mps_available,
+    is_musa_available,
+    is_npu_available,
+    is_rich_available,
+    is_schedulefree_available,
+    is_sdaa_available,
+    is_tensorboard_available,
+    is_torch_xla_available,
+    is_transformers_available,
+    is_wandb_available,
+    is_xpu_available,
+)
+from fullshard.frontend.data import synchronize_rng_states
+from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.kwargs_handlers import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DummyOptim,
+    DummyScheduler,
+    MegatronLMDummyScheduler,
+)
+from fullshard.frontend.launch_helpers import PrepareForLaunch, patch_environment
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
 from fullshard.frontend.ops import (
     broadcast,
@@ -27,6 +55,7 @@ from fullshard.frontend.ops import (
     set_seed,
     wait_for_everyone,
 )
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import (
     disable_fsdp_ram_efficient_loading,
     enable_fsdp_ram_efficient_loading,
@@ -35,12 +64,23 @@ from fullshard.frontend.prepare import (
     fsdp2_prepare_model,
     fsdp2_switch_optimizer_parameters,
 )
+from fullshard.frontend.process_output import tqdm
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = [
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
+    "FullyShardedDataParallelPlugin",
     "MODEL_NAME",
+    "MegatronLMDummyScheduler",
     "OPTIMIZER_NAME",
+    "PrecisionType",
+    "PrepareForLaunch",
     "RNG_STATE_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
@@ -48,8 +88,6 @@ __all__ = [
     "SCHEDULER_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
-    "DistributedType",
-    "PrecisionType",
     "broadcast",
     "broadcast_object_list",
     "compute_module_sizes",
@@ -64,12 +102,31 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "gather",
     "gather_object",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_hpu_available",
+    "is_mlu_available",
+    "is_mps_available",
+    "is_musa_available",
+    "is_npu_available",
+    "is_rich_available",
+    "is_schedulefree_available",
+    "is_sdaa_available",
+    "is_tensorboard_available",
+    "is_torch_xla_available",
+    "is_transformers_available",
+    "is_wandb_available",
+    "is_xpu_available",
     "merge_fsdp_weights",
     "pad_across_processes",
+    "patch_environment",
     "recursively_apply",
     "reduce",
     "save",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_states",
+    "tqdm",
     "wait_for_everyone",
 ]

@@ -1,0 +1,108 @@
+"""The order in which a prepared loader visits the samples in each epoch, the same as Accelerate's for a seed.
+
+[Note: sample order]
+Which permutation an epoch deals depends on the loader's sampler and the dataloader configuration, exactly as
+in Accelerate (so a script moved from it sees the same batches on the same ranks):
+
+- ``RandomSampler`` on several processes (the default): one ``torch.Generator`` shuffles every epoch and
+  continues from epoch to epoch. It is the sampler's own generator when the ``DataLoader`` was given one;
+  otherwise a new one, seeded at ``prepare`` by one draw from each rank's global torch RNG. At the start of
+  every epoch rank 0's generator state is broadcast to the others (with ``rng_types`` containing
+  ``"generator"``, the default), so every rank draws the same permutation.
+- ``use_seedable_sampler=True``: epoch ``e`` deals the permutation of the seed ``data_seed + e`` (``data_seed``
+  defaults to ``torch.initial_seed()``, taken from rank 0), on any number of processes.
+- ``RandomSampler`` without a generator on one process: the sampler is used as it is, so each epoch's
+  permutation is drawn from the global torch RNG (whose state ``load_state`` restores).
+- Any other sampler is iterated as it is.
+
+The permutation is drawn by iterating a copy of the user's sampler that holds the generator, so samplers with
+replacement or ``num_samples`` draw what they would in Accelerate, and the user's ``DataLoader`` is not changed.
+
+For checkpoints, :meth:`SampleOrder.state_dict` gives what reproduces an epoch: the generator state as it was
+at the start of the epoch in progress (``at_epoch_start=True``), or as it is now (for the next epoch).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import RandomSampler
+
+__all__ = ["SampleOrder", "broadcast_from_rank0", "make_sample_order"]
+
+
+def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``tensor`` on every rank (a collective; NCCL needs it on the GPU)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    on_gpu = "nccl" in str(dist.get_backend())
+    moved = tensor.cuda() if on_gpu else tensor.clone()
+    dist.broadcast(moved, src=0)
+    return moved.cpu() if on_gpu else moved
+
+
+class SampleOrder:
+    """Draws each epoch's sample order; see [Note: sample order].
+
+    ``mode`` is ``"generator"`` (one generator continued across epochs), ``"seedable"`` (seed + epoch) or
+    ``"as_is"`` (the sampler iterated unchanged). ``generator`` is the generator to keep in step across ranks
+    (``None`` unless ``mode == "generator"``).
+    """
+
+    def __init__(self, sampler: Any, mode: str, generator: torch.Generator | None = None, seed: int = 0) -> None:
+        self.mode = mode
+        self.generator = generator
+        self.seed = seed
+        self._epoch_start: torch.Tensor | None = None
+        if mode == "as_is":
+            self.sampler = sampler
+        else:
+            self.sampler = copy.copy(sampler)
+            self.sampler.generator = generator if mode == "generator" else torch.Generator()
+
+    def begin_epoch(self) -> None:
+        """Remember the generator state this epoch starts from (before anything draws from it)."""
+        self._epoch_start = self.generator.get_state() if self.mode == "generator" else None
+
+    def draw(self, epoch: int) -> list[int]:
+        """The sample indices of ``epoch``, in order (advances the generator in ``"generator"`` mode)."""
+        if self.mode == "seedable":
+            self.sampler.generator.manual_seed(self.seed + epoch)
+        return list(iter(self.sampler))
+
+    def state_dict(self, at_epoch_start: bool) -> dict[str, Any]:
+        if self.mode == "generator":
+            start = self._epoch_start if at_epoch_start and self._epoch_start is not None else None
+            return {"generator": start if start is not None else self.generator.get_state()}
+        if self.mode == "seedable":
+            return {"data_seed": self.seed}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.mode == "generator" and "generator" in state:
+            self.generator.set_state(state["generator"])
+        elif self.mode == "seedable" and "data_seed" in state:
+            self.seed = int(state["data_seed"])
+
+
+def make_sample_order(
+    sampler: Any, *, num_processes: int, use_seedable_sampler: bool, data_seed: int | None
+) -> SampleOrder:
+    """The order source Accelerate would use for ``sampler`` (called on every rank at ``prepare``)."""
+    if not isinstance(sampler, RandomSampler):
+        return SampleOrder(sampler, "as_is")
+    if use_seedable_sampler:
+        seed = data_seed if data_seed is not None else torch.initial_seed()
+        seed = int(broadcast_from_rank0(torch.tensor([seed], dtype=torch.int64)).item())
+        return SampleOrder(sampler, "seedable", seed=seed)
+    generator = sampler.generator
+    if generator is None:
+        if num_processes == 1:
+            return SampleOrder(sampler, "as_is")
+        generator = torch.Generator()
+        # One draw from the global RNG, as Accelerate makes at prepare (later random numbers stay in step).
+        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    return SampleOrder(sampler, "generator", generator=generator)
