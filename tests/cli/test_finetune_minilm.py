@@ -5,11 +5,13 @@ Run: the example on 2 ranks (FSDP2, a unit per ``BertLayer``, ``cpu_ram_efficien
 meta), then the same fine-tuning in this process with plain PyTorch on the same global batches.
 Check: the merged ``model.safetensors`` equals the single-process weights within fp32 reassociation tolerance
 (while training moved them far more than that), the losses agree, and the saved encoder loads with
-``transformers``.
+``transformers``. And with the example's defaults (about a minute on 2 cores), fine-tuning lifts the held-out
+accuracy well above where it started.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -23,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "finetune_minilm.py"
-ARGS = {"steps": 3, "batch_size": 8, "max_length": 16, "lr": 1e-4}
+ARGS = {"steps": 3, "batch_size": 8, "max_length": 16, "lr": 1e-4, "head_lr": 1e-3, "eval_pairs": 8}
 
 
 def load_example() -> ModuleType:
@@ -40,7 +42,7 @@ def single_process(example: ModuleType) -> tuple[list[float], dict[str, torch.Te
     path = example.default_model_path()
     model = example.build_model(path, 0.0, pretrained=True)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ARGS["lr"])
+    optimizer = example.make_optimizer(model, argparse.Namespace(**ARGS))
     pairs = example.sentence_pairs(ARGS["steps"] * ARGS["batch_size"])
     data = example.pair_dataset(AutoTokenizer.from_pretrained(path), pairs, ARGS["max_length"])
     losses = []
@@ -54,20 +56,37 @@ def single_process(example: ModuleType) -> tuple[list[float], dict[str, torch.Te
     return losses, start, model.state_dict()
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("minilm")
+def launch_example(output: Path, args: dict[str, object]) -> str:
+    """The example on 2 ranks under ``fullshard launch``; returns what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    flags = [f"--{name}={value}" for name, value in ARGS.items()]
+    flags = [f"--{name}={value}" for name, value in args.items()]
     result = subprocess.run(
         [sys.executable, "-m", "fullshard.cli.main", "launch", "--num_processes", "2", str(SCRIPT), *flags,
          "--output", str(output), "--no_progress"],
-        env=env, capture_output=True, text=True, timeout=400,
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "merged weights in" in result.stdout
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("minilm")
+    launch_example(output, ARGS)
     return output
+
+
+def test_fine_tuning_with_the_defaults_lifts_held_out_accuracy(tmp_path: Path) -> None:
+    stdout = launch_example(tmp_path, {})
+    results = json.loads((tmp_path / "results.json").read_text())
+    before, after = results["accuracy_before"], results["accuracy_after"]
+    assert f"before fine-tuning: {before:.3f}" in stdout and f"after fine-tuning:  {after:.3f}" in stdout
+    # The head starts random, so the start is chance (0.5 give or take 128 pairs' noise); the pretrained
+    # embeddings separate the pairs well (cosine AUC 0.92), so a working fine-tune ends far above it.
+    assert before < 0.6, results
+    assert after >= before + 0.15 and after >= 0.68, results
 
 
 def test_merged_weights_equal_single_process_fine_tuning(launched: Path) -> None:
