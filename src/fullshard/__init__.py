@@ -28,6 +28,7 @@ from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
+from fullshard.frontend.kwargs_handlers import InitProcessGroupKwargs
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "FullyShardedDataParallelPlugin",
     "FullOptimStateDictConfig",
+    "InitProcessGroupKwargs",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",

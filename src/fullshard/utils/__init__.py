@@ -12,6 +12,7 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.frontend.kwargs_handlers import InitProcessGroupKwargs, KwargsHandler
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
 from fullshard.frontend.ops import (
     broadcast,
@@ -27,6 +28,7 @@ from fullshard.frontend.ops import (
     set_seed,
     wait_for_everyone,
 )
+from fullshard.frontend.preemption import install_preemption_handler, preemption_signal
 from fullshard.frontend.prepare import (
     disable_fsdp_ram_efficient_loading,
     enable_fsdp_ram_efficient_loading,
@@ -49,6 +51,8 @@ __all__ = [
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "DistributedType",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
     "PrecisionType",
     "broadcast",
     "broadcast_object_list",
@@ -64,8 +68,10 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "gather",
     "gather_object",
+    "install_preemption_handler",
     "merge_fsdp_weights",
     "pad_across_processes",
+    "preemption_signal",
     "recursively_apply",
     "reduce",
     "save",
