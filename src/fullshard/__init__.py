@@ -31,7 +31,11 @@ from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.big_modeling import init_empty_weights
 from fullshard.frontend.data import skip_first_batches, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
-from fullshard.frontend.kwargs_handlers import DDPCommunicationHookType, DistributedDataParallelKwargs
+from fullshard.frontend.kwargs_handlers import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+)
 from fullshard.frontend.modules import find_executable_batch_size
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.types import DistributedType
@@ -52,6 +56,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "FullyShardedDataParallelPlugin",
     "FullOptimStateDictConfig",
+    "InitProcessGroupKwargs",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",

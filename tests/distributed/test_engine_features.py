@@ -212,9 +212,14 @@ def _ranks_disagree_on_order(rank: int, world: int) -> None:
 
 
 def test_ranks_running_different_orders_are_named(pool2: WorkerPool) -> None:
-    message = "ranks 0 and 1 ran units in different orders this iteration: unit #1 was 'a' on rank 0 and 'b' on rank 1"
-    with pytest.raises(RankFailure, match=re.escape(message)):
+    # FULLSHARD_DEBUG compares every collective across ranks (engine/collective_check.py), so the first
+    # differing gather is named before it runs (same-shaped units would otherwise swap shards silently).
+    message = "ranks are out of step. This rank (in forward #"
+    with pytest.raises(RankFailure, match=re.escape(message)) as failure:
         pool2.run(_ranks_disagree_on_order)
+    assert "rank 0: all_gather of unit 'a'" in str(failure.value) and "rank 1: all_gather of unit 'b'" in str(
+        failure.value
+    )
 
 
 # --- deferred initialisation --------------------------------------------------------------------------

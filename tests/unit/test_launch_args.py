@@ -20,10 +20,13 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
 def test_single_node_without_port_is_standalone() -> None:
     plan = build_launch(LaunchConfig(num_processes=2), "train.py", ["--lr", "1e-3"])
     assert plan.argv == [
-        "--nnodes", "1", "--nproc_per_node", "2", "--standalone", "--max_restarts", "0", "train.py", "--lr", "1e-3",
+        "--nnodes", "1", "--nproc_per_node", "2", "--standalone", "--max_restarts", "0",
+        "--module", "fullshard.cli.worker", "train.py", "--lr", "1e-3",
     ]  # fmt: skip
     args = _parsed(plan.argv)
-    assert (args.standalone, args.training_script, args.training_script_args) == (True, "train.py", ["--lr", "1e-3"])
+    # The workers run the script through fullshard's worker module, which records a failure per rank.
+    assert (args.standalone, args.module, args.training_script) == (True, True, "fullshard.cli.worker")
+    assert args.training_script_args == ["train.py", "--lr", "1e-3"]
 
 
 def test_single_node_with_port() -> None:
@@ -61,8 +64,16 @@ def test_multi_node_c10d(machine_rank: int, is_host: str) -> None:
 
 
 def test_max_restarts_and_module() -> None:
-    args = _parsed(build_launch(LaunchConfig(max_restarts=3), "pkg.train", module=True).argv)
-    assert (args.max_restarts, args.module, args.training_script) == (3, True, "pkg.train")
+    args = _parsed(build_launch(LaunchConfig(max_restarts=3), "pkg.train", ["--x"], module=True).argv)
+    assert (args.max_restarts, args.module, args.training_script) == (3, True, "fullshard.cli.worker")
+    assert args.training_script_args == ["-m", "pkg.train", "--x"]
+
+
+def test_log_dir_and_shutdown_timeout() -> None:
+    plan = build_launch(LaunchConfig(num_processes=2), "train.py", log_dir="/tmp/logs", shutdown_timeout=5)
+    args = _parsed(plan.argv)
+    assert (args.log_dir, args.tee, args.shutdown_timeout) == ("/tmp/logs", "3", 5)
+    assert (plan.log_dir, plan.local_world_size) == ("/tmp/logs", 2)
 
 
 def test_flags_override_the_file() -> None:

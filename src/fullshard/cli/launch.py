@@ -12,17 +12,32 @@ Rendezvous:
 - several machines, ``rdzv_backend: c10d``: ``--rdzv_endpoint ip:port``; machine 0 hosts the store
   (``--rdzv_conf is_host=true``), so that the roles do not depend on which machine starts first. The
   rendezvous numbers the machines in the order they join, so ``RANK`` need not follow ``machine_rank``.
+
+Every worker runs through :mod:`fullshard.cli.worker` (``--module fullshard.cli.worker SCRIPT ARGS``), which
+records a failure in torch's error file and names the rank; :func:`run_launch` turns torch's report into one
+summary (see [Note: root cause] in ``failures.py``) and a shell-style exit code. torch's own log lines
+(including the ``OMP_NUM_THREADS`` banner: the variable is set to 1 quietly, as torchrun would) are shown
+only with ``--debug``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from fullshard.cli import failures
 from fullshard.cli.config_file import LaunchConfig
 from fullshard.frontend import env
 
-__all__ = ["DEFAULT_PORT", "LaunchPlan", "build_launch", "launch_env", "run_launch", "torchrun_argv"]
+__all__ = ["DEFAULT_PORT", "WORKER_MODULE", "LaunchPlan", "build_launch", "launch_env", "run_launch", "torchrun_argv"]
+
+WORKER_MODULE = "fullshard.cli.worker"
 
 DEFAULT_PORT = 29500
 
@@ -32,22 +47,46 @@ class LaunchPlan:
     """A launch, ready to run."""
 
     argv: list[str]
-    """Arguments for ``torch.distributed.run.main(argv)``, ending with the script and its arguments."""
+    """Arguments for ``torch.distributed.run``, ending with the worker module, the script and its arguments."""
     env: dict[str, str]
     """Variables added to the environment the workers inherit."""
+    local_world_size: int = 1
+    """Workers this launcher starts (on this machine)."""
+    verbose: bool = False
+    """Show torch's launcher log lines (``--debug``)."""
+    log_dir: str | None = None
+    """Where torch keeps each rank's output, if asked."""
 
 
 def build_launch(
-    cfg: LaunchConfig, script: str, script_args: Sequence[str] = (), *, module: bool = False
+    cfg: LaunchConfig,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    log_dir: str | None = None,
+    shutdown_timeout: int | None = None,
 ) -> LaunchPlan:
     """The torchrun arguments and the worker environment for ``cfg`` (no side effects)."""
-    return LaunchPlan(argv=torchrun_argv(cfg, script, script_args, module=module), env=launch_env(cfg))
+    argv = torchrun_argv(cfg, script, script_args, module=module, log_dir=log_dir, shutdown_timeout=shutdown_timeout)
+    local = cfg.num_processes // cfg.num_machines
+    return LaunchPlan(argv=argv, env=launch_env(cfg), local_world_size=local, verbose=bool(cfg.debug), log_dir=log_dir)
 
 
 def torchrun_argv(
-    cfg: LaunchConfig, script: str, script_args: Sequence[str] = (), *, module: bool = False
+    cfg: LaunchConfig,
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    module: bool = False,
+    log_dir: str | None = None,
+    shutdown_timeout: int | None = None,
 ) -> list[str]:
-    """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, then the script."""
+    """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, logs, then the worker.
+
+    ``log_dir`` keeps each rank's stdout and stderr in ``log_dir/<run>/attempt_<n>/<local rank>/`` and on the
+    console; ``shutdown_timeout`` is the grace period (seconds) between SIGTERM and SIGKILL when workers stop.
+    """
     if cfg.num_processes % cfg.num_machines:
         raise ValueError(
             f"num_processes={cfg.num_processes} with num_machines={cfg.num_machines}: num_processes counts the "
@@ -57,7 +96,11 @@ def torchrun_argv(
     per_node = str(cfg.num_processes // cfg.num_machines)
     argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg)]
     argv += ["--max_restarts", str(cfg.max_restarts)]
-    return [*argv, *(["--module"] if module else []), script, *script_args]
+    if log_dir:
+        argv += ["--log_dir", log_dir, "--tee", "3"]
+    if shutdown_timeout is not None:
+        argv += ["--shutdown_timeout", str(shutdown_timeout)]
+    return [*argv, "--module", WORKER_MODULE, *(["-m"] if module else []), script, *script_args]
 
 
 def _rendezvous_args(cfg: LaunchConfig) -> list[str]:
@@ -109,17 +152,51 @@ def _fsdp_settings(fsdp: dict[str, object]) -> dict[str, object]:
 
 
 def run_launch(plan: LaunchPlan) -> int:
-    """Start the workers through ``torch.distributed.run`` and wait; return 0, or the failed worker's exit code.
+    """Start the workers through ``torch.distributed.run``, wait, print the outcome; return the exit code.
 
-    ``plan.env`` is added to this process's environment for the duration (see :func:`env.patched`).
+    0 when all workers succeed; else see ``failures.py``. ``plan.env`` (and ``OMP_NUM_THREADS=1`` unless set)
+    is added to this process's environment for the duration (see :func:`env.patched`).
     """
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    quiet = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="fullshard-status-") as status_dir:
+        variables = {**quiet, **plan.env, failures.STATUS_DIR_VAR: status_dir}
+        try:
+            with env.patched(variables), _torch_logs(shown=plan.verbose):
+                torchrun.run(torchrun.parse_args(plan.argv))
+        except ChildFailedError as exc:
+            outcome = failures.describe_failures(exc.failures, plan.log_dir)
+        except SignalException as exc:
+            sig = signal.Signals(exc.sigval)
+            outcome = failures.describe_stop(sig, failures.read_statuses(status_dir, plan.local_world_size))
+        else:
+            return 0
+    print(outcome.message, file=sys.stderr, flush=True)
+    return outcome.exit_code
+
+
+_TORCH_LAUNCHER_LOGGERS = ("torch.distributed.run", "torch.distributed.launcher", "torch.distributed.elastic")
+
+
+@contextmanager
+def _torch_logs(shown: bool) -> Iterator[None]:
+    """Silence torch's launcher loggers (each sets its own level, so each is set) unless ``shown``."""
+    if shown:
+        yield
+        return
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith(_TORCH_LAUNCHER_LOGGERS)
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
-        with env.patched(plan.env):
-            torchrun.main(plan.argv)
-    except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
-        return failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-    return 0
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine import collective_check
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.mesh import ShardGroup
@@ -229,7 +230,8 @@ class ParamGroup:
         if self.world == 1:
             self._gather = ([], send)
         else:
-            self._gather = self._issue_gathers(send)
+            with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
+                self._gather = self._issue_gathers(send)
         self._unsharded_version = self.flat_shard._version
         self.state = ShardState.UNSHARDING
 
@@ -243,8 +245,9 @@ class ParamGroup:
         self._gather = None
         if works:
             start = time.perf_counter()
-            for work in works:
-                work.wait()
+            with collective_check.waiting("all_gather", self.label, self.shard_group.shard_pg):
+                for work in works:
+                    work.wait()
             if self.direct:
                 # gloo copies into a direct block with ATen ops on its own thread, bumping flat_full's version
                 # counter whenever it finishes; put back the version autograd saw (see _copy_out).
@@ -331,6 +334,12 @@ class ParamGroup:
     # --- gradients ----------------------------------------------------------------------------------
 
     def reduce_grads(self, *, async_op: bool = True) -> None:
+        """See :meth:`_reduce_grads`; checked and named by :mod:`collective_check`."""
+        pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
+        with collective_check.collective("reduce_scatter", self.label, pg):
+            self._reduce_grads(async_op=async_op)
+
+    def _reduce_grads(self, *, async_op: bool = True) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
 
         Only trainable parameters are reduced. The unsharded gradient is freed here; :meth:`finish_reduce`
@@ -403,12 +412,14 @@ class ParamGroup:
             pending = self._pending.pop(0)
             if pending.works:
                 start = time.perf_counter()
-                for work in pending.works:
-                    work.wait()
+                with collective_check.waiting("reduce_scatter", self.label, self.shard_group.shard_pg):
+                    for work in pending.works:
+                        work.wait()
                 COMM_STATS.add_wait("reduce_scatter", time.perf_counter() - start)
             output = pending.output
             if self.world > 1 and self.shard_group.replicate_pg is not None and self.comm_hook is None:
-                all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
+                with collective_check.collective("all_reduce", self.label, self.shard_group.replicate_pg):
+                    all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
             if not pending.divided:
                 output.div_(self.shard_group.data_parallel_size)
             output = output.to(self.storage_device, self.precision.grad_dtype)
@@ -432,7 +443,8 @@ class ParamGroup:
         """Every parameter's full tensor gathered from ``source`` (default: ``flat_shard``), new storage."""
         source = (self.flat_shard if source is None else source).to(self.device)
         gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
-        all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
+        with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
+            all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
         by_rank = gathered.view(self.world, self.shard_numel)
         fulls = []
         for sp in self.params:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from fullshard.engine import collective_check
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.precision import Casts, cast_floating
@@ -174,6 +175,7 @@ class UnitState:
             state._cast_buffers()
             if state.group is not None:
                 state.group.listener = state._group_state_changed
+                state.group.label = state.label  # errors about its collectives name the path
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         _check_same_units_on_all_ranks(states)
 
@@ -219,6 +221,7 @@ class UnitState:
         self.training_state = TrainingState.FORWARD
         self.ran_forward = True
         if self.is_root:
+            collective_check.note_forward()
             ctx.cursor = 0
             ctx.iteration_order.clear()
             if not ctx.order_frozen:

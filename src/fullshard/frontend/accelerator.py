@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader
 
 from fullshard.checkpoint import save_weights
 from fullshard.engine.grad_scaler import ShardedGradScaler
-from fullshard.frontend import env, model_state, ops, runtime, state_io, training
+from fullshard.frontend import env, model_state, ops, preemption, runtime, state_io, training
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.kwargs_handlers import process_group_kwargs
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
@@ -33,8 +34,7 @@ from fullshard.frontend.types import DistributedType, PrecisionType
 __all__ = ["Accelerator"]
 
 # Accelerate arguments accepted for compatibility that change nothing here (a warning says so).
-_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "kwargs_handlers", "dynamo_backend", "dynamo_plugin",
-                   "device_placement")  # fmt: skip
+_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "dynamo_backend", "dynamo_plugin", "device_placement")
 
 
 def _check_rng_types(rng_types: object) -> tuple[str, ...]:
@@ -85,6 +85,7 @@ class Accelerator:
         rng_types: list[str] | None = None,
         even_batches: bool | None = None,
         step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
@@ -92,14 +93,15 @@ class Accelerator:
             raise TypeError(
                 f"Accelerator({unknown[0]}=...): not an argument fullshard knows. Supported: split_batches, "
                 "mixed_precision, gradient_accumulation_steps, cpu, dataloader_config, fsdp_plugin, rng_types, "
-                "even_batches, "
-                f"step_scheduler_with_optimizer (accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
+                "even_batches, step_scheduler_with_optimizer, kwargs_handlers "
+                f"(accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
             )
         if kwargs:
             warnings.warn(f"Accelerator: {sorted(kwargs)} are accepted for compatibility and ignored.", stacklevel=2)
         _check_args(gradient_accumulation_steps, fsdp_plugin)
         self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches)
         self.rng_types = _check_rng_types(rng_types)
+        init_kwargs = process_group_kwargs(kwargs_handlers)  # InitProcessGroupKwargs; others refused by name
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
         self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
@@ -107,7 +109,7 @@ class Accelerator:
             self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
-        self._process = runtime.init_process_state(cpu=cpu)
+        self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
         self._objects = state_io.TrainingObjects()
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = ShardedGradScaler(device=self.device.type)
@@ -177,6 +179,17 @@ class Accelerator:
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         self._process.print(*args, **kwargs)
+
+    def set_trigger(self) -> None:
+        """Raise this process's stop flag; the next :meth:`check_trigger` is True on every rank."""
+        preemption.set_trigger()
+
+    def check_trigger(self) -> bool:
+        """True on every rank when any rank set the trigger (or got a preemption signal); a collective.
+
+        See [Note: preemption] in ``preemption.py``; clears the trigger when True.
+        """
+        return preemption.check_trigger(self.device)
 
     def end_training(self) -> None:
         """Wait for every process, then release the process group if this Accelerator created it."""

@@ -8,6 +8,19 @@ sharded folders as a launched run (one shard each). This keeps one code path for
 checkpoint saved by a single process loads into 2 and back. Under ``fullshard launch`` / ``torchrun`` the
 group is initialised from the environment (``env://``); a group the script initialised itself is used as it is.
 The group this module creates is destroyed by :func:`shutdown` (``Accelerator.end_training``).
+
+[Note: restarts]
+torch's elastic agent (``fullshard launch --max_restarts N``) restarts the workers against the same store at
+``MASTER_ADDR:MASTER_PORT``, and the keys the previous attempt wrote there (gloo's rank addresses, the
+store barrier's counters) are still in it: a restarted rank reads a dead peer's address and fails with
+``connectFullMesh ... Connection refused``, or waits forever on a counter that is already past. So under
+the elastic agent the group is built over a ``PrefixStore`` named after ``TORCHELASTIC_RESTART_COUNT``: every
+attempt starts from an empty key space. A group the script initialised itself does not get this.
+
+[Note: timeout]
+Every collective of the group gives up after ``timeout`` (``InitProcessGroupKwargs(timeout=...)``, else
+``FULLSHARD_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT`), so a desynchronised or dead peer ends in an
+error instead of torch's 30-minute wait (gloo's default).
 """
 
 from __future__ import annotations
@@ -23,7 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessState", "init_process_state", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "ProcessState", "init_process_state", "resolve_timeout", "shutdown"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+TIMEOUT_VAR = "FULLSHARD_TIMEOUT"
 
 _OWNED_GROUP = False
 
@@ -75,19 +91,47 @@ def _pick_device(cpu: bool, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_process_state(cpu: bool = False, timeout: timedelta | None = None) -> ProcessState:
+def resolve_timeout(timeout: timedelta | None = None) -> timedelta:
+    """``timeout``, else ``FULLSHARD_TIMEOUT`` (seconds), else :data:`DEFAULT_TIMEOUT`; see [Note: timeout]."""
+    if timeout is not None:
+        return timeout
+    raw = os.environ.get(TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(
+            f"{TIMEOUT_VAR}={raw!r}: expected a positive number of seconds, e.g. {TIMEOUT_VAR}=300. It bounds how "
+            "long a rank waits for the others in a collective."
+        )
+    return timedelta(seconds=seconds)
+
+
+def init_process_state(
+    cpu: bool = False, timeout: timedelta | None = None, backend: str | None = None, init_method: str | None = None
+) -> ProcessState:
     """Initialise (or adopt) the default process group and return this process's state.
 
-    See [Note: single process]. ``cpu`` forces the CPU (and gloo) even when CUDA is available. Without
-    ``LOCAL_RANK`` in the environment the global rank stands for the local one (all ranks on one machine).
+    See [Note: single process], [Note: restarts] and [Note: timeout]. ``cpu`` forces the CPU (and gloo) even
+    when CUDA is available; ``backend`` and ``init_method`` override fullshard's choice. Without ``LOCAL_RANK``
+    in the environment the global rank stands for the local one (all ranks on one machine).
     """
     global _OWNED_GROUP
     use_cuda = not cpu and torch.cuda.is_available()
     if not dist.is_initialized():
-        backend = "nccl" if use_cuda else "gloo"
-        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, **kwargs)
+        backend = backend or ("nccl" if use_cuda else "gloo")
+        kwargs: dict[str, Any] = {"timeout": resolve_timeout(timeout)}
+        if init_method is not None:
+            dist.init_process_group(backend, init_method=init_method, **kwargs)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                backend, store=_launcher_store(rank, world_size, kwargs["timeout"]), rank=rank, world_size=world_size,
+                **kwargs,
+            )  # fmt: skip
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         _OWNED_GROUP = True
@@ -101,6 +145,15 @@ def init_process_state(cpu: bool = False, timeout: timedelta | None = None) -> P
         device=device,
         backend=backend,
     )
+
+
+def _launcher_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The launcher's store (``env://``: MASTER_ADDR/PORT), under a per-attempt prefix; see [Note: restarts]."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return store
+    return dist.PrefixStore(f"fullshard/attempt{attempt}/", store)
 
 
 def shutdown() -> None:

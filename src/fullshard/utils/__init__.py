@@ -35,9 +35,8 @@ from fullshard.frontend.dataloader_config import DataLoaderConfiguration
 from fullshard.frontend.kwargs_handlers import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
-    DummyOptim,
-    DummyScheduler,
-    MegatronLMDummyScheduler,
+    InitProcessGroupKwargs,
+    KwargsHandler,
 )
 from fullshard.frontend.launch_helpers import PrepareForLaunch, patch_environment
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
@@ -55,7 +54,9 @@ from fullshard.frontend.ops import (
     set_seed,
     wait_for_everyone,
 )
+from fullshard.frontend.placeholders import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.preemption import install_preemption_handler, preemption_signal
 from fullshard.frontend.prepare import (
     disable_fsdp_ram_efficient_loading,
     enable_fsdp_ram_efficient_loading,
@@ -88,6 +89,8 @@ __all__ = [
     "SCHEDULER_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
     "broadcast",
     "broadcast_object_list",
     "compute_module_sizes",
@@ -102,6 +105,7 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "gather",
     "gather_object",
+    "install_preemption_handler",
     "is_bf16_available",
     "is_cuda_available",
     "is_datasets_available",
@@ -121,6 +125,7 @@ __all__ = [
     "merge_fsdp_weights",
     "pad_across_processes",
     "patch_environment",
+    "preemption_signal",
     "recursively_apply",
     "reduce",
     "save",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -69,18 +70,30 @@ def _opt(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..
 @_opt("use_fsdp", is_flag=True, default=False, help="Shard the model with FSDP.")
 @_opt("cpu", is_flag=True, default=False, help="Train on the CPU (gloo), even if an accelerator is present.")
 @_opt("debug", is_flag=True, default=None, help="Check distributed operations for errors.")
+@_opt("log_dir", type=click.Path(file_okay=False), default=None, help="Keep each rank's output in files here too.")
+@_opt("shutdown_timeout", type=click.IntRange(min=0), default=None,
+      help="Seconds between SIGTERM and SIGKILL when the workers are stopped (default 30).")  # fmt: skip
 @click.option("-m", "--module", is_flag=True, default=False, help="Run the script as a module (python -m).")
 @_table_options(env.FSDP_VARS)
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch_command(
-    config_file: str | None, script: str, script_args: tuple[str, ...], module: bool, **flags: Any
+    config_file: str | None,
+    script: str,
+    script_args: tuple[str, ...],
+    module: bool,
+    log_dir: str | None,
+    shutdown_timeout: int | None,
+    **flags: Any,
 ) -> None:
     """Run SCRIPT with its ARGS on every worker process, as torch's elastic launcher starts them."""
     try:
         cfg, _ = load_config(config_file)
         cfg = override(cfg, flags)
-        plan = build_launch(cfg, script, script_args, module=module)
+        plan = build_launch(cfg, script, script_args, module=module, log_dir=log_dir, shutdown_timeout=shutdown_timeout)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if not module and not Path(script).is_file():
+        click.echo(f"fullshard launch: error: script {script!r} not found (no such file). Give its path.", err=True)
+        sys.exit(2)
     sys.exit(run_launch(plan))

@@ -1,0 +1,139 @@
+"""What ``fullshard launch`` says when workers fail or are stopped, and the exit code it returns.
+
+[Note: root cause]
+When one rank fails, the others usually fail after it: the agent stops them with SIGTERM, or their next
+collective raises because the peer's connection closed. torch orders failures by the whole second of its
+error file, so a secondary failure can pass for the first. Here a failure whose message says a peer's
+connection was lost counts as secondary, and the rest are ordered by the exact time the worker wrapper
+(``worker.py``) recorded, else torch's timestamp (a killed worker leaves no file: torch stamps the time it
+noticed). The summary names that rank, how it ended (exit code or signal), its error, and where its output is.
+
+Exit codes follow the shell's convention: the first failure's exit code, or ``128 + signal`` when it was
+killed by a signal; after SIGTERM to the launcher, 0 if every worker stopped cleanly, else ``128 + signal``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Outcome", "describe_failures", "describe_stop", "exit_code_of", "write_status", "read_statuses"]
+
+STATUS_DIR_VAR = "FULLSHARD_STATUS_DIR"
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The launcher's last words and its exit code."""
+
+    message: str
+    exit_code: int
+
+
+def exit_code_of(exitcode: int) -> int:
+    """A worker's exit code as a shell reports it: negative (killed by signal n) becomes ``128 + n``."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name}"
+    return f"exit code {exitcode}"
+
+
+def _error(failure: object) -> tuple[str, str, float | None]:
+    """(one-line error, traceback, exact time) from a ``ProcessFailure``'s error file, or empty."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message", "")
+    if isinstance(message, dict):
+        text, stack = str(message.get("message", "")), str(message.get("extraInfo", {}).get("py_callstack", ""))
+    else:
+        text, stack = str(message), ""
+    if text == "<NONE>":  # torch's placeholder when there is no error file
+        text = ""
+    exact = data.get("fullshard", {}).get("time")
+    return text, stack, float(exact) if exact is not None else None
+
+
+def _order_key(failure: object) -> tuple[bool, float]:
+    text, _, exact = _error(failure)
+    secondary = any(pattern in text.lower() for pattern in PEER_LOST)
+    return secondary, exact if exact is not None else float(getattr(failure, "timestamp", 0))
+
+
+def _log_of(failure: object, log_dir: str | None) -> str:
+    """Where the failed rank's output is: torch writes ``log_dir/<run>/attempt_<n>/<local rank>/stderr.log``."""
+    if log_dir:
+        local_rank = getattr(failure, "local_rank", 0)
+        logs = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
+        if logs:
+            return f"its log: {logs[-1]}"
+    return "its output is above (pass --log_dir DIR to keep each rank's output in a file)"
+
+
+def describe_failures(failures: Mapping[int, object], log_dir: str | None = None) -> Outcome:
+    """The summary of a failed job: the first failure first (see [Note: root cause]), then the others."""
+    order = sorted(failures, key=lambda rank: _order_key(failures[rank]))
+    first_rank = order[0]
+    first = failures[first_rank]
+    exitcode = int(getattr(first, "exitcode", 1))
+    text, stack, _ = _error(first)
+    lines = [f"fullshard launch: rank {first_rank} failed first ({_how(exitcode)}); {_log_of(first, log_dir)}"]
+    if text:
+        lines.append(f"  error: {text}")
+    if stack:
+        lines += [f"  traceback of rank {first_rank}:", *("    " + line for line in stack.rstrip().splitlines())]
+    for rank in order[1:]:
+        other_text, _, _ = _error(failures[rank])
+        other = _how(int(getattr(failures[rank], "exitcode", 1))) + (f", after {other_text}" if other_text else "")
+        lines.append(f"  then rank {rank} failed ({other.splitlines()[0]})")
+    return Outcome("\n".join(lines), exit_code_of(exitcode) or 1)
+
+
+# --- a stop requested by a signal to the launcher ---------------------------------------------------------
+
+
+def write_status(status: str) -> None:
+    """Record this worker's state (``running`` or its exit code) where the launcher reads it, if it asked."""
+    folder = os.environ.get(STATUS_DIR_VAR)
+    if folder:
+        Path(folder, f"local_rank{os.environ.get('LOCAL_RANK', '0')}").write_text(status)
+
+
+def read_statuses(folder: str | Path, local_world_size: int) -> dict[int, str]:
+    """Local rank → its last recorded state (``"missing"`` if it never wrote one)."""
+    statuses = {}
+    for local_rank in range(local_world_size):
+        path = Path(folder, f"local_rank{local_rank}")
+        statuses[local_rank] = path.read_text().strip() if path.is_file() else "missing"
+    return statuses
+
+
+def describe_stop(sig: signal.Signals, statuses: Mapping[int, str]) -> Outcome:
+    """After ``sig`` reached the launcher (and through it the workers): 0 if all exited 0, else ``128 + sig``."""
+    clean = all(status == "0" for status in statuses.values())
+    if clean:
+        return Outcome(
+            f"fullshard launch: {sig.name} received and passed to the workers; all {len(statuses)} stopped "
+            "cleanly (exit 0).",
+            0,
+        )
+    details = ", ".join(
+        f"local rank {rank} " + (f"exit code {status}" if status.lstrip("-").isdigit() else "killed")
+        for rank, status in statuses.items()
+        if status != "0"
+    )
+    return Outcome(
+        f"fullshard launch: {sig.name} received and passed to the workers; not all stopped cleanly ({details}). "
+        "A script stops cleanly by calling fullshard.utils.install_preemption_handler() and polling "
+        "accelerator.check_trigger() each step (see docs/fault-tolerance.md).",
+        128 + int(sig),
+    )

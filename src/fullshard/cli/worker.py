@@ -1,0 +1,113 @@
+"""``python -m fullshard.cli.worker SCRIPT ARGS…`` (or ``-m MODULE ARGS…``): one rank of ``fullshard launch``.
+
+``fullshard launch`` starts every worker through this module rather than the script itself, so that a
+failure is recorded the way torch's elastic agent reads it: an exception is written to the rank's error
+file (``TORCHELASTIC_ERROR_FILE``, torch's format, plus the exact time and the rank under ``"fullshard"``,
+which lets the launcher tell the first failure from the ones it caused), then printed once to stderr under a
+line naming the rank, and the worker exits 1. ``sys.exit(code)`` keeps its code; a signal keeps its
+default action (the launcher reports it). The worker's state (``running``, then its exit code) goes to
+``FULLSHARD_STATUS_DIR`` when the launcher sets it, the only way the launcher learns how workers ended after
+it forwarded a signal (torch's agent does not report it). The script runs as ``__main__`` with ``sys.argv`` = its own
+arguments, as under ``python SCRIPT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from fullshard.cli.failures import PEER_LOST, write_status
+
+__all__ = ["main"]
+
+
+class _RankErrorHandler(ErrorHandler):
+    """torch's error file, with the script's frames only, the failure's exact time (torch keeps whole
+    seconds) and the rank."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        message = {"message": f"{type(e).__name__}: {e}", "extraInfo": {"py_callstack": _script_traceback(e)}}
+        message["extraInfo"]["timestamp"] = str(int(time.time()))
+        data = {"message": message, "fullshard": {"time": time.time(), "rank": _rank()}}
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+
+
+def _script_traceback(exc: BaseException) -> str:
+    """The traceback from the script's first frame on (this module's and runpy's frames left out)."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>") or "runpy" in
+                              tb.tb_frame.f_code.co_filename):  # fmt: skip
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective failed because another rank went away: a consequence, reported by the launcher."""
+    return any(pattern in str(exc).lower() for pattern in PEER_LOST)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _announce_restart() -> None:
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt and os.environ.get("LOCAL_RANK", "0") == "0":
+        total = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        sys.stderr.write(f"fullshard launch: restart {attempt} of {total}: the workers start again\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(args) and args[0] == "-m"
+    if as_module:
+        args = args[1:]
+    if not args:
+        sys.exit("usage: python -m fullshard.cli.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+    target, sys.argv = args[0], list(args)
+    _announce_restart()
+    write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"
+    code = _run(target, as_module)
+    write_status(str(code))
+    sys.exit(code)
+
+
+def _run(target: str, as_module: bool) -> int:
+    """Run the script; its exit code (an exception is recorded, printed under the rank's name, and gives 1)."""
+    handler = _RankErrorHandler()
+    handler.initialize()
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python SCRIPT` sets it
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        sys.stderr.write(f"{stop.code}\n")
+        return 1
+    except Exception as exc:
+        handler.record_exception(exc)
+        if _lost_peer(exc):  # one line, so that the first failure's traceback is not buried under these
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            sys.stderr.write(f"[rank {_rank()}] stopped: a peer is gone ({type(exc).__name__}: {first_line})\n")
+        else:
+            sys.stderr.write(f"[rank {_rank()}] {type(exc).__name__} in {target}:\n{_script_traceback(exc)}")
+        sys.stderr.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""`fullshard launch` under faults: restarts, preemption, a failing or killed rank, a missing script.
+
+Each test starts real launches (2 gloo ranks) of the small scripts in ``fault_scripts/``; every wait is
+bounded (``subprocess`` timeouts), so a regression shows as a failure, never as a hung suite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SCRIPTS = Path(__file__).resolve().parent / "fault_scripts"
+
+
+@pytest.fixture
+def child_env(tmp_path: Path) -> dict[str, str]:
+    """This worktree's code, a private config home, and no OMP_NUM_THREADS (the launcher sets it quietly)."""
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "FULLSHARD_"))}
+    variables.pop("OMP_NUM_THREADS", None)
+    variables.update(PYTHONPATH=str(SRC), FULLSHARD_HOME=str(tmp_path / "home"))
+    return variables
+
+
+def _launch(args: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "fullshard.cli.main", "launch", "--num_processes", "2", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _stamps(text: str, tag: str) -> list[float]:
+    """Times stamped on ``tag`` lines (with --log_dir torch prefixes each line with ``[default<rank>]:``)."""
+    return [float(t) for t in re.findall(rf"^(?:\[default\d+\]:)?{tag} .*at=([0-9.]+)$", text, flags=re.MULTILINE)]
+
+
+def test_restarts_bring_every_rank_back(child_env: dict[str, str]) -> None:
+    # Three restarts in one launch: attempts 0, 1, 2 each lose a rank to SIGKILL after a first collective
+    # (the race that used to fail or hang in the group's construction); attempt 3 must run a collective.
+    result = _launch(["--max_restarts", "3", str(SCRIPTS / "restart_collective.py"), "3"], child_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    back = sorted(re.findall(r"^BACK attempt=(\d) rank=(\d) sum=(\d+)", result.stdout, flags=re.MULTILINE))
+    assert back == [("3", "0", "3"), ("3", "1", "3")]
+    assert [int(a) for a in re.findall(r"^KILL attempt=(\d)", result.stdout, flags=re.MULTILINE)] == [0, 1, 2]
+    assert result.stderr.count("fullshard launch: restart") == 3
+    # Quiet: no OMP_NUM_THREADS banner and no torch launcher log lines without --debug.
+    assert "OMP_NUM_THREADS" not in result.stderr and "torch/distributed/elastic" not in result.stderr
+    # From the last kill to the restarted group's first collective (printed in the report).
+    gap = min(_stamps(result.stdout, "BACK")) - max(_stamps(result.stdout, "KILL"))
+    print(f"kill -> first collective of the restarted group: {gap:.1f}s")
+    assert 0 < gap < 60
+
+
+def _wait_for_line(proc: subprocess.Popen[str], pattern: str, timeout: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.match(pattern, line):
+            return seen
+    raise AssertionError(f"no line matching {pattern!r} in {timeout}s: {seen}")
+
+
+@pytest.mark.parametrize(("handler", "code"), [("handler", 0), ("no_handler", 128 + signal.SIGTERM)])
+def test_sigterm_to_the_launcher(tmp_path: Path, child_env: dict[str, str], handler: str, code: int) -> None:
+    checkpoint = tmp_path / "preempted"
+    command = [sys.executable, "-m", "fullshard.cli.main", "launch", "--num_processes", "2",
+               str(SCRIPTS / "preemptible.py"), str(checkpoint), handler]  # fmt: skip
+    proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_line(proc, r"^STEP 2$", timeout=120)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # what a scheduler sends; the launcher forwards it to the workers
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, stdout + stderr
+    assert time.monotonic() - sent < 30  # within torch's default grace period
+    if handler == "handler":
+        assert re.search(r"^PREEMPTED after step \d+; saved", stdout, flags=re.MULTILINE), stdout
+        assert (checkpoint / "pytorch_model_fsdp_0").is_dir() or (checkpoint / "pytorch_model_fsdp.bin").is_file()
+        assert "SIGTERM received and passed to the workers; all 2 stopped cleanly (exit 0)" in stderr
+    else:
+        assert not checkpoint.exists()
+        assert "not all stopped cleanly" in stderr and "install_preemption_handler" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_an_exception_on_one_rank_ends_the_job_naming_it(child_env: dict[str, str]) -> None:
+    result = _launch([str(SCRIPTS / "rank_fails.py"), "raise"], child_env, timeout=120)
+    ended = time.time()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert ended - _stamps(result.stdout, "FAILING")[0] < 30  # seconds, not the group's timeout
+    # The failing rank's traceback is the only one; the peer that lost it says so in one line.
+    assert result.stderr.count("Traceback") == 2  # printed by the rank, repeated in the launcher's summary
+    assert "[rank 1] ValueError in" in result.stderr
+    assert "[rank 0] stopped: a peer is gone" in result.stderr
+    summary = result.stderr[result.stderr.index("fullshard launch: rank") :]
+    assert summary.startswith("fullshard launch: rank 1 failed first (exit code 1)")
+    assert "error: ValueError: injected failure on rank 1" in summary
+    assert "ChildFailedError" not in result.stderr
+
+
+def test_a_killed_rank_ends_the_job_naming_it_and_its_log(tmp_path: Path, child_env: dict[str, str]) -> None:
+    logs = tmp_path / "logs"
+    result = _launch(["--log_dir", str(logs), str(SCRIPTS / "rank_fails.py"), "kill"], child_env, timeout=120)
+    ended = time.time()
+    assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
+    assert ended - _stamps(result.stdout, "FAILING")[0] < 30
+    last = result.stderr.strip().splitlines()
+    summary = next(line for line in last if line.startswith("fullshard launch: rank"))
+    log = re.search(r"its log: (\S+)$", summary)
+    assert summary.startswith("fullshard launch: rank 1 failed first (killed by SIGKILL)") and log, summary
+    assert Path(log.group(1)).is_file() and Path(log.group(1)).parent.name == "1"
+
+
+def test_a_missing_script_is_one_line(tmp_path: Path, child_env: dict[str, str]) -> None:
+    result = _launch([str(tmp_path / "nope.py")], child_env, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"fullshard launch: error: script '{tmp_path / 'nope.py'}' not found (no such file). Give its path."
+    ]
+
+
+def test_training_survives_injected_kill_and_exception_bit_for_bit(tmp_path: Path, child_env: dict[str, str]) -> None:
+    # torchft-style: a SIGKILL (attempt 0) and an exception (attempt 1) at seeded steps and ranks; every step
+    # is checkpointed; the run must end with the uninterrupted run's weights, bit for bit, and exit 0.
+    script, seed = str(SCRIPTS / "train_with_faults.py"), "3"
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    clean.mkdir()
+    faulty.mkdir()
+    result = _launch([script, str(clean), seed, "clean"], child_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = _launch(["--max_restarts", "2", script, str(faulty), seed, "inject"], child_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count("fullshard launch: restart") == 2
+    assert "injected failure at step" in result.stderr
+    assert len(re.findall(r"^RESUMED from step_\d+", result.stdout, flags=re.MULTILINE)) >= 1
+    expected, got = torch.load(clean / "final.pt"), torch.load(faulty / "final.pt")
+    assert expected.keys() == got.keys() and expected
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

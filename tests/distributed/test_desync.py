@@ -1,0 +1,124 @@
+"""Desynchronised ranks end in an error naming the rank, the unit and the collective, never a silent hang.
+
+Each test builds its model over a new gloo group with a short timeout (the pool's default group keeps its
+own), so a rank left alone in a collective gives up in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard import FullyShardedDataParallel
+from fullshard.engine.collective_check import DesyncError
+from fullshard.engine.wrap import ModuleWrapPolicy
+from fullshard.testing import WorkerPool
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _TwoBlocks(nn.Module):
+    """Runs its blocks in the order ``order`` says (so ranks can be given different orders)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+        self.order = "ab"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
+
+
+def _sharded(timeout_s: float) -> tuple[FullyShardedDataParallel, dist.ProcessGroup]:
+    torch.manual_seed(0)
+    pg = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
+    model = FullyShardedDataParallel(_TwoBlocks(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_Block}))
+    return model, pg
+
+
+def _step(model: nn.Module) -> None:
+    model(torch.ones(2, 4)).sum().backward()
+
+
+def _one_extra_forward(rank: int, world_size: int) -> tuple[str, float]:
+    """Both ranks train a step; then rank 0 alone trains one more. Rank 0 must fail within the timeout."""
+    model, pg = _sharded(timeout_s=3)
+    _step(model)
+    start = time.monotonic()
+    message = ""
+    if rank == 0:
+        try:
+            _step(model)
+        except DesyncError as exc:
+            message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()  # the default group: the pool goes on working
+    dist.destroy_process_group(pg)
+    return message, elapsed
+
+
+def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2: WorkerPool) -> None:
+    (message, elapsed), _ = pool2.run(_one_extra_forward)
+    assert message.startswith("[rank 0] ")
+    assert "all_gather of unit 'a'" in message and "forward #" in message
+    assert "FULLSHARD_DEBUG=1" in message  # says how to find the rank that differs
+    assert elapsed < 30, f"rank 0 waited {elapsed:.0f}s; the group's timeout is 3s"
+
+
+def _in_debug_mode(rank: int, world_size: int, scenario: str) -> str:
+    """FULLSHARD_DEBUG=1: an extra forward on rank 0, or another unit order on rank 1, is named by every rank."""
+    os.environ["FULLSHARD_DEBUG"] = "1"
+    try:
+        model, pg = _sharded(timeout_s=20)
+        _step(model)
+        try:
+            if scenario == "extra_forward":
+                if rank == 0:
+                    with torch.no_grad():
+                        model(torch.ones(2, 4))
+                _step(model)
+            else:
+                model.module.order = "ab" if rank == 0 else "ba"
+                _step(model)
+        except DesyncError as exc:
+            return str(exc)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group(pg)
+    finally:
+        del os.environ["FULLSHARD_DEBUG"]
+    return ""
+
+
+def test_debug_mode_names_the_first_divergence(pool2: WorkerPool) -> None:
+    start = time.monotonic()
+    messages = pool2.run(_in_debug_mode, "extra_forward")
+    assert time.monotonic() - start < 20  # found at the first differing collective, not by the timeout
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"[rank {rank}] FULLSHARD_DEBUG: ranks are out of step."), message
+        assert f"rank {1 - rank} " in message
+        # Rank 0, one forward ahead, gathers block a for its next forward; rank 1 gathers block b for its
+        # backward (blocks are resharded after forward).
+        assert "rank 0: all_gather of unit 'a'" in message
+        assert "rank 1: all_gather of unit 'b'" in message
+
+
+def test_debug_mode_names_a_different_unit_order(pool2: WorkerPool) -> None:
+    messages = pool2.run(_in_debug_mode, "order")
+    for message in messages:
+        assert "ranks are out of step" in message, message
+        assert "unit 'a'" in message and "unit 'b'" in message  # rank 0 gathers a where rank 1 gathers b

@@ -1,0 +1,121 @@
+"""Fault handling without processes: kwargs handlers, the timeout knob, the launcher's failure summary."""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import accelerate.utils
+import pytest
+
+import fullshard
+import fullshard.utils
+from fullshard.cli import failures
+from fullshard.frontend import runtime
+from fullshard.frontend.kwargs_handlers import InitProcessGroupKwargs, process_group_kwargs
+
+# --- kwargs handlers ------------------------------------------------------------------------------------
+
+
+def test_init_process_group_kwargs_are_exported_and_give_only_what_was_set() -> None:
+    assert fullshard.InitProcessGroupKwargs is fullshard.utils.InitProcessGroupKwargs is InitProcessGroupKwargs
+    assert process_group_kwargs(None) == {}
+    assert process_group_kwargs([InitProcessGroupKwargs()]) == {}
+    handler = InitProcessGroupKwargs(timeout=timedelta(seconds=42), backend="gloo")
+    assert process_group_kwargs([handler]) == {"timeout": timedelta(seconds=42), "backend": "gloo"}
+
+
+def test_accelerates_own_handler_is_honoured() -> None:
+    # Accelerate fills in backend="nccl" and its default timeout: only the explicit timeout counts.
+    theirs = accelerate.utils.InitProcessGroupKwargs(timeout=timedelta(seconds=7))
+    assert process_group_kwargs([theirs]) == {"timeout": timedelta(seconds=7)}
+    assert process_group_kwargs([accelerate.utils.InitProcessGroupKwargs()]) == {}
+
+
+def test_other_handlers_are_refused_or_warned_by_name() -> None:
+    with pytest.raises(TypeError, match=r"GradScalerKwargs\(...\)\]\): not supported"):
+        process_group_kwargs([accelerate.utils.GradScalerKwargs(init_scale=2.0)])
+    with pytest.raises(TypeError, match=r"ProfileKwargs"):
+        process_group_kwargs([accelerate.utils.ProfileKwargs()])
+    with pytest.warns(UserWarning, match=r"DistributedDataParallelKwargs\(...\)\]\): ignored"):
+        assert process_group_kwargs([accelerate.utils.DistributedDataParallelKwargs()]) == {}
+    with pytest.raises(TypeError, match=r"kwargs_handlers=\[dict\]\): not a kwargs handler"):
+        process_group_kwargs([{"timeout": 3}])
+    with pytest.raises(ValueError, match="two InitProcessGroupKwargs"):
+        process_group_kwargs([InitProcessGroupKwargs(), InitProcessGroupKwargs()])
+
+
+def test_bad_timeouts_are_refused() -> None:
+    with pytest.raises(TypeError, match=r"expected a datetime\.timedelta"):
+        InitProcessGroupKwargs(timeout=30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positive duration"):
+        InitProcessGroupKwargs(timeout=timedelta(0))
+
+
+def test_timeout_comes_from_the_caller_then_the_environment_then_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FULLSHARD_TIMEOUT", raising=False)
+    assert runtime.resolve_timeout() == timedelta(minutes=10) < timedelta(minutes=30)
+    monkeypatch.setenv("FULLSHARD_TIMEOUT", "90")
+    assert runtime.resolve_timeout() == timedelta(seconds=90)
+    assert runtime.resolve_timeout(timedelta(seconds=5)) == timedelta(seconds=5)
+    monkeypatch.setenv("FULLSHARD_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match=re.escape("FULLSHARD_TIMEOUT='soon': expected a positive number")):
+        runtime.resolve_timeout()
+
+
+# --- the launcher's summary -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Failure:
+    """The fields of torch's ProcessFailure the summary reads."""
+
+    local_rank: int
+    exitcode: int
+    timestamp: int
+    error_file: str = "<N/A>"
+    error_file_data: dict = field(default_factory=dict)
+
+
+def _raised(message: str, at: float, stack: str = "Traceback...\nValueError: boom") -> dict:
+    return {"message": {"message": message, "extraInfo": {"py_callstack": stack}}, "fullshard": {"time": at}}
+
+
+def test_the_first_exception_is_the_root_cause_even_within_one_second() -> None:
+    outcome = failures.describe_failures(
+        {
+            0: _Failure(0, 1, 100, error_file_data=_raised("RuntimeError: x", 100.7)),
+            1: _Failure(1, 1, 100, error_file_data=_raised("ValueError: boom", 100.2)),
+        }
+    )
+    first, *rest = outcome.message.splitlines()
+    assert first.startswith("fullshard launch: rank 1 failed first (exit code 1)")
+    assert "  error: ValueError: boom" in rest and "  then rank 0 failed (exit code 1, after RuntimeError: x)" in rest
+    assert outcome.exit_code == 1
+
+
+def test_a_killed_rank_comes_before_the_peers_that_lost_it() -> None:
+    lost = _raised("RuntimeError: [pair.cc] Connection closed by peer [127.0.0.1]:1", 99.0)
+    outcome = failures.describe_failures(
+        {0: _Failure(0, -15, 99, error_file_data=lost), 1: _Failure(1, -signal.SIGKILL, 100)}
+    )
+    assert outcome.message.startswith("fullshard launch: rank 1 failed first (killed by SIGKILL)")
+    assert "pass --log_dir DIR" in outcome.message
+    assert outcome.exit_code == 128 + signal.SIGKILL
+
+
+def test_the_log_of_the_failed_rank_is_named(tmp_path) -> None:
+    log = tmp_path / "run_x" / "attempt_1" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("boom")
+    outcome = failures.describe_failures({1: _Failure(1, 3, 100)}, log_dir=str(tmp_path))
+    assert f"its log: {log}" in outcome.message and outcome.exit_code == 3
+
+
+def test_stop_after_a_signal(tmp_path) -> None:
+    assert failures.describe_stop(signal.SIGTERM, {0: "0", 1: "0"}).exit_code == 0
+    outcome = failures.describe_stop(signal.SIGTERM, {0: "0", 1: "running"})
+    assert outcome.exit_code == 143 and "local rank 1 killed" in outcome.message
+    assert failures.read_statuses(tmp_path, 2) == {0: "missing", 1: "missing"}
