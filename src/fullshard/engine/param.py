@@ -68,8 +68,11 @@ class ShardedParam:
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak
 # reference confirms the id still names the same object; the finalizer drops entries with their tensor.
 _REPLACEMENTS: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
-_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 _GUARD_INSTALLED = False
+# The owner of a sharded parameter is an attribute of the parameter, not a weak reference to it:
+# nn.Module._apply (to_empty, .to) swaps DTensor parameters in place with torch.utils.swap_tensors, which
+# refuses tensors that have weak references. The swap moves attributes away, so set_owner runs again after it.
+_OWNER_ATTR = "_fullshard_owner"
 
 
 def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
@@ -83,16 +86,11 @@ def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
 
 def owner_label(param: torch.Tensor) -> str | None:
     """The unit whose sharded parameter ``param`` is, if it is one."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
+    return getattr(param, _OWNER_ATTR, None)
 
 
 def set_owner(param: nn.Parameter, label: str) -> None:
-    key = id(param)
-    _OWNERS[key] = (weakref.ref(param), label)
-    weakref.finalize(param, _OWNERS.pop, key, None)
+    setattr(param, _OWNER_ATTR, label)
 
 
 def replacement_for(original: torch.Tensor) -> nn.Parameter | None:
