@@ -28,7 +28,7 @@ from torch import nn
 
 from fullshard.engine.checkpointing import checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
-from fullshard.engine.param import replacement_for
+from fullshard.engine.param import replacement_for, retired_data_ptr
 from fullshard.engine.state import unit_state
 from fullshard.engine.wrap import plan_units
 from fullshard.engine.wrapper import FullyShardedDataParallel
@@ -193,24 +193,39 @@ def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, devi
 
 
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:
-    """Replace every parameter of ``optimizer`` by ``mapping[parameter]``, in place, keeping the param groups.
+    """Replace every parameter of ``optimizer`` by its entry in ``mapping``, in place, keeping the param groups.
 
-    ``mapping`` is keyed by the original parameter objects (their storage is freed when sharding, so
-    ``data_ptr()`` no longer tells them apart). Raises ``KeyError`` naming the first parameter with no entry:
+    ``mapping`` is keyed either by the original parameter objects, or (as Accelerate builds it) by the
+    original parameters' ``data_ptr()`` taken before sharding. In the second form an optimizer parameter is
+    found by the ``data_ptr`` Accelerate's placeholders carry as an attribute, by the address its data had before
+    sharding freed it, or by its current address. Raises ``KeyError`` naming the first parameter with no entry:
     keeping it would leave a parameter that is never updated, so the training would silently be wrong.
     """
+    by_address = bool(mapping) and all(isinstance(k, int) and not isinstance(k, bool) for k in mapping)
     for index, group in enumerate(optimizer.param_groups):
         switched = []
         for position, param in enumerate(group["params"]):
-            if param not in mapping:
+            key = _address_key(param, mapping) if by_address else param
+            if key is None or key not in mapping:
+                how = "data_ptr() before sharding" if by_address else "the parameter object"
                 raise KeyError(
                     f"fsdp2_switch_optimizer_parameters: parameter {position} of param group {index} "
-                    f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping. "
-                    "Every parameter of the optimizer must belong to the model being sharded; create the optimizer "
-                    "from model.parameters() of that model, or after sharding it."
+                    f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping "
+                    f"(keyed by {how}). Every parameter of the optimizer must belong to the model being sharded; "
+                    "create the optimizer from model.parameters() of that model, or after sharding it."
                 )
-            switched.append(mapping[param])
+            switched.append(mapping[key])
         group["params"] = switched
+
+
+def _address_key(param: torch.Tensor, mapping: Mapping[Any, Any]) -> int | None:
+    """The key of ``param`` in a mapping keyed by the original parameters' ``data_ptr()``."""
+    attribute = param.__dict__.get("data_ptr")  # Accelerate's placeholders carry the original's address
+    candidates = [attribute] if isinstance(attribute, int) else []
+    candidates.append(retired_data_ptr(param))
+    local = getattr(param, "_local_tensor", param)  # a DTensor's address is its local tensor's (as Accelerate)
+    candidates.append(torch.Tensor.data_ptr(local))  # not local.data_ptr: a placeholder shadows it
+    return next((c for c in candidates if c is not None and c in mapping), None)
 
 
 def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
