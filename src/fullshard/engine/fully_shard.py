@@ -151,9 +151,12 @@ def fully_shard(
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
+    A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
+    and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
     Beyond torch's signature, ``param_init_fn`` and ``sync_module_states`` mean what they mean for
-    ``FullyShardedDataParallel``: how meta-device modules of this unit are initialised, and whether every
-    rank takes rank 0's values (so that ranks other than 0 may build the model on ``meta``).
+    ``FullyShardedDataParallel``: they materialize this unit's meta-device modules at once (``param_init_fn``,
+    else ``reset_parameters()``), and every rank takes rank 0's values (so that ranks other than 0 may build
+    the model on ``meta``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")

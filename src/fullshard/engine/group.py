@@ -5,7 +5,8 @@ A group of ``P`` parameters over a shard group of ``N`` ranks keeps these buffer
 ``i``'s padded shard size, ``G = sum(s_i)``, see [Note: dim-0 layout] in ``layout.py``):
 
 - ``flat_shard`` (1D, ``G``, parameter dtype): this rank's padded shards, back to back. The sharded
-  parameters the optimizer steps on are views of it, so the all-gather reads it without a copy-in.
+  parameters the optimizer steps on are views of it, so the all-gather reads it without a copy-in. On the
+  ``meta`` device for a unit built there, until ``to_empty`` (see ``materialize.py``).
 - ``flat_full`` (1D, ``N * G``, compute dtype): one autograd leaf; parameter ``i`` owns the block
   ``[N * o_i, N * (o_i + s_i))`` holding its padded full tensor, and modules see views of that block.
   Its storage is freed (resized to 0) while the group is sharded. Being one leaf, it has one

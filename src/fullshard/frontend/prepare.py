@@ -100,8 +100,10 @@ def _blocks(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     """``fully_shard`` every block the plugin's policy selects, then the root; returns ``model`` (changed in place).
 
-    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). Meta-device modules are materialized
-    and, with ``sync_module_states``, given rank 0's values, one unit at a time (see the module docstring).
+    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). With ``param_init_fn`` or
+    ``sync_module_states``, meta-device modules are materialized (and, with the latter, given rank 0's values)
+    one unit at a time (see the module docstring); without either they stay on meta, as with Accelerate, for
+    the caller's ``to_empty`` and init.
     """
     plugin = _plugin_of(accelerator, "fsdp2_prepare_model")
     return _shard_fsdp2(model, plugin, _blocks(model, plugin))
