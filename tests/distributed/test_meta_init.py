@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import FSDP, fully_shard
 from fullshard.engine.state import unit_state
+from fullshard.frontend.prepare import fsdp2_load_full_state_dict
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import TinyGPT
-from fullshard.testing.parity import RunResult, TrainSpec, reference_run
+from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run
 from fullshard.wrap import ModuleWrapPolicy
 
 SPEC = TrainSpec()
@@ -166,6 +167,24 @@ def meta_then_to_cpu_values(rank: int, world: int) -> list[bool]:
 def test_to_same_device_keeps_the_shards(pool2: WorkerPool) -> None:
     for got in pool2.run(meta_then_to_cpu_values):
         assert all(got)
+
+
+def load_full_into_meta(rank: int, world: int) -> dict[str, object]:
+    """Accelerate's cpu_ram_efficient_loading order: shard on meta, then rank 0's full state dict is loaded."""
+    full = SPEC.model().state_dict() if rank == 0 else {}
+    with torch.device("meta"):
+        model = TinyGPT(SPEC.cfg)
+    fully_shard_blocks(model)
+    fsdp2_load_full_state_dict(None, model, full)
+    return {"state": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def test_full_state_dict_loads_into_a_model_left_on_meta(pool2: WorkerPool) -> None:
+    want = SPEC.model().state_dict()
+    for got in pool2.run(load_full_into_meta):
+        assert sorted(got["state"]) == sorted(want)
+        for name, value in want.items():
+            assert torch.equal(got["state"][name], value), name
 
 
 # --- FSDP1: meta modules are materialized at wrapping, with reset_parameters() -------------------------

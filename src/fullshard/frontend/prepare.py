@@ -261,6 +261,7 @@ def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapp
 
     del accelerator  # Accelerate's signature; the model carries its meshes
     rank = dist.get_rank()
+    _materialize_meta(model)
     target = model.state_dict()
     problem = [_full_state_dict_problem(full_sd, target) if rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)
@@ -280,6 +281,17 @@ def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapp
                 dist.broadcast(full, src=0)
                 current.copy_(full)
     model.load_state_dict(target)
+
+
+def _materialize_meta(model: nn.Module) -> None:
+    """A model ``fully_shard`` left on ``meta`` gets storage (``to_empty``) on its shards' device before loading."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return
+    mesh = next((t.device_mesh for t in tensors if hasattr(t, "device_mesh")), None)
+    device_type = mesh.device_type if mesh is not None else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    model.to_empty(device=device)
 
 
 def _full_state_dict_problem(full_sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> str | None:
