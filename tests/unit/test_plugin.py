@@ -74,7 +74,7 @@ def test_defaults_version_1() -> None:
 def test_defaults_version_2() -> None:
     plugin = Plugin(fsdp_version=2)
     assert plugin.reshard_after_forward is True
-    assert plugin.sharding_strategy is api.ShardingStrategy.FULL_SHARD
+    assert plugin.sharding_strategy is None  # as Accelerate's: version 2 has reshard_after_forward only
     assert plugin.cpu_offload == api.OffloadPolicy()
     assert plugin.state_dict_type is api.StateDictType.SHARDED_STATE_DICT
     assert plugin.state_dict_config == api.ShardedStateDictConfig(offload_to_cpu=True)
@@ -93,7 +93,7 @@ def test_fields_are_filled_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     plugin = Plugin()
     assert plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is False
-    assert plugin.sharding_strategy is api.ShardingStrategy.SHARD_GRAD_OP
+    assert plugin.sharding_strategy is None
     assert plugin.cpu_offload == api.CPUOffloadPolicy()
     assert plugin.auto_wrap_policy is size_based_auto_wrap_policy
     assert plugin.min_num_params == 2000
@@ -152,8 +152,9 @@ def test_torch_enums_and_configs_are_accepted() -> None:
 
 def test_reshard_after_forward_in_version_1_is_a_strategy() -> None:
     assert Plugin(reshard_after_forward=False).sharding_strategy is api.ShardingStrategy.SHARD_GRAD_OP
-    plugin = Plugin(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP")
-    assert plugin.reshard_after_forward is False
+    with pytest.warns(UserWarning, match="using reshard_after_forward=False"):
+        plugin = Plugin(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP")
+    assert plugin.reshard_after_forward is False and plugin.sharding_strategy is None
 
 
 def test_cpu_offload_follows_the_version() -> None:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy, StateDictType
 from fullshard.engine.group import Offload
+from fullshard.engine.materialize import adopt_applied_params
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
@@ -84,6 +85,17 @@ class FSDPModule:
                 )
             unit.group.comm_hook = (state, hook)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``), then take the moved sharded parameters back
+        into the unit's flat shard (see ``materialize.py``)."""
+        state = self._fullshard_state()
+        if state.group is not None:
+            state.group.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        if state.group is not None:
+            adopt_applied_params(state.group)
+        return result
+
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load DTensors or full tensors under the module's keys; checked before anything is copied."""
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
@@ -139,9 +151,12 @@ def fully_shard(
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
+    A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
+    and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
     Beyond torch's signature, ``param_init_fn`` and ``sync_module_states`` mean what they mean for
-    ``FullyShardedDataParallel``: how meta-device modules of this unit are initialised, and whether every
-    rank takes rank 0's values (so that ranks other than 0 may build the model on ``meta``).
+    ``FullyShardedDataParallel``: they materialize this unit's meta-device modules at once (``param_init_fn``,
+    else ``reset_parameters()``), and every rank takes rank 0's values (so that ranks other than 0 may build
+    the model on ``meta``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
@@ -164,7 +179,8 @@ def fully_shard(
     )
     offload = _resolve_offload(offload_policy, device)
     ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
-    init = InitOptions(param_init_fn=param_init_fn, sync_module_states=bool(sync_module_states))
+    # As torch's fully_shard: a meta-device module stays on meta (to_empty and the user's init come after).
+    init = InitOptions(param_init_fn, bool(sync_module_states), materialize_meta=False)
     state = build_unit(
         module,
         shard_group,

@@ -5,7 +5,8 @@ A group of ``P`` parameters over a shard group of ``N`` ranks keeps these buffer
 ``i``'s padded shard size, ``G = sum(s_i)``, see [Note: dim-0 layout] in ``layout.py``):
 
 - ``flat_shard`` (1D, ``G``, parameter dtype): this rank's padded shards, back to back. The sharded
-  parameters the optimizer steps on are views of it, so the all-gather reads it without a copy-in.
+  parameters the optimizer steps on are views of it, so the all-gather reads it without a copy-in. On the
+  ``meta`` device for a unit built there, until ``to_empty`` (see ``materialize.py``).
 - ``flat_full`` (1D, ``N * G``, compute dtype): one autograd leaf; parameter ``i`` owns the block
   ``[N * o_i, N * (o_i + s_i))`` holding its padded full tensor, and modules see views of that block.
   Its storage is freed (resized to 0) while the group is sharded. Being one leaf, it has one
@@ -50,6 +51,7 @@ from torch import nn
 from fullshard.engine import collective_check
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from fullshard.engine.layout import ShardLayout, group_offsets
+from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import ShardedParam, retire, set_owner
 
@@ -106,7 +108,7 @@ class ParamGroup:
         self.shard_group = shard_group
         self.device = shard_group.device  # where forward and backward compute
         self.offload = offload
-        self.storage_device = torch.device("cpu") if offload is not None else self.device
+        self.storage_device = storage_device_for(label, [(n, p) for n, _, p in entries], self.device, offload)
         dtypes = {p.dtype for _, _, p in entries}
         if len(dtypes) != 1:
             names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries)
@@ -152,7 +154,11 @@ class ParamGroup:
         self.requires_grad = bool(self.grad_params)
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
         self.comm_hook: tuple[object, Callable[..., Any]] | None = None
+        # Called once per backward when every parameter has its gradient (the unit's post-backward).
+        self.on_grads_ready: Callable[[], None] | None = None
         self.flat_full = self._new_flat_full()
+        self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
+        self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
         self._state = ShardState.SHARDED
         # Told (old, new) on every state change; the unit state counts gathered units with it.
         self.listener: Callable[[ShardState, ShardState], None] | None = None
@@ -170,7 +176,7 @@ class ParamGroup:
 
     def _new_flat_shard(self) -> torch.Tensor:
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
-        if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available():
+        if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available() and not flat.is_meta:
             flat = flat.pin_memory()
         return flat
 
@@ -196,10 +202,35 @@ class ParamGroup:
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
-            return self.flat_shard.detach().requires_grad_(self.requires_grad)
-        full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
-        full.untyped_storage().resize_(0)
-        return full.requires_grad_(self.requires_grad)
+            full = self.flat_shard.detach().requires_grad_(self.requires_grad)
+        else:
+            full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
+            full.untyped_storage().resize_(0)
+            full.requires_grad_(self.requires_grad)
+        if self.requires_grad:
+            full.register_post_accumulate_grad_hook(lambda _: self._grads_ready())
+        return full
+
+    def _grads_ready(self) -> None:
+        if self.on_grads_ready is not None:
+            self.on_grads_ready()
+
+    @property
+    def is_meta(self) -> bool:
+        """The shards have no storage yet (built under ``torch.device("meta")``; see ``materialize.py``)."""
+        return self.flat_shard.is_meta
+
+    def new_shard_storage(self, device: torch.device) -> None:
+        """Allocate a new, zero ``flat_shard`` on ``device`` (and ``flat_full`` to go with it).
+
+        Precondition: sharded. The caller makes the sharded parameters views of the new buffer.
+        """
+        if self.state is not ShardState.SHARDED:
+            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: new shard storage while gathered")
+        self.storage_device = device
+        self.flat_shard = self._new_flat_shard()
+        self.flat_full = self._new_flat_full()
+        self._unsharded_version = -1
 
     @property
     def state(self) -> ShardState:
@@ -236,7 +267,10 @@ class ParamGroup:
         self.state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
-        """Finish a gather started by :meth:`unshard` and register the full parameters."""
+        """Finish a gather started by :meth:`unshard` and register the full parameters (again, after
+        :meth:`expose_sharded`)."""
+        if self.state is ShardState.UNSHARDED and not self.full_views_registered:
+            self._register_full_views()
         if self.state is not ShardState.UNSHARDING:
             return
         if self._gather is None:
@@ -315,6 +349,19 @@ class ParamGroup:
             for i, sp in enumerate(self.layout_order):
                 view = pieces[2 * i].view(sp.shape)
                 sp.register(view if sp.requires_grad else view.detach())
+        self.full_views_registered = True
+
+    def expose_sharded(self) -> None:
+        """Register the sharded parameters while keeping the gathered ones for backward.
+
+        After a forward that keeps its parameters gathered (the root, ``reshard_after_forward=False``) the
+        module attributes would otherwise be non-leaf views: ``parameters()`` must keep yielding the leaf
+        parameters the optimizer steps on. Autograd saved the views it needs; the next
+        :meth:`wait_for_unshard` registers them again for compute.
+        """
+        for sp in self.params:
+            sp.register_sharded()
+        self.full_views_registered = False
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the full ones.
@@ -325,8 +372,7 @@ class ParamGroup:
             return
         if self.state is ShardState.UNSHARDING:
             self.wait_for_unshard()
-        for sp in self.params:
-            sp.register_sharded()
+        self.expose_sharded()
         if not self.alias_full:
             self.flat_full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
@@ -347,6 +393,7 @@ class ParamGroup:
         """
         if not self.requires_grad:
             return
+        self._restore_sharded_grads()
         grad = self.flat_full.grad
         self.flat_full.grad = None
         rdtype = self.precision.reduce_dtype
@@ -401,6 +448,43 @@ class ParamGroup:
         output = torch.empty(self.grad_numel, dtype=rank_major.dtype, device=self.device)
         hook(state, rank_major.view(-1), output)
         return _PendingReduce([], output, None, True)
+
+    def expose_unsharded_grads(self) -> None:
+        """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
+
+        Used while gradient sync is off (``no_sync()``), as torch's FSDP1 exposes them: the views alias
+        ``flat_full.grad``, where autograd keeps accumulating. Sharded gradients already there are set
+        aside, and :meth:`reduce_grads` puts them back before adding the reduced accumulation.
+        """
+        grad = self.flat_full.grad
+        if grad is None:
+            return
+        if self._stashed_grads is None:
+            self._stashed_grads = [sp.sharded_param.grad for sp in self.grad_params]
+        for sp in self.grad_params:
+            view = self._full_block(sp, grad).narrow(0, 0, sp.layout.numel).view(sp.shape)
+            param = sp.sharded_param
+            if (view.shape, view.dtype, view.device) == (param.shape, param.dtype, param.device):
+                param.grad = view
+            else:
+                # Assigning .grad checks it against the (sharded) parameter, but the .data of the gradient once
+                # assigned may be anything; torch's FSDP1 exposes unsharded gradients the same way.
+                param.grad = torch.empty_like(param)
+                param.grad.data = view
+
+    def forget_cleared_unsharded_grads(self) -> None:
+        """After ``zero_grad()`` cleared every exposed gradient, drop the accumulation behind them too."""
+        if self._stashed_grads is None or any(sp.sharded_param.grad is not None for sp in self.grad_params):
+            return
+        self._stashed_grads = None
+        self.flat_full.grad = None
+
+    def _restore_sharded_grads(self) -> None:
+        if self._stashed_grads is None:
+            return
+        for sp, grad in zip(self.grad_params, self._stashed_grads):
+            sp.sharded_param.grad = grad
+        self._stashed_grads = None
 
     @property
     def has_pending_reduce(self) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 
 from fullshard.engine.layout import ShardLayout
 
-__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "set_owner"]
+__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "retired_data_ptr", "set_owner"]
 
 
 @dataclass
@@ -67,15 +67,19 @@ class ShardedParam:
 
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak
 # reference confirms the id still names the same object; the finalizer drops entries with their tensor.
-_REPLACEMENTS: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
-_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+_REPLACEMENTS: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter, int]] = {}
 _GUARD_INSTALLED = False
+# The owner of a sharded parameter is an attribute of the parameter, not a weak reference to it:
+# nn.Module._apply (to_empty, .to) swaps DTensor parameters in place with torch.utils.swap_tensors, which
+# refuses tensors that have weak references. The swap moves attributes away, so set_owner runs again after it.
+_OWNER_ATTR = "_fullshard_owner"
 
 
 def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
-    """Free ``original``'s storage and remember that ``replacement`` now stands for it."""
+    """Free ``original``'s storage and remember that ``replacement`` now stands for it (and where its data was,
+    which Accelerate's optimizer mappings use as its key: see :func:`retired_data_ptr`)."""
     key = id(original)
-    _REPLACEMENTS[key] = (weakref.ref(original), replacement)
+    _REPLACEMENTS[key] = (weakref.ref(original), replacement, original.data_ptr())
     weakref.finalize(original, _REPLACEMENTS.pop, key, None)
     original.data = torch.empty(0, dtype=original.dtype, device=original.device)
     _install_optimizer_guard()
@@ -83,16 +87,11 @@ def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
 
 def owner_label(param: torch.Tensor) -> str | None:
     """The unit whose sharded parameter ``param`` is, if it is one."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]
+    return getattr(param, _OWNER_ATTR, None)
 
 
 def set_owner(param: nn.Parameter, label: str) -> None:
-    key = id(param)
-    _OWNERS[key] = (weakref.ref(param), label)
-    weakref.finalize(param, _OWNERS.pop, key, None)
+    setattr(param, _OWNER_ATTR, label)
 
 
 def replacement_for(original: torch.Tensor) -> nn.Parameter | None:
@@ -101,6 +100,14 @@ def replacement_for(original: torch.Tensor) -> nn.Parameter | None:
     if entry is None or entry[0]() is not original:
         return None
     return entry[1]
+
+
+def retired_data_ptr(original: torch.Tensor) -> int | None:
+    """``original.data_ptr()`` as it was before sharding freed it (``None`` if ``original`` was not retired)."""
+    entry = _REPLACEMENTS.get(id(original))
+    if entry is None or entry[0]() is not original:
+        return None
+    return entry[2]
 
 
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()

@@ -37,6 +37,7 @@ from torch.autograd import Variable
 from fullshard.engine import collective_check
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
+from fullshard.engine.materialize import meta_parameter_names
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.warn import warn_rank0
 
@@ -59,6 +60,9 @@ class UnitConfig:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     casts: Casts = field(default_factory=Casts)
+    # While gradient sync is off, show each parameter's unreduced local gradient as its .grad (torch's FSDP1
+    # does, for every strategy); torch's FSDP2 leaves the sharded .grad alone until the synchronised backward.
+    expose_unsynced_grads: bool = False
 
 
 def order_debug_enabled() -> bool:
@@ -143,8 +147,8 @@ class UnitState:
         self.requires_gradient_sync = True
         self.ran_forward = False
         self.reduced = False
-        if group is not None and group.requires_grad:
-            group.flat_full.register_post_accumulate_grad_hook(lambda _: self.post_backward())
+        if group is not None:
+            group.on_grads_ready = self.post_backward
         _STATES[module] = self
 
     def signature(self) -> tuple[Any, ...]:
@@ -177,6 +181,7 @@ class UnitState:
                 state.group.listener = state._group_state_changed
                 state.group.label = state.label  # errors about its collectives name the path
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
+        _refuse_meta(states)
         _check_same_units_on_all_ranks(states)
 
     def _group_state_changed(self, old: ShardState, new: ShardState) -> None:
@@ -220,6 +225,8 @@ class UnitState:
             return
         self.training_state = TrainingState.FORWARD
         self.ran_forward = True
+        if self.group is not None:
+            self.group.forget_cleared_unsharded_grads()
         if self.is_root:
             collective_check.note_forward()
             ctx.cursor = 0
@@ -265,6 +272,10 @@ class UnitState:
             no_backward = not torch.is_grad_enabled()
             if no_backward or (self.config.reshard_after_forward and not self.is_root):
                 self.group.reshard()
+            else:
+                # Kept gathered for backward, but parameters() must yield the leaves the optimizer steps on
+                # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
+                self.group.expose_sharded()
         if self.is_root:
             if not ctx.order_frozen:
                 ctx.freeze_order()
@@ -316,6 +327,8 @@ class UnitState:
             ctx.in_flight.append(group)
             while len(ctx.in_flight) > 2:
                 ctx.in_flight.pop(0).finish_reduce()
+        elif self.config.expose_unsynced_grads:
+            group.expose_unsharded_grads()
         group.reshard()
         if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST and not ctx.order_changed:
             _prefetch(ctx, ctx.next_in_backward(self))
@@ -362,6 +375,17 @@ def _reshard_leftovers(ctx: RootContext) -> None:
             continue
         if state.config.reshard_after_forward or not torch.is_grad_enabled():
             state.group.reshard()
+
+
+def _refuse_meta(states: list[UnitState]) -> None:
+    """Parameters left on meta by ``fully_shard`` must be given storage before the first forward."""
+    names = [f"{s.label}: {n}" for s in states if s.group is not None for n in meta_parameter_names(s.group)]
+    if names:
+        raise RuntimeError(
+            f"parameters still on the meta device at the first forward: {names[:5]}{' ...' if len(names) > 5 else ''}"
+            ". Materialize the sharded model first: model.to_empty(device=...), then initialise the values in place "
+            "(reset_parameters() on each module, or your init_weights()); or pass param_init_fn=... to fully_shard."
+        )
 
 
 def _check_same_order_on_all_ranks(order: list[str]) -> None:
@@ -454,7 +478,7 @@ def guard_direct_calls(unit_label: str, group: ParamGroup, modules: list[tuple[s
 
     def make_hook(fqn: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if group.state is not ShardState.UNSHARDED and not group.summoned:
+            if not group.full_views_registered and not group.summoned:
                 raise RuntimeError(
                     f"{type(module).__name__} at {fqn!r} was called directly, but its parameters belong to the "
                     f"sharded unit {unit_label!r} and are sharded right now, so it would compute with one rank's "

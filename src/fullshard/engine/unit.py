@@ -144,10 +144,20 @@ def _refuse_taken(param: nn.Parameter, fqn: str) -> None:
 
 @dataclass(frozen=True)
 class InitOptions:
-    """How a unit's parameters are initialised before sharding."""
+    """How a unit's parameters are initialised before sharding.
+
+    Meta-device modules are materialized by ``param_init_fn`` when given, else (``to_empty`` then
+    ``reset_parameters()``) when ``sync_module_states`` or ``materialize_meta`` (torch's FSDP1 default) asks
+    for it; otherwise they stay on meta and are sharded there (torch's ``fully_shard``; see ``materialize.py``).
+    """
 
     param_init_fn: Callable[[nn.Module], None] | None = None
     sync_module_states: bool = False
+    materialize_meta: bool = True
+
+    @property
+    def materializes(self) -> bool:
+        return self.param_init_fn is not None or self.sync_module_states or self.materialize_meta
 
 
 def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, init: InitOptions) -> str | None:
@@ -157,7 +167,9 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
     Returns what could not be initialised (a message), for the caller to raise where every rank will.
     """
     problem = None
-    for prefix, module in modules:
+    # Breadth-first, as torch's FSDP1 materializes: reset_parameters() draws random numbers, so the order
+    # decides the values (a stable sort of the pre-order listing by depth is the breadth-first order).
+    for prefix, module in sorted(modules, key=lambda item: item[0].count(".")):
         on_meta = any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
         if not on_meta:
             continue
@@ -220,17 +232,17 @@ def build_unit(
     label = label or type(module).__name__
     modules = own_modules(module, ignored)
     device = shard_group.device
-    problem = _materialize(modules, device, init)
+    problem = _materialize(modules, device, init) if init.materializes else None
     sync = init.sync_module_states and dist.get_world_size() > 1
     if problem is not None and not sync:
         raise ValueError(problem)
     for _, m in modules:
         for name, buf in m._buffers.items():
-            if buf is not None and buf.device != device:
+            if buf is not None and buf.device != device and not buf.is_meta:
                 m._buffers[name] = buf.to(device)
     entries, holders = _collect(module, modules, ignored)
     for _, _, param in entries:
-        if param.device != device:
+        if param.device != device and not param.is_meta:
             param.data = param.data.to(device)
     if sync:
         _broadcast_from_rank0(label, entries, modules, problem)

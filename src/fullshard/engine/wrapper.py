@@ -116,6 +116,7 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=bool(forward_prefetch),
             limit_all_gathers=bool(limit_all_gathers),
             casts=casts,
+            expose_unsynced_grads=True,
         )
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision

@@ -5,8 +5,11 @@ filled from the ``FSDP_*`` environment that ``fullshard launch`` (or ``accelerat
 table in :mod:`fullshard.frontend.env`; an explicit argument always wins over the environment. After
 construction every field holds a typed value (enums and config objects, never strings):
 
-- ``sharding_strategy`` is a :class:`ShardingStrategy`; ``reshard_after_forward`` is the same strategy for
-  ``fsdp_version=1`` and a ``bool`` for ``fsdp_version=2`` (``FULL_SHARD`` ↔ ``True``, ``SHARD_GRAD_OP`` ↔ ``False``).
+- ``fsdp_version=1``: ``sharding_strategy`` is a :class:`ShardingStrategy` and ``reshard_after_forward`` the
+  same strategy. ``fsdp_version=2`` (as Accelerate's): ``sharding_strategy`` is ``None`` and
+  ``reshard_after_forward`` a ``bool`` (``FULL_SHARD`` ↔ ``True``, ``SHARD_GRAD_OP`` ↔ ``False``; a strategy
+  passed for version 2 is converted, with a warning), and ``backward_prefetch`` is ``None`` (``fully_shard``
+  prefetches on its own; a value passed is dropped with a warning).
 - ``cpu_offload`` is a :class:`CPUOffload` (version 1) or an :class:`OffloadPolicy` (version 2).
 - ``mixed_precision_policy`` is ``None``, a :class:`MixedPrecision` (1) or a :class:`MixedPrecisionPolicy` (2).
 - ``auto_wrap_policy`` is ``None`` (no wrap), a policy callable, or one of the engine's
@@ -96,13 +99,13 @@ class FullyShardedDataParallelPlugin:
     """1 (``FullyShardedDataParallel`` wrapper) or 2 (per-module ``fully_shard``). Default 1."""
     sharding_strategy: str | ShardingStrategy | None = None
     """How parameters, gradients and optimizer states are split (name, number 1-5 or enum). Default FULL_SHARD.
-    Superseded by ``reshard_after_forward``; both are kept consistent."""
+    Superseded by ``reshard_after_forward``; both are kept consistent. Always ``None`` for version 2."""
     reshard_after_forward: str | ShardingStrategy | bool | None = None
     """Free gathered parameters after forward: a bool (version 2) or a strategy (version 1). Default
     ``FULL_SHARD`` / ``True``. ``True`` ↔ FULL_SHARD and ``False`` ↔ SHARD_GRAD_OP in both versions."""
     backward_prefetch: str | BackwardPrefetch | None = None
     """When the next unit is gathered in backward: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH (``None``,
-    the default). Used by version 1; ``fully_shard`` prefetches on its own."""
+    the default). Version 1 only: version 2 drops it (``fully_shard`` prefetches on its own)."""
     mixed_precision_policy: dict[str, Any] | str | MixedPrecision | MixedPrecisionPolicy | None = None
     """``None`` (full precision), "fp16"/"bf16"/"fp32", a dict of dtypes (``param_dtype``, ``reduce_dtype``,
     and ``buffer_dtype`` (v1) or ``output_dtype`` (v2)), or a ``MixedPrecision`` (v1) / ``MixedPrecisionPolicy``
@@ -354,8 +357,19 @@ def _resolve_sharding(plugin: FullyShardedDataParallelPlugin, from_env: dict[str
             "fsdp_version=2 shards with reshard_after_forward=True (FULL_SHARD) or False (SHARD_GRAD_OP) only",
             "Use one of those, or fsdp_version=1 for NO_SHARD and hybrid strategies.",
         )
-    plugin.sharding_strategy = strategy
-    plugin.reshard_after_forward = strategy if plugin.fsdp_version == 1 else strategy is ShardingStrategy.FULL_SHARD
+    if plugin.fsdp_version == 1:
+        plugin.sharding_strategy = plugin.reshard_after_forward = strategy
+        return
+    # Version 2 as Accelerate reads it: reshard_after_forward says it all, sharding_strategy is None.
+    plugin.reshard_after_forward = strategy is ShardingStrategy.FULL_SHARD
+    if "sharding_strategy" in given and "reshard_after_forward" not in given:
+        warnings.warn(
+            f"{_PLUGIN}(fsdp_version=2, sharding_strategy={plugin.sharding_strategy!r}): fsdp_version=2 has no "
+            f"sharding strategy; using reshard_after_forward={plugin.reshard_after_forward}. Pass "
+            "reshard_after_forward=True (FULL_SHARD) or False (SHARD_GRAD_OP) instead.",
+            stacklevel=4,
+        )
+    plugin.sharding_strategy = None
 
 
 def _env_strategies(from_env: dict[str, Any], version: int) -> list[ShardingStrategy]:
@@ -386,6 +400,14 @@ def _parse_fields(plugin: FullyShardedDataParallelPlugin) -> None:
     backward_prefetch = plugin.backward_prefetch
     if backward_prefetch is not None:
         plugin.backward_prefetch = values.parse_choice("backward_prefetch", backward_prefetch, BackwardPrefetch)
+    if plugin.fsdp_version == 2 and plugin.backward_prefetch is not None:
+        warnings.warn(
+            f"{_PLUGIN}(fsdp_version=2, backward_prefetch={plugin.backward_prefetch.name}): fully_shard prefetches "
+            "the next unit in backward on its own, so backward_prefetch is set to None (as Accelerate does). Leave "
+            "it unset for fsdp_version=2.",
+            stacklevel=4,
+        )
+        plugin.backward_prefetch = None
     plugin.auto_wrap_policy = values.parse_auto_wrap_policy(plugin.auto_wrap_policy)
     plugin.cpu_offload = values.parse_cpu_offload(plugin.cpu_offload, plugin.fsdp_version)
     plugin.ignored_modules = values.parse_ignored_modules(plugin.ignored_modules)

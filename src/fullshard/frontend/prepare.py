@@ -28,7 +28,7 @@ from torch import nn
 
 from fullshard.engine.checkpointing import checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
-from fullshard.engine.param import replacement_for
+from fullshard.engine.param import replacement_for, retired_data_ptr
 from fullshard.engine.state import unit_state
 from fullshard.engine.wrap import plan_units
 from fullshard.engine.wrapper import FullyShardedDataParallel
@@ -100,8 +100,10 @@ def _blocks(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     """``fully_shard`` every block the plugin's policy selects, then the root; returns ``model`` (changed in place).
 
-    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). Meta-device modules are materialized
-    and, with ``sync_module_states``, given rank 0's values, one unit at a time (see the module docstring).
+    ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). With ``param_init_fn`` or
+    ``sync_module_states``, meta-device modules are materialized (and, with the latter, given rank 0's values)
+    one unit at a time (see the module docstring); without either they stay on meta, as with Accelerate, for
+    the caller's ``to_empty`` and init.
     """
     plugin = _plugin_of(accelerator, "fsdp2_prepare_model")
     return _shard_fsdp2(model, plugin, _blocks(model, plugin))
@@ -193,24 +195,39 @@ def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, devi
 
 
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:
-    """Replace every parameter of ``optimizer`` by ``mapping[parameter]``, in place, keeping the param groups.
+    """Replace every parameter of ``optimizer`` by its entry in ``mapping``, in place, keeping the param groups.
 
-    ``mapping`` is keyed by the original parameter objects (their storage is freed when sharding, so
-    ``data_ptr()`` no longer tells them apart). Raises ``KeyError`` naming the first parameter with no entry:
+    ``mapping`` is keyed either by the original parameter objects, or (as Accelerate builds it) by the
+    original parameters' ``data_ptr()`` taken before sharding. In the second form an optimizer parameter is
+    found by the ``data_ptr`` Accelerate's placeholders carry as an attribute, by the address its data had before
+    sharding freed it, or by its current address. Raises ``KeyError`` naming the first parameter with no entry:
     keeping it would leave a parameter that is never updated, so the training would silently be wrong.
     """
+    by_address = bool(mapping) and all(isinstance(k, int) and not isinstance(k, bool) for k in mapping)
     for index, group in enumerate(optimizer.param_groups):
         switched = []
         for position, param in enumerate(group["params"]):
-            if param not in mapping:
+            key = _address_key(param, mapping) if by_address else param
+            if key is None or key not in mapping:
+                how = "data_ptr() before sharding" if by_address else "the parameter object"
                 raise KeyError(
                     f"fsdp2_switch_optimizer_parameters: parameter {position} of param group {index} "
-                    f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping. "
-                    "Every parameter of the optimizer must belong to the model being sharded; create the optimizer "
-                    "from model.parameters() of that model, or after sharding it."
+                    f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping "
+                    f"(keyed by {how}). Every parameter of the optimizer must belong to the model being sharded; "
+                    "create the optimizer from model.parameters() of that model, or after sharding it."
                 )
-            switched.append(mapping[param])
+            switched.append(mapping[key])
         group["params"] = switched
+
+
+def _address_key(param: torch.Tensor, mapping: Mapping[Any, Any]) -> int | None:
+    """The key of ``param`` in a mapping keyed by the original parameters' ``data_ptr()``."""
+    attribute = param.__dict__.get("data_ptr")  # Accelerate's placeholders carry the original's address
+    candidates = [attribute] if isinstance(attribute, int) else []
+    candidates.append(retired_data_ptr(param))
+    local = getattr(param, "_local_tensor", param)  # a DTensor's address is its local tensor's (as Accelerate)
+    candidates.append(torch.Tensor.data_ptr(local))  # not local.data_ptr: a placeholder shadows it
+    return next((c for c in candidates if c is not None and c in mapping), None)
 
 
 def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
@@ -244,6 +261,7 @@ def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapp
 
     del accelerator  # Accelerate's signature; the model carries its meshes
     rank = dist.get_rank()
+    _materialize_meta(model)
     target = model.state_dict()
     problem = [_full_state_dict_problem(full_sd, target) if rank == 0 else None]
     dist.broadcast_object_list(problem, src=0)
@@ -263,6 +281,17 @@ def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapp
                 dist.broadcast(full, src=0)
                 current.copy_(full)
     model.load_state_dict(target)
+
+
+def _materialize_meta(model: nn.Module) -> None:
+    """A model ``fully_shard`` left on ``meta`` gets storage (``to_empty``) on its shards' device before loading."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return
+    mesh = next((t.device_mesh for t in tensors if hasattr(t, "device_mesh")), None)
+    device_type = mesh.device_type if mesh is not None else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    model.to_empty(device=device)
 
 
 def _full_state_dict_problem(full_sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> str | None:
