@@ -121,7 +121,8 @@ def load_checkpoint_in_model(
     files = checkpoint_files(checkpoint)
     _check_headers(files)
     tied = find_tied_parameters(model)
-    expected = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    expected = dict(named)  # tied names included: a checkpoint lists each of them
     if strict:
         names = {name for file in files for name in _names_in(file)}
         extra, absent = sorted(names - set(expected)), sorted(set(expected) - names)

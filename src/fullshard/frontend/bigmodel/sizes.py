@@ -20,7 +20,7 @@ difference: a split module's own buffers are listed too (Accelerate leaves them 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
@@ -54,7 +54,7 @@ def get_max_layer_size(
         if children and type(module).__name__ not in no_split_module_classes:
             pending = [(f"{name}.{n}", c) for n, c in children] + pending
             continue
-        size = module_sizes[name]
+        size = module_sizes.get(name, 0)  # modules without tensors (an activation) are not listed
         if size > best:
             best, names = size, [name]
         elif size == best:
@@ -166,7 +166,8 @@ class _Planner:
             self.reserving = {"mps"}
         else:
             self.reserving = {accelerators[0], "cpu"} if accelerators else {"cpu"}
-        self.budget, self.classes, self.sizes = budget, classes, sizes
+        self.budget, self.classes = budget, classes
+        self.sizes: dict[str, int] = defaultdict(int, sizes)  # tensor-free modules (activations) weigh 0
         self.ties = find_tied_parameters(model)
         self.queue: list[Entry] = _entries(model, "")
         self.used = dict.fromkeys(self.devices, 0)
