@@ -81,7 +81,7 @@ def test_custom_tracker_and_all(tmp_path: Path, accelerator_factory) -> None:
 
     memory = Memory()
     accelerator = accelerator_factory(log_with=["all", memory], project_dir=tmp_path)
-    assert accelerator.log_with == [memory, "jsonl", "tensorboard"]  # "all": every tracker fullshard can write
+    assert accelerator.log_with == ["jsonl", "tensorboard", memory]  # "all": every tracker fullshard can write
     accelerator.init_trackers("p")
     accelerator.log({"a": 1}, step=7, log_kwargs={"memory": {"tag": "x"}})
     assert memory.seen == [(7, {"a": 1}, {"tag": "x"})]
