@@ -8,7 +8,9 @@
 - :class:`DynamoBackend`: ``torch.compile`` backends. fullshard does not compile the model for you (the
   ``dynamo_backend`` argument is accepted and ignored); the names are here for scripts that import them.
 
-Members compare equal to their string values (``str`` enums), and ``"torch" in RNGType`` tests a value.
+Members compare equal to their string values (``str`` enums). As in Accelerate, ``str()`` of a ``DynamoBackend``
+or ``RNGType`` member is its value and ``"torch" in RNGType`` tests a value; the two config enums print as
+``ComputeEnvironment.LOCAL_MACHINE``.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ class _ListedEnum(str, enum.Enum, metaclass=_ContainsByValue):
         return [m.value for m in cls]
 
 
-class ComputeEnvironment(_ListedEnum):
+class ComputeEnvironment(str, enum.Enum):
     """Where the run computes (a config file's ``compute_environment``)."""
 
     LOCAL_MACHINE = "LOCAL_MACHINE"
     AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
 
 
-class SageMakerDistributedType(_ListedEnum):
+class SageMakerDistributedType(str, enum.Enum):
     """SageMaker's own data- or model-parallel libraries (not used by fullshard)."""
 
     NO = "NO"
