@@ -124,3 +124,53 @@ def test_synchronize_rng_state_refuses_unknown_kinds() -> None:
     with pytest.raises(ValueError, match=re.escape("synchronize_rng_state(rng_type='xla'): expected one of")):
         fu.synchronize_rng_state("xla")
     fu.synchronize_rng_state(fu.RNGType.TORCH)  # no process group: nothing to agree with, and no error
+
+
+_ACCUMULATION = """
+import json, sys, torch
+lib = __import__(sys.argv[1])
+from importlib import import_module
+GradientAccumulationPlugin = import_module(sys.argv[1] + ".utils").GradientAccumulationPlugin
+out = {}
+for sync_with_dataloader in (True, False):
+    for adjust in (True, False):
+        plugin = GradientAccumulationPlugin(num_steps=2, sync_with_dataloader=sync_with_dataloader,
+                                            adjust_scheduler=adjust)
+        accelerator = lib.Accelerator(cpu=True, gradient_accumulation_plugin=plugin)
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+        loader = torch.utils.data.DataLoader(torch.arange(6.0).reshape(3, 2), batch_size=1)
+        model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+        seen = []
+        for epoch in range(2):
+            for x in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(x).sum())
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                seen.append([accelerator.sync_gradients, scheduler.get_last_lr()[0]])
+        out[f"{sync_with_dataloader}-{adjust}"] = seen
+print(json.dumps(out))
+"""
+
+
+def test_gradient_accumulation_plugin_steps_like_accelerate() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    runs = {}
+    for lib in ("accelerate", "fullshard"):
+        done = subprocess.run([sys.executable, "-c", _ACCUMULATION, lib], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[lib] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["fullshard"] == runs["accelerate"]
+    syncs = {k: [s for s, _ in v] for k, v in runs["fullshard"].items()}
+    assert syncs["True-True"] == [False, True, True] * 2  # the loader's end completes a step
+    assert syncs["False-True"] == [False, True] * 3  # the count runs on across epochs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fullshard.engine.api import ShardingStrategy
@@ -58,7 +59,8 @@ def apply_ddp_kwargs(model: nn.Module, handler: DistributedDataParallelKwargs | 
         )
     if hook in _HOOKS and no_shard:
         dtype, fn = _HOOKS[hook]
-        model.register_comm_hook(LowPrecisionState(None, parameter_type=dtype), fn)
+        # The group is passed explicitly: the engine's collectives read ``None`` as "no group" (one rank).
+        model.register_comm_hook(LowPrecisionState(dist.group.WORLD, parameter_type=dtype), fn)
     elif hook in _HOOKS:
         asked["comm_hook"] = hook.value
     if asked and is_main:
