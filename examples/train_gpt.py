@@ -9,6 +9,7 @@ and it runs there too). Parameters, gradients and optimizer states are sharded (
 transformer block). Every ``--save_every`` steps the training state goes to ``OUTPUT/checkpoint`` (sharded
 model and optimizer, scheduler, RNG states, the step counter); ``--resume`` continues from there and
 reproduces the losses of an uninterrupted run. At the end the merged weights go to ``OUTPUT/model.safetensors``.
+Loss and learning rate are logged to ``OUTPUT/logs/metrics.jsonl`` (and TensorBoard files when it is installed).
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ def train(args: argparse.Namespace) -> list[float]:
     # use_stateful_dataloader: load_state also restores the position within the epoch (the loop below does
     # not skip batches itself, as an Accelerate script with torchdata's StatefulDataLoader does not).
     accelerator = Accelerator(
-        fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+        fsdp_plugin=plugin,
+        dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+        log_with="all",  # fullshard: JSON lines, plus TensorBoard when installed (Accelerate: its installed trackers)
+        project_dir=args.output,
     )
+    accelerator.init_trackers("logs", config={"steps": args.steps, "world": accelerator.num_processes})
     model, optimizer, loader, scheduler = build(args, accelerator)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
@@ -137,6 +142,7 @@ def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, 
                 progress.step += 1
                 mean = accelerator.reduce(loss.detach(), reduction="mean").item()
                 losses.append(mean)
+                accelerator.log({"loss": mean, "lr": scheduler.get_last_lr()[0]}, step=progress.step)
                 bar.update(task, advance=1, loss=f"{mean:.4f}")
                 if args.no_progress and progress.step % 10 == 0:
                     accelerator.print(f"step {progress.step:4d}  loss {mean:.4f}", flush=True)

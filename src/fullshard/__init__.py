@@ -29,12 +29,16 @@ from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.big_modeling import init_empty_weights
+from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model
+from fullshard.frontend.bigmodel.sizes import infer_auto_device_map
 from fullshard.frontend.data import skip_first_batches, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
-from fullshard.frontend.kwargs_handlers import (
+from fullshard.frontend.handlers import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 from fullshard.frontend.modules import find_executable_batch_size
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -57,6 +61,7 @@ __all__ = [
     "FullyShardedDataParallelPlugin",
     "FullOptimStateDictConfig",
     "InitProcessGroupKwargs",
+    "GradScalerKwargs",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
@@ -65,6 +70,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ProfileKwargs",
     "ShardedOptimStateDictConfig",
     "ShardedGradScaler",
     "ShardedStateDictConfig",
@@ -76,7 +82,9 @@ __all__ = [
     "checkpoint_module",
     "find_executable_batch_size",
     "fully_shard",
+    "infer_auto_device_map",
     "init_empty_weights",
+    "load_checkpoint_in_model",
     "skip_first_batches",
     "synchronize_rng_states",
 ]

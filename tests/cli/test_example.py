@@ -51,6 +51,8 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
     losses = json.loads((output / "losses.json").read_text())
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "4/4" in stdout and "loss" in stdout, "the main process shows a progress bar with the loss"
+    logged = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in logged] == list(enumerate(losses, start=1))  # the tracker, rank 0 only
     assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
         "custom_checkpoint_0.pkl",
         "optimizer_0",

@@ -5,36 +5,41 @@ A script written for Accelerate keeps working after ``from accelerate import Acc
 :class:`FullyShardedDataParallelPlugin` is used, which reads the ``FSDP_*`` variables ``fullshard launch`` sets.
 A script run without a launcher is one process with a process group of one rank (see [Note: single process]
 in ``runtime.py``). This class only dispatches; the work is done in ``prepare.py`` (models), ``data.py``,
-``optim.py``, ``training.py`` (per-step helpers), ``state_io.py`` and ``model_state.py`` (checkpoints).
+``optim.py``, ``training.py`` (per-step helpers), ``state_io.py`` and ``model_state.py`` (checkpoints);
+Accelerate's utilities in ``handlers/`` (kwargs handlers), ``tracking/`` (trackers) and ``operations/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 from fullshard.checkpoint import save_weights
 from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.frontend import env, model_state, ops, preemption, runtime, state_io, training
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
-from fullshard.frontend.kwargs_handlers import process_group_kwargs
+from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
+from fullshard.frontend.operations import gradients, memory, processes
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
+from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = ["Accelerator"]
 
 # Accelerate arguments accepted for compatibility that change nothing here (a warning says so).
-_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "dynamo_backend", "dynamo_plugin", "device_placement")
+_IGNORED_KWARGS = ("dynamo_backend", "dynamo_plugin", "device_placement")
 
 
 def _check_rng_types(rng_types: object) -> tuple[str, ...]:
@@ -85,7 +90,11 @@ class Accelerator:
         rng_types: list[str] | None = None,
         even_batches: bool | None = None,
         step_scheduler_with_optimizer: bool = True,
+        gradient_accumulation_plugin: grad.GradientAccumulationPlugin | None = None,
         kwargs_handlers: list[Any] | None = None,
+        log_with: Any = None,
+        project_dir: str | Path | None = None,
+        project_config: Any = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
@@ -93,26 +102,38 @@ class Accelerator:
             raise TypeError(
                 f"Accelerator({unknown[0]}=...): not an argument fullshard knows. Supported: split_batches, "
                 "mixed_precision, gradient_accumulation_steps, cpu, dataloader_config, fsdp_plugin, rng_types, "
-                "even_batches, step_scheduler_with_optimizer, kwargs_handlers "
-                f"(accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
+                "even_batches, step_scheduler_with_optimizer, gradient_accumulation_plugin, kwargs_handlers, "
+                f"log_with, project_dir, project_config (accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
             )
         if kwargs:
             warnings.warn(f"Accelerator: {sorted(kwargs)} are accepted for compatibility and ignored.", stacklevel=2)
         _check_args(gradient_accumulation_steps, fsdp_plugin)
+        self._handlers, other_handlers = collect_handlers(kwargs_handlers)
+        init_kwargs = process_group_kwargs(other_handlers)  # InitProcessGroupKwargs; any other handler refused
+        accumulation = grad.resolve_accumulation(gradient_accumulation_plugin, gradient_accumulation_steps)
         self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches)
         self.rng_types = _check_rng_types(rng_types)
-        init_kwargs = process_group_kwargs(kwargs_handlers)  # InitProcessGroupKwargs; others refused by name
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
         self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
         if self.mixed_precision != "no" and self.fsdp_plugin.mixed_precision_policy is None:
             self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.gradient_state = GradientState(num_steps=gradient_accumulation_steps)
+        self.gradient_state = GradientState(
+            num_steps=accumulation.num_steps,
+            sync_with_dataloader=accumulation.sync_with_dataloader,
+            sync_each_batch=accumulation.sync_each_batch,
+            adjust_scheduler=accumulation.adjust_scheduler,
+        )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
         self._objects = state_io.TrainingObjects()
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
-            self._objects.scaler = ShardedGradScaler(device=self.device.type)
+            self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
+        self.logging_dir = _logging_dir(project_dir, project_config)
+        self.log_with = resolve_log_with(log_with, self.logging_dir, is_main=self.is_main_process)
+        self._tracking = TrackerSet(self.log_with, self.logging_dir)
+        self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -192,7 +213,9 @@ class Accelerator:
         return preemption.check_trigger(self.device)
 
     def end_training(self) -> None:
-        """Wait for every process, then release the process group if this Accelerator created it."""
+        """Finish the trackers, wait for every process, then release the process group if this Accelerator
+        created it."""
+        self._tracking.finish()
         self.wait_for_everyone()
         runtime.shutdown()
 
@@ -216,6 +239,7 @@ class Accelerator:
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         """Shard ``model`` as the plugin says (see ``prepare.py``) and remember it for checkpoints."""
         prepared = prepare_model(model, self.fsdp_plugin, self.device)
+        ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
         autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
         training.wrap_forward_for_precision(prepared, precision, self.device, autocast=autocast)
@@ -291,7 +315,7 @@ class Accelerator:
         """One micro-batch: no gradient reduction unless it completes an accumulation step (or the loader)."""
         training.advance_step(self.gradient_state)
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not (self.sync_gradients or (self.gradient_state.sync_each_batch and self.use_distributed)):
                 for model in models:
                     stack.enter_context(training.no_sync(model))
             yield
@@ -343,10 +367,14 @@ class Accelerator:
 
     def save_state(self, output_dir: str | Path, **_: Any) -> str:
         """Write the checkpoint folder of seed 001 (see ``state_io.py``); returns its path."""
+        for hook in self._save_state_pre_hooks.values():
+            hook(self._objects.models, [], str(output_dir))  # no weights list: FSDP models save themselves
         return str(state_io.save_state(output_dir, self._objects, self.fsdp_plugin))
 
     def load_state(self, input_dir: str | Path, **_: Any) -> None:
         """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder."""
+        for hook in self._load_state_pre_hooks.values():
+            hook(self._objects.models, str(input_dir))
         state_io.load_state(input_dir, self._objects, self.fsdp_plugin)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
@@ -374,6 +402,119 @@ class Accelerator:
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         return training.extract_model_from_parallel(model, keep_fp32_wrapper)
+
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, weights, output_dir)`` at the start of every ``save_state`` (``weights`` is ``[]``:
+        sharded models write their own files, as under FSDP in Accelerate); ``handle.remove()`` unregisters it."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """Call ``hook(models, input_dir)`` at the start of every ``load_state``."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    # --- trackers (tracking/) -----------------------------------------------------------------------
+
+    @property
+    def trackers(self) -> list[GeneralTracker]:
+        return self._tracking.trackers
+
+    def init_trackers(
+        self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """Start the ``log_with`` trackers under ``<project_dir>/<project_name>/``; record ``config``."""
+        self._tracking.start(project_name, config, init_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        return self._tracking.get(name, unwrap)
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """Log ``values`` to every tracker, from the main process only."""
+        self._tracking.log(values, step, log_kwargs, self.is_main_process)
+
+    # --- processes and memory (operations/) ---------------------------------------------------------
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return processes.only_on(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return processes.only_on(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return processes.only_on(function, lambda: self.process_index == self.num_processes - 1)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        if function is None:
+            return lambda f: self.on_process(f, process_index)
+        return processes.only_on(function, lambda: self.num_processes == 1 or self.process_index == process_index)
+
+    def on_local_process(self, function: Callable[..., Any] | None = None, local_process_index: int | None = None):
+        if function is None:
+            return lambda f: self.on_local_process(f, local_process_index)
+        index = local_process_index
+        return processes.only_on(function, lambda: self.num_processes == 1 or self.local_process_index == index)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
+        return processes.split_between_processes(inputs, apply_padding)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared object (the next ``prepare`` starts afresh) and release their memory; returns
+        ``[None] * len(objects)`` for the caller to rebind its names to."""
+        scaler = self._objects.scaler
+        self._objects = state_io.TrainingObjects()
+        self._objects.scaler = scaler
+        return memory.release_memory(*objects)
+
+    clear = free_memory
+
+    # --- more training-step helpers (operations/gradients.py, handlers/profiling.py) ----------------
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return gradients.trigger_sync(model)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+        """Clamp gradients into ``[-clip_value, clip_value]`` (after fp16 unscaling); exact on shards."""
+        self.unscale_gradients()
+        gradients.clip_grad_value(parameters, clip_value)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Run the block with the prepared loaders' ``even_batches`` set to ``even_batches`` (if given).
+
+        A sharded model cannot "join": every forward and backward is a collective, so a rank that ran out of
+        batches would leave the others waiting. Uneven batches on several processes are therefore refused.
+        """
+        del joinables
+        if even_batches is False and self.num_processes > 1:
+            raise ValueError(
+                "Accelerator.join_uneven_inputs(even_batches=False): a sharded model cannot run uneven batches "
+                "(each forward/backward is a collective every rank must join). Keep even_batches=True."
+            )
+        samplers = [dl.batch_sampler for dl in self._objects.dataloaders if hasattr(dl.batch_sampler, "even_batches")]
+        previous = [s.even_batches for s in samplers]
+        for sampler in samplers if even_batches is not None else []:
+            sampler.even_batches = even_batches
+        try:
+            yield
+        finally:
+            for sampler, value in zip(samplers, previous):
+                sampler.even_batches = value
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
+        """``torch.profiler`` over the block; traces go to ``output_trace_dir`` (see ``handlers/profiling.py``)."""
+        handler = profile_handler or self._handlers.profile
+        return profiling.profile(handler, self.process_index, self.wait_for_everyone)
+
+
+def _logging_dir(project_dir: str | Path | None, project_config: Any) -> str | None:
+    """Where trackers write: ``project_config.logging_dir``, else its ``project_dir``, else ``project_dir``."""
+    for value in (getattr(project_config, "logging_dir", None), getattr(project_config, "project_dir", None)):
+        if value is not None:
+            return str(value)
+    return None if project_dir is None else str(project_dir)
 
 
 def _all_tensors(data: Any) -> bool:

@@ -43,6 +43,7 @@ __all__ = [
     "ShardedDataLoader",
     "prepare_data_loader",
     "skip_first_batches",
+    "synchronize_rng_state",
     "synchronize_rng_states",
 ]
 
@@ -60,6 +61,8 @@ class GradientState:
     - ``sync_gradients``: this step reduces gradients and the optimizer steps (not an accumulation step).
     - ``end_of_dataloader``: the batch being processed is the last of the active prepared loader.
     - ``remainder``: real samples in that last global batch (``-1``: unknown or none padded).
+    - ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``: a ``GradientAccumulationPlugin``'s
+      switches (see ``handlers/grad.py``).
     """
 
     num_steps: int = 1
@@ -67,6 +70,9 @@ class GradientState:
     end_of_dataloader: bool = False
     remainder: int = -1
     step: int = 0
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    adjust_scheduler: bool = True
 
 
 class ShardBatchSampler:
@@ -169,6 +175,17 @@ def synchronize_rng_states(rng_types: tuple[str, ...] | list[str], generator: to
             torch.set_rng_state(broadcast_from_rank0(torch.get_rng_state()))
         elif kind == "cuda" and torch.cuda.is_available():
             torch.cuda.set_rng_state(broadcast_from_rank0(torch.cuda.get_rng_state()))
+
+
+def synchronize_rng_state(rng_type: Any = None, generator: torch.Generator | None = None) -> None:
+    """One kind of :func:`synchronize_rng_states` (``RNGType.TORCH``, ``CUDA`` or ``GENERATOR``, or its value)."""
+    kind = str(getattr(rng_type, "value", rng_type))
+    if kind not in RNG_TYPES or (kind == "generator" and generator is None):
+        raise ValueError(
+            f"synchronize_rng_state(rng_type={rng_type!r}): expected one of {', '.join(map(repr, RNG_TYPES))}, "
+            "with generator=... for 'generator'."
+        )
+    synchronize_rng_states([kind], generator)
 
 
 class ShardedDataLoader(DataLoader):

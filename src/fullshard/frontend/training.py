@@ -36,8 +36,9 @@ _AUTOCAST_DTYPES = {PrecisionType.BF16: torch.bfloat16, PrecisionType.FP16: torc
 
 
 def advance_step(state: GradientState) -> None:
-    """Count one micro-batch; ``sync_gradients`` becomes ``True`` every ``num_steps`` and at the loader's end."""
-    if state.end_of_dataloader:
+    """Count one micro-batch; ``sync_gradients`` becomes ``True`` every ``num_steps`` and at the loader's end
+    (unless ``sync_with_dataloader`` is off: then the count runs on across loaders)."""
+    if state.end_of_dataloader and state.sync_with_dataloader:
         state.step = 0
         state.sync_gradients = True
         return

@@ -12,6 +12,7 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.cli.basic_config import write_basic_config
 from fullshard.frontend.availability import (
     is_bf16_available,
     is_cuda_available,
@@ -30,16 +31,37 @@ from fullshard.frontend.availability import (
     is_wandb_available,
     is_xpu_available,
 )
-from fullshard.frontend.data import synchronize_rng_states
+from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model, load_state_dict, shard_checkpoint
+from fullshard.frontend.bigmodel.offload import load_offloaded_weights, offload_state_dict
+from fullshard.frontend.bigmodel.sizes import (
+    get_balanced_memory,
+    get_max_layer_size,
+    get_max_memory,
+    infer_auto_device_map,
+)
+from fullshard.frontend.bigmodel.tensors import set_module_tensor_to_device
+from fullshard.frontend.bigmodel.tied import (
+    check_tied_parameters_on_same_device,
+    find_tied_parameters,
+    retie_parameters,
+)
+from fullshard.frontend.data import synchronize_rng_state, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
-from fullshard.frontend.kwargs_handlers import (
+from fullshard.frontend.environment.enums import ComputeEnvironment, DynamoBackend, RNGType, SageMakerDistributedType
+from fullshard.frontend.environment.introspection import compare_versions, get_pretty_name, is_torch_version
+from fullshard.frontend.handlers import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
-    KwargsHandler,
+    ProfileKwargs,
 )
+from fullshard.frontend.handlers.base import KwargsHandler
 from fullshard.frontend.launch_helpers import PrepareForLaunch, patch_environment
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
+from fullshard.frontend.operations.memory import release_memory
+from fullshard.frontend.operations.nested import convert_to_fp32, listify, slice_tensors
 from fullshard.frontend.ops import (
     broadcast,
     broadcast_object_list,
@@ -66,39 +88,52 @@ from fullshard.frontend.prepare import (
     fsdp2_switch_optimizer_parameters,
 )
 from fullshard.frontend.process_output import tqdm
+from fullshard.frontend.tracking import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = [
+    "ComputeEnvironment",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
+    "DynamoBackend",
     "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "KwargsHandler",
+    "LoggerType",
     "MODEL_NAME",
     "MegatronLMDummyScheduler",
     "OPTIMIZER_NAME",
     "PrecisionType",
     "PrepareForLaunch",
+    "ProfileKwargs",
+    "RNGType",
     "RNG_STATE_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
     "SAFE_WEIGHTS_NAME",
     "SCALER_NAME",
     "SCHEDULER_NAME",
+    "SageMakerDistributedType",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "InitProcessGroupKwargs",
-    "KwargsHandler",
     "broadcast",
     "broadcast_object_list",
+    "check_tied_parameters_on_same_device",
+    "compare_versions",
     "compute_module_sizes",
     "concatenate",
+    "convert_to_fp32",
     "disable_fsdp_ram_efficient_loading",
     "enable_fsdp_ram_efficient_loading",
     "extract_model_from_parallel",
     "find_executable_batch_size",
+    "find_tied_parameters",
     "fsdp2_load_full_state_dict",
     "fsdp2_prepare_auto_wrap_policy",
     "fsdp2_prepare_model",
@@ -106,6 +141,11 @@ __all__ = [
     "gather",
     "gather_object",
     "install_preemption_handler",
+    "get_balanced_memory",
+    "get_max_layer_size",
+    "get_max_memory",
+    "get_pretty_name",
+    "infer_auto_device_map",
     "is_bf16_available",
     "is_cuda_available",
     "is_datasets_available",
@@ -118,20 +158,33 @@ __all__ = [
     "is_schedulefree_available",
     "is_sdaa_available",
     "is_tensorboard_available",
+    "is_torch_version",
     "is_torch_xla_available",
     "is_transformers_available",
     "is_wandb_available",
     "is_xpu_available",
+    "listify",
+    "load_checkpoint_in_model",
+    "load_offloaded_weights",
+    "load_state_dict",
     "merge_fsdp_weights",
+    "offload_state_dict",
     "pad_across_processes",
     "patch_environment",
     "preemption_signal",
     "recursively_apply",
     "reduce",
+    "release_memory",
+    "retie_parameters",
     "save",
     "send_to_device",
+    "set_module_tensor_to_device",
     "set_seed",
+    "shard_checkpoint",
+    "slice_tensors",
+    "synchronize_rng_state",
     "synchronize_rng_states",
     "tqdm",
     "wait_for_everyone",
+    "write_basic_config",
 ]

@@ -1,11 +1,12 @@
-"""Accelerate's kwargs handlers: ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=...)])``.
+"""``InitProcessGroupKwargs`` and the handlers no other module of this package takes.
 
-fullshard implements :class:`InitProcessGroupKwargs` (its ``backend``, ``init_method`` and ``timeout`` go to
-``torch.distributed.init_process_group``). Accelerate's other handlers are recognised by class name, so that a
-script written for Accelerate gets a clear answer instead of a silent no-op: ``DistributedDataParallelKwargs``
-is ignored with a warning (it configures DDP, and fullshard always shards, as Accelerate under FSDP ignores it
-too); the rest are refused with a ``TypeError`` naming the class. Handlers may come from ``fullshard`` or from
-``accelerate.utils`` (matched by class name and fields, without importing accelerate).
+:class:`InitProcessGroupKwargs` is implemented (its ``backend``, ``init_method`` and ``timeout`` go to
+``torch.distributed.init_process_group``). :func:`process_group_kwargs` gets the handlers that
+:func:`~fullshard.frontend.handlers.collect_handlers` did not take (it takes fullshard's own gradient, DDP and
+profiling handlers). Accelerate's handler classes reach it too, recognised by class name and fields without
+importing accelerate: its ``InitProcessGroupKwargs`` is honoured; its handlers of a kind fullshard implements are
+refused with the name of fullshard's class to pass instead; the rest are refused naming why they do not apply,
+so that a script written for Accelerate gets a clear answer instead of a silent no-op.
 
 Invariant: :func:`process_group_kwargs` returns only keys the user set, so what is left unset falls back to
 the environment (``FULLSHARD_TIMEOUT``) and then to fullshard's defaults (see ``runtime.py``).
@@ -13,31 +14,14 @@ the environment (``FULLSHARD_TIMEOUT``) and then to fullshard's defaults (see ``
 
 from __future__ import annotations
 
-import enum
-import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = [
-    "DDPCommunicationHookType",
-    "DistributedDataParallelKwargs",
-    "InitProcessGroupKwargs",
-    "KwargsHandler",
-    "process_group_kwargs",
-]
+from fullshard.frontend.handlers.base import KwargsHandler
 
-
-class KwargsHandler:
-    """Base of the handler dataclasses: :meth:`to_kwargs` gives the fields that differ from the defaults."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-
-    def to_kwargs(self) -> dict[str, Any]:
-        defaults = type(self)().to_dict()
-        return {k: v for k, v in self.to_dict().items() if v != defaults[k]}
+__all__ = ["InitProcessGroupKwargs", "process_group_kwargs"]
 
 
 @dataclass
@@ -63,59 +47,32 @@ class InitProcessGroupKwargs(KwargsHandler):
             raise ValueError(f"InitProcessGroupKwargs(timeout={self.timeout}): expected a positive duration.")
 
 
-class DDPCommunicationHookType(str, enum.Enum):
-    """DDP's gradient communication hooks (Accelerate's values)."""
-
-    NO = "no"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    POWER_SGD = "power_sgd"
-    BATCHED_POWER_SGD = "batched_power_sgd"
-
-
-@dataclass
-class DistributedDataParallelKwargs(KwargsHandler):
-    """``torch.nn.parallel.DistributedDataParallel``'s arguments (unused by fullshard; see the module docstring)."""
-
-    dim: int = 0
-    broadcast_buffers: bool = True
-    bucket_cap_mb: int = 25
-    find_unused_parameters: bool = False
-    check_reduction: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
-    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
-    comm_state_option: dict = field(default_factory=dict)
-
-
 # Accelerate's handlers that fullshard does not implement, and why.
-_IGNORED = {
-    "DistributedDataParallelKwargs": "it configures DistributedDataParallel; fullshard always shards the model "
-    "(Accelerate ignores it under FSDP as well)",
-}
+# Handler kinds fullshard implements in its own classes (taken by collect_handlers before this module sees them).
+_OWN_CLASS = ("DistributedDataParallelKwargs", "GradScalerKwargs", "GradientAccumulationPlugin", "ProfileKwargs")
 _REFUSED = {
-    "GradScalerKwargs": "fullshard's fp16 loss scaler takes no arguments yet",
     "AutocastKwargs": "fullshard's autocast follows mixed_precision only",
     "FP8RecipeKwargs": "fullshard has no FP8 training",
     "AORecipeKwargs": "fullshard has no FP8 training",
     "TERecipeKwargs": "fullshard has no FP8 training",
     "MSAMPRecipeKwargs": "fullshard has no FP8 training",
-    "ProfileKwargs": "fullshard has no profiler integration; use torch.profiler directly",
 }
 
 
 def process_group_kwargs(handlers: Iterable[Any] | None) -> dict[str, Any]:
-    """The ``init_process_group`` arguments the handlers set; warn for ignored ones, raise for refused ones."""
+    """The ``init_process_group`` arguments the handlers set; raise for any other handler, naming it."""
     found: dict[str, Any] = {}
     for handler in handlers or ():
         name = type(handler).__name__
         if name in found:
             raise ValueError(f"Accelerator(kwargs_handlers=[...]): two {name}; pass each kind of handler once.")
         found[name] = handler
-        if name in _IGNORED:
-            warnings.warn(f"Accelerator(kwargs_handlers=[{name}(...)]): ignored, {_IGNORED[name]}.", stacklevel=3)
-        elif name in _REFUSED:
+        if name in _OWN_CLASS:
+            raise TypeError(
+                f"Accelerator(kwargs_handlers=[{name}(...)]): got {type(handler).__module__}.{name}; pass fullshard's "
+                f"own (from fullshard.utils import {name}), which fullshard knows how to apply."
+            )
+        if name in _REFUSED:
             raise TypeError(
                 f"Accelerator(kwargs_handlers=[{name}(...)]): not supported, {_REFUSED[name]}. Remove it from "
                 "kwargs_handlers (fullshard supports InitProcessGroupKwargs)."

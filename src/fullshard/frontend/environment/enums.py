@@ -1,0 +1,90 @@
+"""Accelerate's remaining enums, with Accelerate's values, and what each means for fullshard.
+
+- :class:`RNGType`: the random states a prepared loader synchronises from rank 0 each epoch. fullshard
+  honours ``torch``, ``cuda`` and ``generator`` (``Accelerator(rng_types=[RNGType.TORCH, ...])``); the others
+  name devices fullshard does not run on and are refused by the Accelerator.
+- :class:`ComputeEnvironment`, :class:`SageMakerDistributedType`: config-file values. fullshard runs on the local
+  machine(s) it is launched on (``LOCAL_MACHINE``); SageMaker launching does not apply.
+- :class:`DynamoBackend`: ``torch.compile`` backends. fullshard does not compile the model for you (the
+  ``dynamo_backend`` argument is accepted and ignored); the names are here for scripts that import them.
+
+Members compare equal to their string values (``str`` enums). As in Accelerate, ``str()`` of a ``DynamoBackend``
+or ``RNGType`` member is its value and ``"torch" in RNGType`` tests a value; the two config enums print as
+``ComputeEnvironment.LOCAL_MACHINE``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ComputeEnvironment", "DynamoBackend", "RNGType", "SageMakerDistributedType"]
+
+
+class _ContainsByValue(enum.EnumMeta):
+    def __contains__(cls, item: object) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class _ListedEnum(str, enum.Enum, metaclass=_ContainsByValue):
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class ComputeEnvironment(str, enum.Enum):
+    """Where the run computes (a config file's ``compute_environment``)."""
+
+    LOCAL_MACHINE = "LOCAL_MACHINE"
+    AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
+
+
+class SageMakerDistributedType(str, enum.Enum):
+    """SageMaker's own data- or model-parallel libraries (not used by fullshard)."""
+
+    NO = "NO"
+    DATA_PARALLEL = "DATA_PARALLEL"
+    MODEL_PARALLEL = "MODEL_PARALLEL"
+
+
+class DynamoBackend(_ListedEnum):
+    """``torch.compile`` backend names (Accelerate's list)."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+class RNGType(_ListedEnum):
+    """Random number generators that can be synchronised across processes."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"

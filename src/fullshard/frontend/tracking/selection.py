@@ -1,0 +1,124 @@
+"""Which trackers a run logs to (``Accelerator(log_with=...)``) and the calls the Accelerator forwards to them.
+
+``log_with`` takes names (``"jsonl"``, ``"tensorboard"``, ``"all"``, Accelerate's other names), ``LoggerType``
+members and :class:`GeneralTracker` instances, alone or in a list. It is checked when the Accelerator is built,
+on every rank, so that a bad name or a missing ``project_dir`` fails before training starts:
+
+- an unknown name raises ``ValueError``;
+- a tracker that writes files needs a logging directory (``project_dir`` or ``ProjectConfiguration``);
+- a name fullshard does not ship a tracker for (``wandb``, ...), or ``tensorboard`` without the ``tensorboard``
+  package, is skipped with a warning from rank 0 (Accelerate skips unavailable trackers too).
+
+:meth:`TrackerSet.log` runs on the main process only, as ``Accelerator.log`` does in Accelerate; ``start``,
+``store_init_configuration`` and ``finish`` are called on every rank, and each tracker decides (see
+``trackers.on_main_process``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from fullshard.frontend.availability import is_tensorboard_available
+from fullshard.frontend.tracking.trackers import GeneralTracker, JSONLinesTracker, LoggerType, TensorBoardTracker
+
+__all__ = ["TrackerSet", "available_trackers", "resolve_log_with"]
+
+BUILTIN: dict[str, type[GeneralTracker]] = {"jsonl": JSONLinesTracker, "tensorboard": TensorBoardTracker}
+
+
+def available_trackers() -> list[str]:
+    """The tracker names fullshard can write to in this environment (what ``log_with="all"`` selects)."""
+    return ["jsonl", *(["tensorboard"] if is_tensorboard_available() else [])]
+
+
+def _skip(name: str, why: str, is_main: bool) -> None:
+    if is_main:
+        warnings.warn(f"Accelerator(log_with=[..., {name!r}, ...]): {why}; not logging to it.", stacklevel=4)
+
+
+def resolve_log_with(
+    log_with: Any, logging_dir: str | os.PathLike[str] | None, *, is_main: bool
+) -> list[str | GeneralTracker]:
+    """The trackers to build at ``init_trackers``: names of built-in trackers, and tracker instances as given."""
+    if log_with is None:
+        return []
+    entries = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+    resolved: list[str | GeneralTracker] = []
+    for entry in entries:
+        if isinstance(entry, GeneralTracker):
+            resolved.append(entry)
+            continue
+        name = str(getattr(entry, "value", entry))
+        if name not in LoggerType:
+            raise ValueError(
+                f"Accelerator(log_with={entry!r}): not a tracker. Use one of {LoggerType.list()}, or an instance of "
+                "a GeneralTracker subclass (from fullshard.tracking import GeneralTracker)."
+            )
+        names = available_trackers() if name == "all" else [name]
+        for one in names:
+            if one == "tensorboard" and not is_tensorboard_available():
+                _skip(one, "the tensorboard package is not installed (pip install tensorboard)", is_main)
+            elif one not in BUILTIN:
+                _skip(one, "fullshard has no tracker of that name (pass a GeneralTracker instance for it)", is_main)
+            elif one not in resolved:
+                resolved.append(one)
+    if logging_dir is None:
+        needing = [str(e) for e in resolved if isinstance(e, str) and BUILTIN[e].requires_logging_directory]
+        if needing:
+            raise ValueError(
+                f"Accelerator(log_with={log_with!r}): the {needing[0]!r} tracker writes files and needs a directory. "
+                "Pass project_dir='runs' (or project_config=ProjectConfiguration(logging_dir=...))."
+            )
+    return resolved
+
+
+class TrackerSet:
+    """The started trackers of one Accelerator; see the module docstring for which rank does what."""
+
+    def __init__(self, entries: list[str | GeneralTracker], logging_dir: str | os.PathLike[str] | None) -> None:
+        self.entries = entries
+        self.logging_dir = logging_dir
+        self.trackers: list[GeneralTracker] = []
+
+    def start(self, project_name: str, config: dict[str, Any] | None, init_kwargs: dict[str, Any] | None) -> None:
+        if not isinstance(project_name, str) or not project_name or os.sep in project_name:
+            raise ValueError(
+                f"init_trackers(project_name={project_name!r}): expected a non-empty name without '{os.sep}' "
+                "(trackers write under <project_dir>/<project_name>/)."
+            )
+        init_kwargs = init_kwargs or {}
+        for entry in self.entries:
+            if isinstance(entry, GeneralTracker):
+                self.trackers.append(entry)
+            else:
+                self.trackers.append(BUILTIN[entry](project_name, self.logging_dir, **init_kwargs.get(entry, {})))
+        for tracker in self.trackers:
+            tracker.start()
+        if config is not None:
+            for tracker in self.trackers:
+                tracker.store_init_configuration(config)
+
+    def get(self, name: str, unwrap: bool = False) -> Any:
+        if not self.trackers:
+            return GeneralTracker(_blank=True)
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        raise ValueError(
+            f"get_tracker({name!r}): no such tracker in this run; it has {[t.name for t in self.trackers]}."
+        )
+
+    def log(self, values: dict[str, Any], step: int | None, log_kwargs: dict[str, Any] | None, is_main: bool) -> None:
+        if not is_main:
+            return
+        if not hasattr(values, "items"):
+            raise TypeError(f"Accelerator.log(values={type(values).__name__}): expected a dict of name -> value.")
+        log_kwargs = log_kwargs or {}
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def finish(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
