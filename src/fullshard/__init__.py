@@ -29,6 +29,7 @@ from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.project import ProjectConfiguration
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ProjectConfiguration",
     "ShardedOptimStateDictConfig",
     "ShardedGradScaler",
     "ShardedStateDictConfig",

@@ -27,13 +27,14 @@ from fullshard.frontend.data import GradientState, prepare_data_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
+from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = ["Accelerator"]
 
 # Accelerate arguments accepted for compatibility that change nothing here (a warning says so).
-_IGNORED_KWARGS = ("log_with", "project_dir", "project_config", "kwargs_handlers", "dataloader_config", "rng_types",
-                   "dynamo_backend", "dynamo_plugin", "device_placement")  # fmt: skip
+_IGNORED_KWARGS = ("log_with", "kwargs_handlers", "dataloader_config", "rng_types", "dynamo_backend", "dynamo_plugin",
+                   "device_placement")  # fmt: skip
 
 
 def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object, split_batches: object) -> None:
@@ -72,6 +73,8 @@ class Accelerator:
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         even_batches: bool = True,
         step_scheduler_with_optimizer: bool = True,
+        project_dir: str | Path | None = None,
+        project_config: ProjectConfiguration | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
@@ -79,11 +82,13 @@ class Accelerator:
             raise TypeError(
                 f"Accelerator({unknown[0]}=...): not an argument fullshard knows. Supported: split_batches, "
                 "mixed_precision, gradient_accumulation_steps, cpu, fsdp_plugin, even_batches, "
-                f"step_scheduler_with_optimizer (accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
+                "step_scheduler_with_optimizer, project_dir, project_config "
+                f"(accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
             )
         if kwargs:
             warnings.warn(f"Accelerator: {sorted(kwargs)} are accepted for compatibility and ignored.", stacklevel=2)
         _check_args(gradient_accumulation_steps, fsdp_plugin, split_batches)
+        self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
         self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
@@ -289,13 +294,28 @@ class Accelerator:
             )
         self._objects.custom.extend(objects)
 
-    def save_state(self, output_dir: str | Path, **_: Any) -> str:
-        """Write the checkpoint folder of seed 001 (see ``state_io.py``); returns its path."""
-        return str(state_io.save_state(output_dir, self._objects, self.fsdp_plugin))
+    project_dir = property(lambda self: self.project_configuration.project_dir, doc="ProjectConfiguration's folder.")
+    logging_dir = property(lambda self: self.project_configuration.logging_dir, doc="Where trackers log.")
+    save_iteration = property(lambda self: self.project_configuration.iteration, doc="The next checkpoint_<i>.")
 
-    def load_state(self, input_dir: str | Path, **_: Any) -> None:
-        """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder."""
-        state_io.load_state(input_dir, self._objects, self.fsdp_plugin)
+    def save_state(self, output_dir: str | Path | None = None, **_: Any) -> str:
+        """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
+        ``<project_dir>/checkpoints/checkpoint_<save_iteration>`` (``output_dir`` is ignored, as in Accelerate)
+        and, once it is complete, the oldest complete checkpoints beyond ``total_limit`` are deleted.
+        """
+        return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
+                                                     self.project_configuration))  # fmt: skip
+
+    def load_state(self, input_dir: str | Path | None = None, verify: bool = False, **_: Any) -> None:
+        """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder.
+
+        With no ``input_dir`` and automatic checkpoint naming, the newest complete checkpoint is loaded (and
+        named on the main process); ``verify=True`` checks every file's checksum first (``fullshard verify``).
+        """
+        state_io.load_state_as_configured(input_dir, self._objects, self.fsdp_plugin, self.project_configuration,
+                                          verify=verify, say=self.print)  # fmt: skip
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""

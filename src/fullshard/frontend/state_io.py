@@ -48,11 +48,13 @@ from fullshard.checkpoint.names import (
     optimizer_file_name,
     sampler_file_name,
 )
+from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.project import ProjectConfiguration
 
-__all__ = ["TrainingObjects", "load_state", "save_state"]
+__all__ = ["TrainingObjects", "load_state", "load_state_as_configured", "save_state", "save_state_as_configured"]
 
 
 @dataclass
@@ -175,7 +177,9 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[P
     return [*files, *([folder / SCALER_NAME] if objects.scaler is not None else [])]
 
 
-def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
+def load_state(
+    input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, *, verify: bool = False
+) -> None:
     """Restore what :func:`save_state` wrote into the prepared objects (a collective)."""
     where = f"Accelerator.load_state(input_dir='{input_dir}')"
     _check(objects, where)
@@ -254,3 +258,73 @@ def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyS
     for i, optimizer in enumerate(objects.optimizers):
         loaded = templates[len(objects.models) + i][0]["optimizer"]
         model_state.load_optim_state(objects.model_for(i), optimizer, plugin, loaded)
+
+
+def save_state_as_configured(
+    output_dir: str | Path | None,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    config: ProjectConfiguration,
+) -> Path:
+    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), save, then rotate."""
+    if config.automatic_checkpoint_naming:
+        folder = checkpoint_folder(config.project_dir or ".", config.iteration)
+        taken = [folder.exists() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(taken, src=0)  # one answer for all ranks: rank 0 may already be writing
+        if taken[0]:
+            raise ValueError(
+                f"Accelerator.save_state(): '{folder}' (iteration {config.iteration}) already exists. Set "
+                "accelerator.project_configuration.iteration to the next free number, e.g. after "
+                "load_state() (which does it), or remove the folder."
+            )
+    elif output_dir is None:
+        raise ValueError(
+            "Accelerator.save_state(): no output_dir, and automatic checkpoint naming is off. Pass a folder, or "
+            "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))."
+        )
+    else:
+        folder = Path(output_dir)
+    path = save_state(folder, objects, plugin)
+    if config.automatic_checkpoint_naming:
+        if dist.get_rank() == 0:
+            prune_checkpoints(config.project_dir or ".", config.total_limit, keep=path)
+        dist.barrier()  # nobody lists the checkpoints while rank 0 deletes old ones
+    config.iteration += 1
+    return path
+
+
+def load_state_as_configured(
+    input_dir: str | Path | None,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    config: ProjectConfiguration,
+    *,
+    verify: bool = False,
+    say: Any = print,
+) -> Path:
+    """``Accelerator.load_state``: ``input_dir``, or the newest complete automatic checkpoint; returns the folder.
+
+    After loading an automatic checkpoint ``checkpoint_<i>``, the next ``save_state()`` writes
+    ``checkpoint_<i+1>`` (``config.iteration`` is raised to ``i + 1``; Accelerate leaves it and then refuses
+    to overwrite).
+    """
+    if input_dir is not None:
+        load_state(input_dir, objects, plugin, verify=verify)
+        return Path(input_dir)
+    if not config.automatic_checkpoint_naming:
+        raise ValueError(
+            "Accelerator.load_state(): no input_dir, and automatic checkpoint naming is off. Pass the folder "
+            "save_state wrote, or use ProjectConfiguration(automatic_checkpoint_naming=True)."
+        )
+    found: list[Any] = [latest_checkpoint(config.project_dir or ".") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # every rank loads the folder rank 0 chose
+    latest = found[0]
+    if latest is None:
+        raise FileNotFoundError(
+            f"Accelerator.load_state(): no complete checkpoint under '{Path(config.project_dir or '.')}/checkpoints'. "
+            "Ask first with fullshard.utils.latest_checkpoint(project_dir), which returns None in that case."
+        )
+    say(f"Accelerator.load_state(): loading {latest}, the latest complete checkpoint")
+    load_state(latest, objects, plugin, verify=verify)
+    config.iteration = max(config.iteration, (checkpoint_index(latest) or 0) + 1)
+    return latest

@@ -12,6 +12,7 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.checkpoint.rotation import latest_checkpoint
 from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
 from fullshard.frontend.ops import (
     broadcast,
@@ -35,6 +36,7 @@ from fullshard.frontend.prepare import (
     fsdp2_prepare_model,
     fsdp2_switch_optimizer_parameters,
 )
+from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.types import DistributedType, PrecisionType
 
@@ -50,6 +52,7 @@ __all__ = [
     "WEIGHTS_NAME",
     "DistributedType",
     "PrecisionType",
+    "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",
     "compute_module_sizes",
@@ -64,6 +67,7 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "gather",
     "gather_object",
+    "latest_checkpoint",
     "merge_fsdp_weights",
     "pad_across_processes",
     "recursively_apply",
