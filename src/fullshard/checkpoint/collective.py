@@ -51,6 +51,8 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return f"cannot write '{cause.filename}' ({cause.strerror}); save to a writable folder"
     lines = str(cause).strip().splitlines()
+    if type(cause).__module__.startswith("fullshard."):  # our messages name the file and the remedy already
+        return " ".join(lines)
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 

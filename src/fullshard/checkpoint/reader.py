@@ -192,9 +192,15 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], *, caller: st
                 f"{caller}(checkpoint_dir='{root}'): this folder holds no {DCP_METADATA_FILE}; it is the parent of "
                 f"sharded checkpoint folder(s). Pass the subfolder instead: {names}."
             )
-        raise RuntimeError(
-            f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
-            f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+        if root.name.endswith(INCOMPLETE_SUFFIX) or any(root.glob("*.distcp")):
+            raise RuntimeError(
+                f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
+                f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+            )
+        raise ValueError(
+            f"{caller}(checkpoint_dir='{root}'): this folder is not a sharded checkpoint (it holds no "
+            f"{DCP_METADATA_FILE} and no .distcp files). Pass the folder save_state wrote for the model, "
+            "e.g. ckpt/pytorch_model_fsdp_0."
         )
     return root
 

@@ -133,10 +133,10 @@ def check_parts(folder: str | os.PathLike[str]) -> Manifest | None:
     """The cheap checks every ``load_state`` runs (see the module docstring); returns the manifest if any."""
     root = Path(folder)
     manifest = read_manifest(root)
+    _check_save_ids(root, manifest)  # first: a part copied from another save is named as such
     if manifest is not None:
         _check_listed(root, manifest)
         _check_unlisted(root, manifest)
-    _check_save_ids(root, manifest)
     return manifest
 
 

@@ -42,6 +42,7 @@ from fullshard.checkpoint import (
     scheduler_file_name,
 )
 from fullshard.checkpoint.checksum import save_with_checksum
+from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.dcp import write_sharded
 from fullshard.checkpoint.manifest import STAGING_SUFFIX, is_complete_checkpoint
 from fullshard.checkpoint.names import (
@@ -52,7 +53,7 @@ from fullshard.checkpoint.names import (
     sampler_file_name,
 )
 from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
-from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
+from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
 from fullshard.checkpoint.verify import CheckpointDamagedError, check_parts, verify_checkpoint
 from fullshard.engine.api import StateDictType
@@ -271,18 +272,38 @@ def load_state(
     folder = _resolve_input_dir(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     _check_before_loading(folder, objects, full, verify, where)
+    small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full)
-    for i, scheduler in enumerate(objects.schedulers):
-        scheduler.load_state_dict(load_small_file(folder / scheduler_file_name(i)))
-    for i, loader in enumerate(objects.dataloaders):
-        loader.load_state_dict(load_small_file(folder / sampler_file_name(i)))
-    for i, obj in enumerate(objects.custom):
-        obj.load_state_dict(load_small_file(folder / custom_checkpoint_file_name(i)))
+    for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
+        scheduler.load_state_dict(state)
+    for loader, state in zip(objects.dataloaders, small["samplers"], strict=True):
+        loader.load_state_dict(state)
+    for obj, state in zip(objects.custom, small["custom"], strict=True):
+        obj.load_state_dict(state)
     if objects.scaler is not None:
-        objects.scaler.load_state_dict(load_small_file(folder / SCALER_NAME))
-    rng_file = folder / rng_state_file_name(dist.get_rank())
-    if rng_file.is_file():
-        _set_rng_state(load_rng_file(rng_file))
+        objects.scaler.load_state_dict(small["scaler"])
+    if small["rng"] is not None:
+        _set_rng_state(small["rng"])
+
+
+def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
+    """Every small file this rank loads, read safely; a refusal on any rank raises on every rank."""
+
+    def read() -> dict[str, Any]:
+        rng_file = folder / rng_state_file_name(dist.get_rank())
+        return {
+            "schedulers": [load_small_file(folder / scheduler_file_name(i)) for i in range(len(objects.schedulers))],
+            "samplers": [load_small_file(folder / sampler_file_name(i)) for i in range(len(objects.dataloaders))],
+            "custom": [load_small_file(folder / custom_checkpoint_file_name(i)) for i in range(len(objects.custom))],
+            "scaler": load_small_file(folder / SCALER_NAME) if objects.scaler is not None else None,
+            "rng": load_rng_file(rng_file) if rng_file.is_file() else None,
+        }
+
+    small, error, failed = run_everywhere(read)
+    if failed:
+        # Each rank's own message when it failed (it names the file); otherwise the first failing rank's.
+        raise CheckpointFileError(str(error) if error is not None else failed[min(failed)])
+    return small
 
 
 def _warn_missing_rng(where: str, ranks: list[int]) -> None:
