@@ -52,6 +52,7 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "4/4" in stdout and "loss" in stdout, "the main process shows a progress bar with the loss"
     assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
+        ".fullshard_checkpoint.json",  # the manifest: the checkpoint is complete
         "custom_checkpoint_0.pkl",
         "optimizer_0",
         "pytorch_model_fsdp_0",

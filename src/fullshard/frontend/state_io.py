@@ -14,9 +14,12 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
 With ``FULL_STATE_DICT`` the model and optimizer are written by rank 0 in full instead:
 ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (``_1``, ... for later ones), as Accelerate names them.
 
-Optimizer ``i`` is saved against model ``i`` (the last model when there are more optimizers). The sharded
-folders are written atomically (``save_sharded``); the small files are written after them. Every file is read
-back with ``torch.load(weights_only=True)``: the RNG states are stored as plain Python values and tensors.
+Optimizer ``i`` is saved against model ``i`` (the last model when there are more optimizers). The whole folder
+is one atomic unit: every part is staged in ``dir.incomplete`` and committed with a manifest
+(``.fullshard_checkpoint.json``: every file's size and CRC-32) by one rename; see [Note: whole-checkpoint
+commit] in ``checkpoint/transaction.py``. ``load_state`` checks the parts against the manifest (and, with
+``verify``, every checksum) on every rank before modifying anything, and reads every small file without
+unpickling arbitrary objects (``checkpoint/safe_load.py``).
 """
 
 from __future__ import annotations
