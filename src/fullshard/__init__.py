@@ -42,6 +42,7 @@ from fullshard.frontend.handlers import (
 )
 from fullshard.frontend.modules import find_executable_batch_size
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.types import DistributedType
 
 __version__ = "0.1.0"
@@ -71,6 +72,7 @@ __all__ = [
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "ProfileKwargs",
+    "ProjectConfiguration",
     "ShardedOptimStateDictConfig",
     "ShardedGradScaler",
     "ShardedStateDictConfig",

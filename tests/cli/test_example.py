@@ -54,6 +54,7 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
     logged = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in logged] == list(enumerate(losses, start=1))  # the tracker, rank 0 only
     assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
+        ".fullshard_checkpoint.json",  # the manifest: the checkpoint is complete
         "custom_checkpoint_0.pkl",
         "optimizer_0",
         "pytorch_model_fsdp_0",

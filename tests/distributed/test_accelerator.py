@@ -254,6 +254,7 @@ def test_save_state_layout_and_resume_reproduces_losses(pool2: WorkerPool, tmp_p
     assert resumed == straight, "resuming must reproduce the uninterrupted run's losses exactly"
     assert count == 4, "the registered object's state was restored"
     assert files == [
+        ".fullshard_checkpoint.json",  # the manifest, written last: the save is complete
         "custom_checkpoint_0.pkl",
         "optimizer_0",
         "pytorch_model_fsdp_0",

@@ -10,20 +10,24 @@ plain tensors, nested dicts/lists of those, or small Python values (numbers, str
 1. Rank 0 empties ``<dir>.incomplete`` (the staging folder); all ranks agree it is ready.
 2. Every rank writes its shards there through ``dcp.save`` (DCP writes ``.metadata`` last, on rank 0), then
    checks its own data files against that metadata; all ranks agree that every rank succeeded.
-3. Rank 0 writes the completion marker (``.fullshard_complete.json``: the data files and their sizes), moves
+3. Rank 0 writes the completion marker (``.fullshard_complete.json``: every file's size and CRC-32, computed
+   while it was written, see ``checksum.py``, and a ``save_id``), moves
    an existing ``<dir>`` aside to ``<dir>.previous``, renames the staging folder to ``<dir>`` and deletes the
    previous one; all ranks agree the commit happened.
 A failure on any rank at any step makes every rank raise (each "agree" is an all-gather of success flags, so
 no rank waits forever on a peer that raised) and leaves ``<dir>`` as it was. A rank that dies outright makes
 its peers time out in the next collective, with the same result. The staging folder has no marker and its
 name ends in ``.incomplete``: ``load_sharded`` and ``merge_fsdp_weights`` refuse it as incomplete.
+
+``Accelerator.save_state`` does not use this per-folder commit: it writes every part of a checkpoint with
+:func:`write_sharded` into one staging folder that is committed whole (``transaction.py``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fullshard.checkpoint.checksum import ChecksummingFileSystemWriter
+from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
 from fullshard.checkpoint.reader import (
     COMPLETE_MARKER,
     INCOMPLETE_SUFFIX,
@@ -44,7 +50,7 @@ from fullshard.checkpoint.reader import (
     resolve_checkpoint_dir,
 )
 
-__all__ = ["check_sharded", "load_sharded", "save_sharded"]
+__all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
 
 _LEAF_TYPES = (torch.Tensor, int, float, bool, str, bytes, type(None))
 
@@ -133,18 +139,25 @@ def save_sharded(
     keep = f" The checkpoint at '{path}' is unchanged; the partial save is in '{staging}'."
     pg = process_group
     _run_step(lambda: _prepare_staging(staging) if rank == 0 else None, pg, f"{where}: preparing the staging folder")
-    _run_step(lambda: _write(state, staging, rank, pg), pg, f"{where}: writing shards", keep)
-    _run_step(lambda: _commit(staging, path, world) if rank == 0 else None, pg, f"{where}: committing", keep)
+    records = _run_step(lambda: write_sharded(state, staging, process_group=pg), pg, f"{where}: writing shards", keep)
+    everyone: list[Any] = [records]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, records, group=pg)
+    files = {name: record for ranks_files in everyone for name, record in ranks_files.items()}
+    _run_step(lambda: _commit(staging, path, world, files) if rank == 0 else None, pg, f"{where}: committing", keep)
     return path
 
 
-def _run_step(step: Any, process_group: dist.ProcessGroup | None, what: str, hint: str = "") -> None:
+def _run_step(step: Any, process_group: dist.ProcessGroup | None, what: str, hint: str = "") -> Any:
     error: BaseException | None = None
+    result = None
     try:
-        step()
+        result = step()
     except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
         error = exc
     _agree(error, process_group, what, hint)
+    return result
 
 
 def _prepare_staging(staging: Path) -> None:
@@ -153,10 +166,21 @@ def _prepare_staging(staging: Path) -> None:
     staging.mkdir(parents=True)
 
 
-def _write(state: dict[str, Any], staging: Path, rank: int, process_group: dist.ProcessGroup | None) -> None:
+def write_sharded(
+    state: dict[str, Any], folder: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None
+) -> dict[str, FileRecord]:
+    """Write ``state`` with DCP into ``folder`` (no staging, no marker); returns this rank's files' records.
+
+    A collective. The records (size and CRC-32 of each file, ``.metadata`` on the coordinator) are computed
+    while the files are written. DCP raises on every rank if any rank failed to write.
+    """
+    _check_state(state, "write_sharded")
+    rank, _ = _rank_and_world(process_group)
+    writer = ChecksummingFileSystemWriter(folder)
     with quiet_single_process_warning():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), process_group=process_group)
-    _verify_own_files(staging, rank)
+        dcp.save(state, storage_writer=writer, process_group=process_group)
+    _verify_own_files(Path(folder), rank)
+    return writer.records
 
 
 def _verify_own_files(staging: Path, rank: int) -> None:
@@ -170,17 +194,21 @@ def _verify_own_files(staging: Path, rank: int) -> None:
                 raise RuntimeError(f"{file} is missing or shorter than its metadata says after writing it.")
 
 
-def _commit(staging: Path, path: Path, world: int) -> None:
+def _commit(staging: Path, path: Path, world: int, files: dict[str, FileRecord]) -> None:
     """Rank 0 only: mark the staging folder complete and rename it into place. See [Note: atomic save]."""
     check_data_files(staging, read_metadata(staging))
-    files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
-    marker = {"format": "torch.distributed.checkpoint", "world_size": world, "files": files}
-    tmp = staging / f"{COMPLETE_MARKER}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(marker, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, staging / COMPLETE_MARKER)
+    for name, record in sorted(files.items()):
+        size = (staging / name).stat().st_size if (staging / name).is_file() else None
+        if size != record.size:
+            raise RuntimeError(f"{staging / name} is {size} bytes on disk after writing {record.size}.")
+    marker = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "save_id": uuid.uuid4().hex,
+        "world_size": world,
+        "files": {name: record.to_json() for name, record in sorted(files.items())},
+    }
+    write_json_durably(staging / COMPLETE_MARKER, marker)
     previous = path.with_name(path.name + PREVIOUS_SUFFIX)
     if path.exists():
         if previous.exists():

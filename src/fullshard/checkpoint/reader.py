@@ -17,7 +17,6 @@ Here ``.metadata`` goes through :class:`_MetadataUnpickler`, which only builds D
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import warnings
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fullshard.checkpoint.manifest import FOLDER_MARKER, read_folder_marker
 from fullshard.checkpoint.names import DCP_METADATA_FILE, FSDP_MODEL_NAME
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
     "resolve_checkpoint_dir",
 ]
 
-COMPLETE_MARKER = ".fullshard_complete.json"
+COMPLETE_MARKER = FOLDER_MARKER
 INCOMPLETE_SUFFIX = ".incomplete"
 PREVIOUS_SUFFIX = ".previous"
 
@@ -151,20 +151,16 @@ def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata)
 
 
 def _check_marker(root: Path) -> None:
-    marker = root / COMPLETE_MARKER
-    if not marker.is_file():
+    marker = read_folder_marker(root)
+    if marker is None:
         return
-    try:
-        sizes = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RuntimeError(f"{marker} is corrupt ({exc}); the checkpoint in {root} cannot be trusted.") from exc
-    for rel, size in sorted(sizes.items()):
+    for rel, record in sorted(marker.files.items()):
         path = root / rel
         actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
+        if actual != record.size:
             raise RuntimeError(
                 f"{path} is {'missing' if actual is None else f'{actual} bytes'}, but it was saved with "
-                f"{size} bytes: the checkpoint in {root} is damaged; re-save it."
+                f"{record.size} bytes: the checkpoint in {root} is damaged; re-save it."
             )
 
 
@@ -196,9 +192,15 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], *, caller: st
                 f"{caller}(checkpoint_dir='{root}'): this folder holds no {DCP_METADATA_FILE}; it is the parent of "
                 f"sharded checkpoint folder(s). Pass the subfolder instead: {names}."
             )
-        raise RuntimeError(
-            f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
-            f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+        if root.name.endswith(INCOMPLETE_SUFFIX) or any(root.glob("*.distcp")):
+            raise RuntimeError(
+                f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
+                f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+            )
+        raise ValueError(
+            f"{caller}(checkpoint_dir='{root}'): this folder is not a sharded checkpoint (it holds no "
+            f"{DCP_METADATA_FILE} and no .distcp files). Pass the folder save_state wrote for the model, "
+            "e.g. ckpt/pytorch_model_fsdp_0."
         )
     return root
 

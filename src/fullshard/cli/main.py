@@ -9,6 +9,7 @@ from fullshard.cli.commands.env import env_command
 from fullshard.cli.commands.estimate import estimate_command
 from fullshard.cli.commands.launch import launch_command
 from fullshard.cli.commands.merge import merge_command
+from fullshard.cli.commands.verify import verify_command
 
 __all__ = ["cli", "main"]
 
@@ -21,7 +22,7 @@ def cli() -> None:
     """
 
 
-for _command in (config_command, launch_command, env_command, merge_command, estimate_command):
+for _command in (config_command, launch_command, env_command, merge_command, estimate_command, verify_command):
     cli.add_command(_command)
 
 

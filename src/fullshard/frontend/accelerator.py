@@ -33,6 +33,7 @@ from fullshard.frontend.operations import gradients, memory, processes
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
+from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 from fullshard.frontend.types import DistributedType, PrecisionType
 
@@ -94,7 +95,7 @@ class Accelerator:
         kwargs_handlers: list[Any] | None = None,
         log_with: Any = None,
         project_dir: str | Path | None = None,
-        project_config: Any = None,
+        project_config: ProjectConfiguration | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
@@ -113,6 +114,7 @@ class Accelerator:
         accumulation = grad.resolve_accumulation(gradient_accumulation_plugin, gradient_accumulation_steps)
         self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches, even_batches)
         self.rng_types = _check_rng_types(rng_types)
+        self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
         self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
@@ -129,7 +131,7 @@ class Accelerator:
         self._objects = state_io.TrainingObjects()
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
-        self.logging_dir = _logging_dir(project_dir, project_config)
+        self.logging_dir = self.project_configuration.logging_dir
         self.log_with = resolve_log_with(log_with, self.logging_dir, is_main=self.is_main_process)
         self._tracking = TrackerSet(self.log_with, self.logging_dir)
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -365,17 +367,33 @@ class Accelerator:
             )
         self._objects.custom.extend(objects)
 
-    def save_state(self, output_dir: str | Path, **_: Any) -> str:
-        """Write the checkpoint folder of seed 001 (see ``state_io.py``); returns its path."""
+    project_dir = property(lambda self: self.project_configuration.project_dir, doc="ProjectConfiguration's folder.")
+    save_iteration = property(lambda self: self.project_configuration.iteration, doc="The next checkpoint_<i>.")
+
+    def save_state(self, output_dir: str | Path | None = None, **_: Any) -> str:
+        """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
+
+        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
+        ``<project_dir>/checkpoints/checkpoint_<save_iteration>`` (``output_dir`` is ignored, as in Accelerate)
+        and, once it is complete, the oldest complete checkpoints beyond ``total_limit`` are deleted. The hooks of
+        :meth:`register_save_state_pre_hook` run first.
+        """
         for hook in self._save_state_pre_hooks.values():
             hook(self._objects.models, [], str(output_dir))  # no weights list: FSDP models save themselves
-        return str(state_io.save_state(output_dir, self._objects, self.fsdp_plugin))
+        return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
+                                                     self.project_configuration))  # fmt: skip
 
-    def load_state(self, input_dir: str | Path, **_: Any) -> None:
-        """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder."""
+    def load_state(self, input_dir: str | Path | None = None, verify: bool = False, **_: Any) -> None:
+        """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder.
+
+        With no ``input_dir`` and automatic checkpoint naming, the newest complete checkpoint is loaded (and
+        named on the main process); ``verify=True`` checks every file's checksum first (``fullshard verify``).
+        The hooks of :meth:`register_load_state_pre_hook` run first.
+        """
         for hook in self._load_state_pre_hooks.values():
             hook(self._objects.models, str(input_dir))
-        state_io.load_state(input_dir, self._objects, self.fsdp_plugin)
+        state_io.load_state_as_configured(input_dir, self._objects, self.fsdp_plugin, self.project_configuration,
+                                          verify=verify, say=self.print)  # fmt: skip
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""
@@ -507,14 +525,6 @@ class Accelerator:
         """``torch.profiler`` over the block; traces go to ``output_trace_dir`` (see ``handlers/profiling.py``)."""
         handler = profile_handler or self._handlers.profile
         return profiling.profile(handler, self.process_index, self.wait_for_everyone)
-
-
-def _logging_dir(project_dir: str | Path | None, project_config: Any) -> str | None:
-    """Where trackers write: ``project_config.logging_dir``, else its ``project_dir``, else ``project_dir``."""
-    for value in (getattr(project_config, "logging_dir", None), getattr(project_config, "project_dir", None)):
-        if value is not None:
-            return str(value)
-    return None if project_dir is None else str(project_dir)
 
 
 def _all_tensors(data: Any) -> bool:

@@ -14,9 +14,12 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
 With ``FULL_STATE_DICT`` the model and optimizer are written by rank 0 in full instead:
 ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (``_1``, ... for later ones), as Accelerate names them.
 
-Optimizer ``i`` is saved against model ``i`` (the last model when there are more optimizers). The sharded
-folders are written atomically (``save_sharded``); the small files are written after them. Every file is read
-back with ``torch.load(weights_only=True)``: the RNG states are stored as plain Python values and tensors.
+Optimizer ``i`` is saved against model ``i`` (the last model when there are more optimizers). The whole folder
+is one atomic unit: every part is staged in ``dir.incomplete`` and committed with a manifest
+(``.fullshard_checkpoint.json``: every file's size and CRC-32) by one rename; see [Note: whole-checkpoint
+commit] in ``checkpoint/transaction.py``. ``load_state`` checks the parts against the manifest (and, with
+``verify``, every checksum) on every rank before modifying anything, and reads every small file without
+unpickling arbitrary objects (``checkpoint/safe_load.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +42,12 @@ from fullshard.checkpoint import (
     model_folder_name,
     optimizer_folder_name,
     rng_state_file_name,
-    save_sharded,
     scheduler_file_name,
 )
+from fullshard.checkpoint.checksum import save_with_checksum
+from fullshard.checkpoint.collective import run_everywhere
+from fullshard.checkpoint.dcp import write_sharded
+from fullshard.checkpoint.manifest import STAGING_SUFFIX, is_complete_checkpoint
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
     RNG_STATE_NAME,
@@ -48,11 +55,16 @@ from fullshard.checkpoint.names import (
     optimizer_file_name,
     sampler_file_name,
 )
+from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
+from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
+from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
+from fullshard.checkpoint.verify import CheckpointDamagedError, check_parts, verify_checkpoint
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.project import ProjectConfiguration
 
-__all__ = ["TrainingObjects", "load_state", "save_state"]
+__all__ = ["TrainingObjects", "load_state", "load_state_as_configured", "save_state", "save_state_as_configured"]
 
 
 @dataclass
@@ -109,51 +121,104 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = state["numpy_random_seed"]
-        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # Accelerate stores numpy's own array
+        np.random.set_state((kind, np.asarray(keys).astype("uint32"), pos, has_gauss, cached))
     if "torch_cuda_manual_seed" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
 
 
-def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
-    """Write the checkpoint folder (a collective: every rank calls it); returns its path."""
-    _check(objects, f"Accelerator.save_state(output_dir='{output_dir}')")
+def _check_output_dir(output_dir: str | Path, where: str) -> Path:
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{where}: a file is in the way at '{out}'; pass a folder path, or move the file.")
+    if out.name.endswith((STAGING_SUFFIX, PREVIOUS_SUFFIX)):
+        raise ValueError(
+            f"{where}: folder names ending in {STAGING_SUFFIX!r} or {PREVIOUS_SUFFIX!r} are reserved for staging; "
+            "pick another name."
+        )
+    return out
+
+
+def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
+    """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
+
+    Every part is staged in ``<output_dir>.incomplete`` and the folder is renamed into place only when all
+    ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. On failure
+    every rank raises and ``output_dir`` holds what it held before.
+    """
+    where = f"Accelerator.save_state(output_dir='{output_dir}')"
+    _check(objects, where)
+    out = _check_output_dir(output_dir, where)
     rank = dist.get_rank()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+    tx = SaveTransaction(out, where)
+    tx.begin()
+
+    def write_file(obj: Any, name: str, everywhere: bool = False) -> None:
+        if everywhere or rank == 0:
+            tx.record(name, save_with_checksum(obj, tx.staging / name))
+
+    def write_folder(state: dict[str, Any], name: str) -> None:
+        for leaf, record in write_sharded(state, tx.staging / name).items():
+            tx.record(f"{name}/{leaf}", record)
+
+    # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
+    # by one rank that failed. The writes run inside it, so that every rank learns of any rank's failure.
     for i, model in enumerate(objects.models):
         if full:
             sd = model_state.full_model_state_dict(model)
-            if rank == 0:
-                torch.save(sd, out / _full_model_file(i))
+            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)))
         else:
-            save_sharded({"model": model_state.sharded_model_state_dict(model, plugin)}, out / model_folder_name(i))
+            msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
+            tx.step(f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)))
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
             osd = model_state.full_optim_state(model, optimizer, plugin)
-            if rank == 0:
-                torch.save(osd, out / optimizer_file_name(i))
+            tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)))
         else:
             # A checkpoint always holds every parameter's state (zeros before the first step): then any
             # fresh optimizer, given the same zero template by load_state, finds every key it expects.
             model_state.init_optimizer_state(optimizer)
-            osd = model_state.optim_state(model, optimizer, plugin)
-            save_sharded({"optimizer": osd}, out / optimizer_folder_name(i))
-    if rank == 0:
+            state = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
+            tx.step(f"writing {optimizer_folder_name(i)}", partial(write_folder, state, optimizer_folder_name(i)))
+
+    def small_files() -> None:  # rank 0 writes the shared ones, every rank its own random states
         for i, scheduler in enumerate(objects.schedulers):
-            torch.save(scheduler.state_dict(), out / scheduler_file_name(i))
+            write_file(scheduler.state_dict(), scheduler_file_name(i))
         for i, loader in enumerate(objects.dataloaders):
-            torch.save(loader.state_dict(), out / sampler_file_name(i))
+            write_file(loader.state_dict(), sampler_file_name(i))
         for i, obj in enumerate(objects.custom):
-            torch.save(obj.state_dict(), out / custom_checkpoint_file_name(i))
+            write_file(obj.state_dict(), custom_checkpoint_file_name(i))
         if objects.scaler is not None:
-            torch.save(objects.scaler.state_dict(), out / SCALER_NAME)
-    torch.save(_rng_state(), out / rng_state_file_name(rank))
-    dist.barrier()
-    return out
+            write_file(objects.scaler.state_dict(), SCALER_NAME)
+        write_file(_rng_state(), rng_state_file_name(rank), everywhere=True)
+
+    tx.step("writing the schedulers, samplers, registered objects and random states", small_files)
+    return tx.commit()
+
+
+def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
+    """``input_dir``, or its whole previous version if a save was killed while replacing it (with a warning)."""
+    folder = Path(input_dir)
+    if folder.name.endswith(STAGING_SUFFIX):
+        raise RuntimeError(
+            f"{where}: '{folder}' is the staging folder of a save that never finished; it is not a checkpoint. "
+            "Load the folder without the suffix, or an earlier checkpoint."
+        )
+    previous = previous_folder(folder)
+    if not folder.exists() and is_complete_checkpoint(previous):
+        if dist.get_rank() == 0:
+            warnings.warn(
+                f"{where}: the folder is missing because a save was killed while replacing it; loading the whole "
+                f"previous checkpoint from '{previous}' (the next save_state to '{folder}' puts it back).",
+                stacklevel=4,
+            )
+        return previous
+    if not folder.is_dir():
+        staged = " (a save to it never finished)" if staging_folder(folder).is_dir() else ""
+        raise FileNotFoundError(f"{where}: '{folder}' does not exist{staged}; pass the folder save_state wrote.")
+    return folder
 
 
 def _expect(path: Path, where: str) -> Path:
@@ -175,36 +240,73 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[P
     return [*files, *([folder / SCALER_NAME] if objects.scaler is not None else [])]
 
 
-def load_state(input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
-    """Restore what :func:`save_state` wrote into the prepared objects (a collective)."""
-    where = f"Accelerator.load_state(input_dir='{input_dir}')"
-    _check(objects, where)
-    folder, rank = Path(input_dir), dist.get_rank()
-    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> None:
+    """The checks that run on every rank before anything is loaded; raises the same error on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     problem: str | None = None
     try:
+        check_parts(folder)
         for path in _files_to_read(folder, objects, full):
             _expect(path, where)
-    except FileNotFoundError as exc:
+        if verify:
+            verify_checkpoint(folder, share=(rank, world))
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:
         problem = str(exc)
     rng_file = folder / rng_state_file_name(rank)
-    everyone: list[Any] = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (problem, rng_file.is_file()))
     first = next((p for p, _ in everyone if p), None)
     if first:
-        raise FileNotFoundError(first)
+        raise (FileNotFoundError if " is missing" in first else CheckpointDamagedError)(first)
     _warn_missing_rng(where, [r for r, (_, has) in enumerate(everyone) if not has])
+
+
+def load_state(
+    input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, *, verify: bool = False
+) -> None:
+    """Restore what :func:`save_state` wrote into the prepared objects (a collective).
+
+    Before anything is loaded, every rank checks the folder: every part present with its recorded size and
+    from the same save (``checkpoint/verify.py``), and with ``verify`` every file's checksum (the ranks share
+    the reading). Every file is read without unpickling arbitrary objects (``checkpoint/safe_load.py``).
+    """
+    where = f"Accelerator.load_state(input_dir='{input_dir}')"
+    _check(objects, where)
+    folder = _resolve_input_dir(input_dir, where)
+    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+    _check_before_loading(folder, objects, full, verify, where)
+    small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full)
-    for i, scheduler in enumerate(objects.schedulers):
-        scheduler.load_state_dict(torch.load(folder / scheduler_file_name(i), weights_only=True))
-    for i, loader in enumerate(objects.dataloaders):
-        loader.load_state_dict(torch.load(folder / sampler_file_name(i), weights_only=True))
-    for i, obj in enumerate(objects.custom):
-        obj.load_state_dict(torch.load(folder / custom_checkpoint_file_name(i), weights_only=True))
+    for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
+        scheduler.load_state_dict(state)
+    for loader, state in zip(objects.dataloaders, small["samplers"], strict=True):
+        loader.load_state_dict(state)
+    for obj, state in zip(objects.custom, small["custom"], strict=True):
+        obj.load_state_dict(state)
     if objects.scaler is not None:
-        objects.scaler.load_state_dict(torch.load(folder / SCALER_NAME, weights_only=True))
-    if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        objects.scaler.load_state_dict(small["scaler"])
+    if small["rng"] is not None:
+        _set_rng_state(small["rng"])
+
+
+def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
+    """Every small file this rank loads, read safely; a refusal on any rank raises on every rank."""
+
+    def read() -> dict[str, Any]:
+        rng_file = folder / rng_state_file_name(dist.get_rank())
+        return {
+            "schedulers": [load_small_file(folder / scheduler_file_name(i)) for i in range(len(objects.schedulers))],
+            "samplers": [load_small_file(folder / sampler_file_name(i)) for i in range(len(objects.dataloaders))],
+            "custom": [load_small_file(folder / custom_checkpoint_file_name(i)) for i in range(len(objects.custom))],
+            "scaler": load_small_file(folder / SCALER_NAME) if objects.scaler is not None else None,
+            "rng": load_rng_file(rng_file) if rng_file.is_file() else None,
+        }
+
+    small, error, failed = run_everywhere(read)
+    if failed:
+        # Each rank's own message when it failed (it names the file); otherwise the first failing rank's.
+        raise CheckpointFileError(str(error) if error is not None else failed[min(failed)])
+    return small
 
 
 def _warn_missing_rng(where: str, ranks: list[int]) -> None:
@@ -226,10 +328,10 @@ def _load_models_and_optimizers(
         return
     rank = dist.get_rank()
     for i, model in enumerate(objects.models):
-        sd = torch.load(folder / _full_model_file(i), weights_only=True) if rank == 0 else None
+        sd = load_small_file(folder / _full_model_file(i)) if rank == 0 else None
         model_state.load_full_model_state_dict(model, sd)
     for i, optimizer in enumerate(objects.optimizers):
-        osd = torch.load(folder / optimizer_file_name(i), weights_only=True) if rank == 0 else None
+        osd = load_small_file(folder / optimizer_file_name(i)) if rank == 0 else None
         model_state.load_full_optim_state(objects.model_for(i), optimizer, plugin, osd)
 
 
@@ -254,3 +356,73 @@ def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyS
     for i, optimizer in enumerate(objects.optimizers):
         loaded = templates[len(objects.models) + i][0]["optimizer"]
         model_state.load_optim_state(objects.model_for(i), optimizer, plugin, loaded)
+
+
+def save_state_as_configured(
+    output_dir: str | Path | None,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    config: ProjectConfiguration,
+) -> Path:
+    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), save, then rotate."""
+    if config.automatic_checkpoint_naming:
+        folder = checkpoint_folder(config.project_dir or ".", config.iteration)
+        taken = [folder.exists() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(taken, src=0)  # one answer for all ranks: rank 0 may already be writing
+        if taken[0]:
+            raise ValueError(
+                f"Accelerator.save_state(): '{folder}' (iteration {config.iteration}) already exists. Set "
+                "accelerator.project_configuration.iteration to the next free number, e.g. after "
+                "load_state() (which does it), or remove the folder."
+            )
+    elif output_dir is None:
+        raise ValueError(
+            "Accelerator.save_state(): no output_dir, and automatic checkpoint naming is off. Pass a folder, or "
+            "Accelerator(project_config=ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True))."
+        )
+    else:
+        folder = Path(output_dir)
+    path = save_state(folder, objects, plugin)
+    if config.automatic_checkpoint_naming:
+        if dist.get_rank() == 0:
+            prune_checkpoints(config.project_dir or ".", config.total_limit, keep=path)
+        dist.barrier()  # nobody lists the checkpoints while rank 0 deletes old ones
+    config.iteration += 1
+    return path
+
+
+def load_state_as_configured(
+    input_dir: str | Path | None,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    config: ProjectConfiguration,
+    *,
+    verify: bool = False,
+    say: Any = print,
+) -> Path:
+    """``Accelerator.load_state``: ``input_dir``, or the newest complete automatic checkpoint; returns the folder.
+
+    After loading an automatic checkpoint ``checkpoint_<i>``, the next ``save_state()`` writes
+    ``checkpoint_<i+1>`` (``config.iteration`` is raised to ``i + 1``; Accelerate leaves it and then refuses
+    to overwrite).
+    """
+    if input_dir is not None:
+        load_state(input_dir, objects, plugin, verify=verify)
+        return Path(input_dir)
+    if not config.automatic_checkpoint_naming:
+        raise ValueError(
+            "Accelerator.load_state(): no input_dir, and automatic checkpoint naming is off. Pass the folder "
+            "save_state wrote, or use ProjectConfiguration(automatic_checkpoint_naming=True)."
+        )
+    found: list[Any] = [latest_checkpoint(config.project_dir or ".") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)  # every rank loads the folder rank 0 chose
+    latest = found[0]
+    if latest is None:
+        raise FileNotFoundError(
+            f"Accelerator.load_state(): no complete checkpoint under '{Path(config.project_dir or '.')}/checkpoints'. "
+            "Ask first with fullshard.utils.latest_checkpoint(project_dir), which returns None in that case."
+        )
+    say(f"Accelerator.load_state(): loading {latest}, the latest complete checkpoint")
+    load_state(latest, objects, plugin, verify=verify)
+    config.iteration = max(config.iteration, (checkpoint_index(latest) or 0) + 1)
+    return latest

@@ -12,6 +12,7 @@ from fullshard.checkpoint import (
     WEIGHTS_NAME,
     merge_fsdp_weights,
 )
+from fullshard.checkpoint.rotation import latest_checkpoint
 from fullshard.cli.basic_config import write_basic_config
 from fullshard.frontend.availability import (
     is_bf16_available,
@@ -88,6 +89,7 @@ from fullshard.frontend.prepare import (
     fsdp2_switch_optimizer_parameters,
 )
 from fullshard.frontend.process_output import tqdm
+from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.tracking import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.types import DistributedType, PrecisionType
@@ -122,6 +124,7 @@ __all__ = [
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "InitProcessGroupKwargs",
+    "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",
     "check_tied_parameters_on_same_device",
@@ -167,6 +170,7 @@ __all__ = [
     "load_checkpoint_in_model",
     "load_offloaded_weights",
     "load_state_dict",
+    "latest_checkpoint",
     "merge_fsdp_weights",
     "offload_state_dict",
     "pad_across_processes",

@@ -1,14 +1,80 @@
-"""``fullshard merge-weights CHECKPOINT_DIR OUTPUT_PATH``: one weights file from a sharded checkpoint."""
+"""``fullshard merge-weights CHECKPOINT_DIR OUTPUT_PATH``: one weights file from a sharded checkpoint.
+
+Every error is one line on stderr naming what was wrong and what to do, with exit code 2 (no traceback):
+see :func:`checkpoint_errors`.
+"""
 
 from __future__ import annotations
 
+import errno
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import click
 
-__all__ = ["merge_command"]
+__all__ = ["CheckpointCommandError", "checkpoint_errors", "merge_command"]
+
+
+class CheckpointCommandError(click.ClickException):
+    """A one-line error of a checkpoint command; exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))  # one line, whatever the message held
+
+
+def _os_error(exc: OSError) -> str:
+    where = f"'{exc.filename}'" if exc.filename else "the output"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where}: {exc.strerror}. Pass an output folder you can write to."
+    if exc.errno == errno.ENOSPC:
+        return f"the disk is full writing {where}. Free space, or pass an output folder on another disk."
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        return f"a file is in the way at {where}. Move it, or pass another output folder."
+    return f"{exc.strerror or exc} ({where}). Check the path and try again."
+
+
+@contextmanager
+def checkpoint_errors() -> Iterator[None]:
+    """Turn the errors of checkpoint code into :class:`CheckpointCommandError` (one line, exit code 2)."""
+    from fullshard.checkpoint.safe_load import CheckpointFileError
+
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) and exc.filename is None:
+            raise CheckpointCommandError(str(exc)) from None
+        raise CheckpointCommandError(_os_error(exc)) from None
+    except (ValueError, RuntimeError, CheckpointFileError) as exc:
+        raise CheckpointCommandError(str(exc)) from None
+
+
+def _check_output(output: Path) -> None:
+    """Fail before reading anything if OUTPUT_PATH cannot be a folder we write into."""
+    if output.exists() and not output.is_dir():
+        raise CheckpointCommandError(
+            f"OUTPUT_PATH '{output}' is a file; merge-weights writes into a folder. Pass a folder, or move the file."
+        )
+    for parent in output.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointCommandError(
+                    f"a file is in the way at '{parent}' (a folder of OUTPUT_PATH '{output}'). Move it, or pass "
+                    "another output folder."
+                )
+            break
+    output.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=output):  # a read-only folder or file system fails here, not mid-merge
+        pass
 
 
 @click.command("merge-weights", short_help="Merge a sharded FSDP checkpoint into one weights file.")
-@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("checkpoint_dir", type=click.Path())
 @click.argument("output_path", type=click.Path())
 @click.option(
     "--unsafe_serialization",
@@ -24,21 +90,30 @@ __all__ = ["merge_command"]
     is_flag=True,
     help="Delete CHECKPOINT_DIR after merging.",
 )
+@click.option("--verify", is_flag=True, help="Check every file's checksum first (as `fullshard verify` does).")
 def merge_command(
-    checkpoint_dir: str, output_path: str, unsafe_serialization: bool, remove_checkpoint_dir: bool
+    checkpoint_dir: str, output_path: str, unsafe_serialization: bool, remove_checkpoint_dir: bool, verify: bool
 ) -> None:
     """Merge the shards in CHECKPOINT_DIR (a SHARDED_STATE_DICT model or optimizer folder) into OUTPUT_PATH."""
     try:  # imported here: it pulls in the checkpoint code, which the other commands do not need
         from fullshard.checkpoint.merge import merge_fsdp_weights
+        from fullshard.checkpoint.verify import verify_checkpoint
     except ImportError as exc:
         raise click.ClickException(f"merge-weights is unavailable: {exc}. Reinstall fullshard.") from None
 
-    try:
+    with checkpoint_errors():
+        if not Path(checkpoint_dir).is_dir():
+            what = "is a file" if Path(checkpoint_dir).exists() else "does not exist"
+            raise CheckpointCommandError(
+                f"CHECKPOINT_DIR '{checkpoint_dir}' {what}; pass a sharded checkpoint folder such as "
+                "ckpt/pytorch_model_fsdp_0."
+            )
+        if verify:
+            verify_checkpoint(checkpoint_dir)
+        _check_output(Path(output_path))
         merge_fsdp_weights(
             checkpoint_dir,
             output_path,
             safe_serialization=not unsafe_serialization,
             remove_checkpoint_dir=remove_checkpoint_dir,
         )
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from None

@@ -1,0 +1,79 @@
+"""Agreement between ranks for checkpoint steps: every rank learns whether any rank failed, and why.
+
+Each "agree" is an all-gather (of flags or short messages) rather than a barrier: a rank that failed still
+answers, so no peer waits forever on it. A rank that died outright makes its peers fail in the gather (the
+process group's timeout), which they report as a failure like any other.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["describe_error", "gather_errors", "rank_and_world", "run_everywhere"]
+
+
+def rank_and_world(process_group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost meaningful error: DCP wraps each rank's failure (with a whole traceback as text)."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            inner = first[0] if isinstance(first, tuple) else first
+            if isinstance(inner, BaseException):
+                exc = inner
+                continue
+        if exc.__cause__ is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__
+            continue
+        break
+    return exc
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: what went wrong, with the full disk and read-only cases spelled out."""
+    cause = _root_cause(exc)
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        where = f" writing '{cause.filename}'" if cause.filename else ""
+        return f"the disk is full (ENOSPC){where}; free space or save elsewhere"
+    if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"cannot write '{cause.filename}' ({cause.strerror}); save to a writable folder"
+    lines = str(cause).strip().splitlines()
+    if type(cause).__module__.startswith("fullshard."):  # our messages name the file and the remedy already
+        return " ".join(lines)
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+
+
+def gather_errors(error: BaseException | None, process_group: dist.ProcessGroup | None = None) -> dict[int, str]:
+    """Every rank's failure (rank -> one-line description); empty when all succeeded. A collective."""
+    _, world = rank_and_world(process_group)
+    mine = None if error is None else describe_error(error)
+    if world == 1:
+        return {} if mine is None else {0: mine}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=process_group)
+    return {r: msg for r, msg in enumerate(everyone) if msg is not None}
+
+
+def run_everywhere(
+    step: Callable[[], Any], process_group: dist.ProcessGroup | None = None
+) -> tuple[Any, BaseException | None, dict[int, str]]:
+    """Run ``step`` on this rank, then agree: returns (its result, its error, every rank's failure)."""
+    result, error = None, None
+    try:
+        result = step()
+    except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+        error = exc
+    return result, error, gather_errors(error, process_group)

@@ -1,0 +1,148 @@
+"""The checkpoint manifest: the file that makes a ``save_state`` folder complete, and what it records.
+
+A folder written by ``Accelerator.save_state`` is complete when it holds :data:`CHECKPOINT_MANIFEST`
+(``.fullshard_checkpoint.json``), which the save writes last, after every rank's files are on disk, and just
+before the folder is renamed into place (see [Note: whole-checkpoint commit] in ``transaction.py``)::
+
+    {"format": "fullshard.save_state", "version": 1, "save_id": "<uuid4 hex>", "world_size": 2,
+     "files": {"pytorch_model_fsdp_0/__0_0.distcp": {"size": 123, "crc32": 456}, ...}}
+
+``files`` lists every file of the checkpoint (relative POSIX paths; the manifest itself excluded) with its
+size in bytes and its CRC-32 (``zlib.crc32``, computed while the bytes were written: ``checksum.py``).
+Sharded (DCP) subfolders also hold their own marker (:data:`FOLDER_MARKER`, same ``files`` schema relative
+to the subfolder, plus the ``save_id``) so that one subfolder can be verified or merged alone, and so that a
+subfolder copied in from another save is recognised by its ``save_id``.
+
+Folders without a manifest are either partial saves (refused) or checkpoints written by Accelerate or an
+older fullshard, which are complete by the legacy rule of :func:`is_complete_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CHECKPOINT_MANIFEST",
+    "FOLDER_MARKER",
+    "FileRecord",
+    "Manifest",
+    "is_complete_checkpoint",
+    "read_folder_marker",
+    "read_manifest",
+    "write_json_durably",
+]
+
+CHECKPOINT_MANIFEST = ".fullshard_checkpoint.json"
+FOLDER_MARKER = ".fullshard_complete.json"
+MANIFEST_FORMAT = "fullshard.save_state"
+MANIFEST_VERSION = 1
+STAGING_SUFFIX = ".incomplete"
+_RNG_FILE_RE = re.compile(r"^random_states_\d+\.pkl$")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file as it was written: its size in bytes and its CRC-32 (``None`` when none was recorded)."""
+
+    size: int
+    crc32: int | None = None
+
+    def to_json(self) -> dict[str, int]:
+        return {"size": self.size} if self.crc32 is None else {"size": self.size, "crc32": self.crc32}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed :data:`CHECKPOINT_MANIFEST` (or :data:`FOLDER_MARKER`: ``world_size`` may then be 0)."""
+
+    path: Path
+    save_id: str | None
+    world_size: int
+    files: dict[str, FileRecord]
+
+
+def write_json_durably(path: Path, payload: object) -> None:
+    """Write ``payload`` as JSON to ``path`` through a temporary file, fsync'd, then renamed into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _parse_files(raw: object, path: Path) -> dict[str, FileRecord]:
+    if not isinstance(raw, dict):
+        raise ValueError("'files' is not an object")
+    files = {}
+    for name, record in raw.items():
+        if isinstance(record, int):  # older fullshard markers: sizes only
+            files[name] = FileRecord(record)
+        elif isinstance(record, dict) and isinstance(record.get("size"), int):
+            crc = record.get("crc32")
+            files[name] = FileRecord(record["size"], crc if isinstance(crc, int) else None)
+        else:
+            raise ValueError(f"the entry of {name!r} is not a file record")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"the entry {name!r} points outside {path.parent}")
+    return files
+
+
+def _read(path: Path) -> Manifest | None:
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        files = _parse_files(raw["files"], path)
+        save_id = raw.get("save_id")
+        world = raw.get("world_size", 0)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(
+            f"{path} is corrupt ({type(exc).__name__}: {exc}); the checkpoint in {path.parent} cannot be trusted. "
+            "Load an earlier checkpoint."
+        ) from None
+    return Manifest(path, save_id if isinstance(save_id, str) else None, world if isinstance(world, int) else 0, files)
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
+    """The checkpoint manifest of ``folder`` (``None`` if it has none); a corrupt one raises naming the file."""
+    return _read(Path(folder) / CHECKPOINT_MANIFEST)
+
+
+def read_folder_marker(folder: str | os.PathLike[str]) -> Manifest | None:
+    """The completion marker of one sharded (DCP) subfolder (``None`` if it has none)."""
+    return _read(Path(folder) / FOLDER_MARKER)
+
+
+def is_complete_checkpoint(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` is a whole ``save_state`` checkpoint that ``load_state`` may take.
+
+    With a manifest: every file it lists exists with the recorded size (checksums are left to ``verify``).
+    Without one (Accelerate, or fullshard before the manifest): the folder is not a staging folder, holds
+    ``random_states_0.pkl`` (written near the end of such a save), and every sharded subfolder holding data
+    files also holds ``.metadata`` (which torch writes last). Never raises for a damaged folder: it is
+    simply not complete.
+    """
+    root = Path(folder)
+    if not root.is_dir() or root.name.endswith(STAGING_SUFFIX):
+        return False
+    try:
+        manifest = read_manifest(root)
+    except RuntimeError:
+        return False
+    if manifest is not None:
+        for name, record in manifest.files.items():
+            path = root / name
+            if not path.is_file() or path.stat().st_size != record.size:
+                return False
+        return True
+    if not (root / "random_states_0.pkl").is_file():
+        return False
+    for sub in root.iterdir():
+        if sub.is_dir() and any(sub.glob("*.distcp")) and not (sub / ".metadata").is_file():
+            return False
+    return True

@@ -1,0 +1,92 @@
+"""``fullshard verify`` and ``fullshard merge-weights`` on good and bad input: one-line errors, exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fullshard.checkpoint import merge as merge_module
+from fullshard.checkpoint import save_sharded
+from fullshard.cli.main import cli
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {f"layer{i}.weight": torch.randn(8, 4, generator=g) for i in range(4)}}
+    return save_sharded(state, tmp_path / "pytorch_model_fsdp_0")
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, result.output.strip()
+
+
+def _one_line_error(code: int, output: str, *parts: str) -> None:
+    assert code == 2, output
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
+    for part in parts:
+        assert part in output, output
+
+
+def test_verify_good_and_truncated(ckpt: Path) -> None:
+    code, output = _run("verify", str(ckpt))
+    assert code == 0 and "OK" in output and "checksums" in output
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    _one_line_error(*_run("verify", str(ckpt)), f"{shard} is {shard.stat().st_size} bytes")
+
+
+def test_not_a_checkpoint_is_not_called_incomplete(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hello")
+    for command in (
+        ["merge-weights", str(tmp_path / "notes"), str(tmp_path / "out")],
+        ["verify", str(tmp_path / "notes")],
+    ):
+        code, output = _run(*command)
+        _one_line_error(code, output, "not a", str(tmp_path / "notes"))
+        assert "incomplete" not in output
+    _one_line_error(*_run("merge-weights", str(tmp_path / "nope"), str(tmp_path / "out")), "does not exist")
+
+
+def test_a_file_in_the_way(ckpt: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    _one_line_error(*_run("merge-weights", str(ckpt), str(blocker)), f"'{blocker}' is a file")
+    _one_line_error(*_run("merge-weights", str(ckpt), str(blocker / "out")), f"a file is in the way at '{blocker}'")
+
+
+def test_read_only_output(ckpt: Path, tmp_path: Path) -> None:
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        _one_line_error(*_run("merge-weights", str(ckpt), str(readonly / "out")), "cannot write", "Read-only")
+    finally:
+        subprocess.run(["umount", str(readonly)], check=False)
+
+
+def test_failed_merge_leaves_no_output_under_final_names(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = merge_module._ShardedSource.tensor
+    calls = []
+
+    def failing(self: merge_module._ShardedSource, entry: merge_module._Entry) -> torch.Tensor:
+        calls.append(entry.name)
+        if len(calls) == 3:
+            raise RuntimeError(f"reading {entry.name} failed")
+        return real(self, entry)
+
+    monkeypatch.setattr(merge_module._ShardedSource, "tensor", failing)
+    out = tmp_path / "out"
+    code, output = _run("merge-weights", str(ckpt), str(out))
+    _one_line_error(code, output, "failed")
+    assert list(out.iterdir()) == [], "neither model.safetensors nor a .partial file is left"

@@ -1,0 +1,263 @@
+"""save_state / load_state under faults: kills at chosen points, a full disk, bit rot, mixed saves, crafted pickles.
+
+Each scenario checks that the previous checkpoint survives bitwise, that a partial save is never taken, and
+that every refusal names the file and says what is wrong (the same on every rank).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fullshard import Accelerator
+from fullshard.checkpoint.checksum import ChecksumStream
+from fullshard.checkpoint.manifest import CHECKPOINT_MANIFEST, is_complete_checkpoint
+from fullshard.checkpoint.transaction import SaveTransaction
+from fullshard.checkpoint.verify import verify_checkpoint
+from fullshard.cli.main import cli
+from fullshard.testing import RankFailure, WorkerPool
+from tests.distributed.test_accelerator import PER_RANK, dataset, model_and_optimizer, plugin
+
+
+def _train(steps: int, seed: int = 0) -> tuple[Accelerator, Any, Any, Any]:
+    accelerator = Accelerator(fsdp_plugin=plugin(2))
+    model, optimizer, scheduler = accelerator.prepare(*model_and_optimizer(seed))
+    for i in range(steps):
+        x, y = dataset()[i * PER_RANK : (i + 1) * PER_RANK]
+        accelerator.backward(model(x, y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return accelerator, model, optimizer, scheduler
+
+
+def _install_kill(rank: int, kill: tuple[int, str, int] | None) -> None:
+    """Make this rank kill itself with ``signal`` right after writing ``file`` (or between the commit's renames)."""
+    if kill is None or kill[0] != rank:
+        return
+    _, point, sig = kill
+    if point == "between-renames":
+        real_replace = os.replace
+
+        def replace(src: Any, dst: Any) -> None:
+            real_replace(src, dst)
+            if str(dst).endswith(".previous"):
+                os.kill(os.getpid(), sig)
+
+        os.replace = replace  # the worker dies with it
+        return
+    real_record = SaveTransaction.record
+
+    def record(self: SaveTransaction, relative: str, rec: Any) -> None:
+        real_record(self, relative, rec)
+        if relative == point:
+            os.kill(os.getpid(), sig)
+
+    SaveTransaction.record = record  # type: ignore[method-assign]
+
+
+def save_after(rank: int, world: int, folder: str, steps: int, kill: tuple[int, str, int] | None = None) -> Any:
+    accelerator, model, _, scheduler = _train(steps)
+    _install_kill(rank, kill)
+    accelerator.save_state(folder)
+    return accelerator.get_state_dict(model), scheduler.state_dict()
+
+
+def load_each(rank: int, world: int, folders: list[str], verify: bool = False) -> list[Any]:
+    """Load each folder into a fresh run (another seed); the full model state dict, or the error message."""
+    out = []
+    for folder in folders:
+        accelerator, model, _, scheduler = _train(0, seed=3)
+        try:
+            accelerator.load_state(folder, verify=verify)
+        except (RuntimeError, FileNotFoundError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+            continue
+        out.append((accelerator.get_state_dict(model), scheduler.state_dict()))
+    return out
+
+
+def _same(got: Any, want: Any) -> bool:
+    (model, sched), (want_model, want_sched) = got, want
+    return (
+        sched == want_sched
+        and model.keys() == want_model.keys()
+        and all(torch.equal(v, want_model[k]) for k, v in model.items())
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(pool2: WorkerPool, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    root = tmp_path_factory.mktemp("saved")
+    state = pool2.run(save_after, str(root / "ckpt"), 1)[0]
+    return root / "ckpt", state
+
+
+# --- kills ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kill",
+    [
+        (1, "optimizer_0/__1_0.distcp", signal.SIGKILL),  # rank 1, after its optimizer shard, mid-save
+        (0, "scheduler.bin", signal.SIGTERM),  # rank 0, after the model and optimizer are all written
+        (0, "between-renames", signal.SIGKILL),  # rank 0, after moving the old folder aside, before the new one
+    ],
+    ids=["rank1-sigkill-optimizer", "rank0-sigterm-scheduler", "rank0-sigkill-commit"],
+)
+def test_killed_save_leaves_the_previous_checkpoint(pool2: WorkerPool, tmp_path: Path, kill: Any) -> None:
+    # - Set up: a complete checkpoint after 1 step
+    folder = tmp_path / "ckpt"
+    first = pool2.run(save_after, str(folder), 1)[0]
+    # - Run: save again after 2 steps on fresh ranks, one of which kills itself at the chosen point
+    dying = WorkerPool(2, timeout_s=120, grace_s=10)
+    try:
+        # (the pool's health check after a failure writes to the dead rank's pipe: BrokenPipeError)
+        with pytest.raises((RankFailure, TimeoutError, BrokenPipeError)):
+            dying.run(save_after, str(folder), 2, kill)
+    finally:
+        dying.close()
+    # - Check: the previous checkpoint loads bitwise (from ckpt.previous when killed between the renames)
+    staging = tmp_path / "ckpt.incomplete"
+    assert not is_complete_checkpoint(staging)
+    assert _same(pool2.run(load_each, [str(folder)])[0][0], first)  # rank 0 holds the full state dict
+    verify_checkpoint(folder if folder.exists() else tmp_path / "ckpt.previous")
+    # - the next save into the same parent folder cleans up the partial save; a save to ckpt puts it back
+    pool2.run(save_after, str(tmp_path / "other"), 1)
+    assert not staging.exists()
+    if kill[1] == "between-renames":
+        pool2.run(save_after, str(folder), 1)
+        assert folder.is_dir() and not (tmp_path / "ckpt.previous").exists()
+
+
+# --- a full disk ---------------------------------------------------------------------------------------------
+
+
+def save_with_full_disk(rank: int, world: int, folder: str, failing_rank: int) -> str:
+    """save_state where ``failing_rank``'s writes hit ENOSPC after 1 KB (as a full disk does)."""
+    real_write = ChecksumStream.write
+
+    def write(self: ChecksumStream, data: Any) -> int:
+        if self.size > 1024:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(self.raw, "name", None))
+        return real_write(self, data)
+
+    if rank == failing_rank:
+        ChecksumStream.write = write  # type: ignore[method-assign]
+    try:
+        save_after(rank, world, folder, 2)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ChecksumStream.write = real_write  # type: ignore[method-assign]
+    return "saved"
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_full_disk_in_process(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any], failing_rank: int) -> None:
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    messages = pool2.run(save_with_full_disk, str(folder), failing_rank)
+    for message in messages:  # every rank raises, naming the rank and the cause
+        assert f"rank {failing_rank}: the disk is full (ENOSPC)" in message
+        assert f"The checkpoint at '{folder}' is unchanged. The partial save was removed." in message
+    assert not (tmp_path / "ckpt.incomplete").exists()
+    assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
+
+
+def _mount_tmpfs(where: Path, size: int) -> bool:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_full_disk_on_a_small_filesystem(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
+    size = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    budget = (size * 16 // 10 // 4096 + 1) * 4096  # room for one checkpoint, not for a second one beside it
+    if not _mount_tmpfs(disk, budget):
+        pytest.skip("cannot mount a tmpfs here (needs root); test_full_disk_in_process covers ENOSPC in-process")
+    try:
+        folder = Path(shutil.copytree(saved[0], disk / "ckpt"))
+        for message in pool2.run(save_with_full_disk, str(folder), -1):  # -1: no simulated failure, a real one
+            assert "the disk is full (ENOSPC)" in message and "The partial save was removed." in message
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt"], "no staging folder is left to fill the disk"
+        assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+# --- damage found on load, by verify and by merge-weights ----------------------------------------------------
+
+
+def _flip(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_bit_rot_is_found_by_verify_load_and_merge(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    assert CliRunner().invoke(cli, ["verify", str(folder)]).exit_code == 0
+    bad = folder / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    _flip(bad)
+    result = CliRunner().invoke(cli, ["verify", str(folder)])
+    assert result.exit_code == 2 and f"{bad} is corrupt: its CRC-32 is" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    merged = CliRunner().invoke(
+        cli, ["merge-weights", "--verify", str(folder / "pytorch_model_fsdp_0"), str(tmp_path / "o")]
+    )
+    assert merged.exit_code == 2 and f"{bad} is corrupt" in merged.output and not (tmp_path / "o").exists()
+    for (message,) in pool2.run(load_each, [str(folder)], True):
+        assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is")
+
+
+def test_damage_is_named_without_verify(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
+    # - Set up: one copy per kind of damage
+    cases: dict[str, Path] = {}
+    for name in ("truncated", "no_metadata", "mixed", "evil_scheduler", "evil_rng"):
+        cases[name] = Path(shutil.copytree(saved[0], tmp_path / name))
+    sched = cases["truncated"] / "scheduler.bin"
+    sched.write_bytes(sched.read_bytes()[:100])
+    (cases["no_metadata"] / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    other = tmp_path / "other"
+    pool2.run(save_after, str(other), 2)  # another save: its optimizer folder is copied into "mixed"
+    shutil.rmtree(cases["mixed"] / "optimizer_0")
+    shutil.copytree(other / "optimizer_0", cases["mixed"] / "optimizer_0")
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo pwned",))
+
+    for name, file in (("evil_scheduler", "scheduler.bin"), ("evil_rng", "random_states_1.pkl")):
+        (cases[name] / CHECKPOINT_MANIFEST).unlink()  # as in a checkpoint written by Accelerate: no checksums
+        protocol = pickle.HIGHEST_PROTOCOL if name == "evil_rng" else 2  # torch's loader words these two apart
+        torch.save({"x": Evil()}, cases[name] / file, pickle_protocol=protocol)
+    # - Run: load each on 2 ranks
+    results = pool2.run(load_each, [str(p) for p in cases.values()])
+    # - Check: the same error on every rank, naming the file and what is wrong
+    for per_rank in zip(*results, strict=True):
+        assert per_rank[0] == per_rank[1]
+    got = dict(zip(cases, results[0], strict=True))
+    assert got["truncated"].startswith(f"CheckpointDamagedError: {sched} is 100 bytes, but .fullshard_checkpoint.json")
+    metadata = cases["no_metadata"] / "pytorch_model_fsdp_0" / ".metadata"
+    assert (
+        got["no_metadata"]
+        == f"FileNotFoundError: {metadata} is missing: the checkpoint in {metadata.parent} is incomplete; re-save it."
+    )
+    assert got["mixed"].startswith(
+        f"CheckpointDamagedError: {cases['mixed']}: its parts come from different saves: 'optimizer_0' is from save"
+    )
+    assert f"{cases['evil_scheduler'] / 'scheduler.bin'} was refused: it asks for posix.system" in got["evil_scheduler"]
+    assert f"{cases['evil_rng'] / 'random_states_1.pkl'} was refused: it holds more than tensors" in got["evil_rng"]
+    assert "weights_only" not in got["evil_scheduler"] + got["evil_rng"]
