@@ -1,14 +1,16 @@
 """Train a small character-level GPT on the shipped corpus with fullshard's Accelerator, one process per rank.
 
     fullshard launch --num_processes 2 examples/train_gpt.py --steps 60
-    fullshard launch --num_processes 2 examples/train_gpt.py --steps 90 --resume   # continue from the checkpoint
+    fullshard launch --num_processes 2 examples/train_gpt.py --steps 90 --resume   # continue from the latest checkpoint
+    fullshard launch --num_processes 2 --max_restarts 3 examples/train_gpt.py --resume  # restartable as it is
     python examples/train_gpt.py --steps 20                                          # one process also works
 
 The script is written the way an Accelerate script is (swap ``fullshard`` for ``accelerate`` in the imports
 and it runs there too). Parameters, gradients and optimizer states are sharded (FULL_SHARD, one unit per
-transformer block). Every ``--save_every`` steps the training state goes to ``OUTPUT/checkpoint`` (sharded
-model and optimizer, scheduler, RNG states, the step counter); ``--resume`` continues from there and
-reproduces the losses of an uninterrupted run. At the end the merged weights go to ``OUTPUT/model.safetensors``.
+transformer block). Every ``--save_every`` steps the training state (sharded model and optimizer, scheduler,
+data position, RNG states, the step counter) goes to ``OUTPUT/checkpoints/checkpoint_<i>``, one atomic unit;
+``--resume`` continues from the latest complete one (or starts fresh if there is none) and reproduces the losses
+of an uninterrupted run. At the end the merged weights go to ``OUTPUT/model.safetensors``.
 Loss and learning rate are logged to ``OUTPUT/logs/metrics.jsonl`` (and TensorBoard files when it is installed).
 """
 
@@ -22,9 +24,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
+from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin, ProjectConfiguration
 from fullshard.testing.models import GPTConfig, TinyGPT
-from fullshard.utils import set_seed
+from fullshard.utils import latest_checkpoint, set_seed
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 
@@ -70,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save_every", type=int, default=20, help="save the training state every N steps")
     parser.add_argument("--output", type=Path, default=Path("runs/train_gpt"))
-    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest complete checkpoint if any (else start fresh)"
+    )
     parser.add_argument("--no_progress", action="store_true", help="print the loss lines instead of a bar")
     return parser.parse_args(argv)
 
@@ -101,17 +105,21 @@ def train(args: argparse.Namespace) -> list[float]:
         fsdp_plugin=plugin,
         dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
         log_with="all",  # fullshard: JSON lines, plus TensorBoard when installed (Accelerate: its installed trackers)
-        project_dir=args.output,
+        # Checkpoints go to OUTPUT/checkpoints/checkpoint_<i>; the two newest complete ones are kept.
+        project_config=ProjectConfiguration(args.output, automatic_checkpoint_naming=True, total_limit=2),
     )
     accelerator.init_trackers("logs", config={"steps": args.steps, "world": accelerator.num_processes})
     model, optimizer, loader, scheduler = build(args, accelerator)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    checkpoint = args.output / "checkpoint"
-    if args.resume:
-        accelerator.load_state(checkpoint)
-        accelerator.print(f"resumed from {checkpoint} at step {progress.step}")
-    losses = run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, checkpoint)
+    # --resume on a fresh folder starts fresh, so the same command line can be restarted blindly (--max_restarts).
+    latest = latest_checkpoint(args.output) if args.resume else None
+    if latest is not None:
+        accelerator.load_state()  # the latest complete checkpoint
+        accelerator.print(f"resumed from {latest} at step {progress.step}")
+    elif args.resume:
+        accelerator.print(f"no complete checkpoint under {args.output}: starting fresh")
+    losses = run_steps(args, accelerator, model, optimizer, loader, scheduler, progress)
     accelerator.save_model(model, args.output)
     if accelerator.is_main_process:
         (args.output / "losses.json").write_text(json.dumps(losses))
@@ -120,7 +128,7 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, checkpoint) -> list[float]:
+def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress) -> list[float]:
     """Train until ``args.steps``; the loss shown is the mean over ranks."""
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
     from rich.progress import Progress as Bar
@@ -147,7 +155,7 @@ def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress, 
                 if args.no_progress and progress.step % 10 == 0:
                     accelerator.print(f"step {progress.step:4d}  loss {mean:.4f}", flush=True)
                 if progress.step % args.save_every == 0:
-                    accelerator.save_state(checkpoint)
+                    accelerator.save_state()
                 if progress.step >= args.steps:
                     break
     return losses

@@ -53,7 +53,9 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
     assert "4/4" in stdout and "loss" in stdout, "the main process shows a progress bar with the loss"
     logged = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in logged] == list(enumerate(losses, start=1))  # the tracker, rank 0 only
-    assert sorted(p.name for p in (output / "checkpoint").iterdir()) == [
+    # Saved at steps 2 and 4 under automatic naming: checkpoint_0 and checkpoint_1, both kept (total_limit=2).
+    assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
+    assert sorted(p.name for p in (output / "checkpoints" / "checkpoint_1").iterdir()) == [
         ".fullshard_checkpoint.json",  # the manifest: the checkpoint is complete
         "custom_checkpoint_0.pkl",
         "optimizer_0",
@@ -69,9 +71,12 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
 
 def test_example_resume_reproduces_the_losses(straight_run: tuple[Path, str], tmp_path: Path) -> None:
     straight = json.loads((straight_run[0] / "losses.json").read_text())
-    launch(tmp_path, 2)
+    # --resume on a fresh folder starts fresh (so a restart can pass it blindly) ...
+    result = launch(tmp_path, 2, "--resume")
+    assert "no complete checkpoint" in result.stdout and "starting fresh" in result.stdout
     first = json.loads((tmp_path / "losses.json").read_text())
+    # ... and later continues from the latest complete checkpoint.
     result = launch(tmp_path, 4, "--resume")
     second = json.loads((tmp_path / "losses.json").read_text())
-    assert "resumed from" in result.stdout and "at step 2" in result.stdout
+    assert "resumed from" in result.stdout and "checkpoint_0 at step 2" in result.stdout
     assert first + second == straight
