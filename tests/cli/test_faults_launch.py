@@ -146,7 +146,7 @@ def test_training_survives_injected_kill_and_exception_bit_for_bit(tmp_path: Pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.count("fullshard launch: restart") == 2
     assert "injected failure at step" in result.stderr
-    assert len(re.findall(r"^RESUMED from step_\d+", result.stdout, flags=re.MULTILINE)) >= 1
+    assert len(re.findall(r"^RESUMED from checkpoint_\d+", result.stdout, flags=re.MULTILINE)) >= 1
     expected, got = torch.load(clean / "final.pt"), torch.load(faulty / "final.pt")
     assert expected.keys() == got.keys() and expected
     for name in expected:

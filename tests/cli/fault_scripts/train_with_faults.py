@@ -3,8 +3,10 @@
 ``train_with_faults.py OUT SEED inject|clean``: with ``inject``, attempt 0 SIGKILLs one rank and attempt 1
 raises on one rank, at steps and ranks drawn from SEED; run under ``fullshard launch --max_restarts 2``
 it must end with the same weights, bit for bit, as the ``clean`` run. The final full state dict goes to
-OUT/final.pt. Checkpoints go to OUT/ckpt/step_NNNN and count only once rank 0 marked them COMPLETE after
-every rank finished writing (a rank killed mid-save leaves an incomplete folder that is never loaded).
+OUT/final.pt. It is written as a user would write a restartable script: automatic checkpoint naming under OUT
+(every step, the newest three kept), ``load_state()`` of the latest complete checkpoint when there is one, and the
+stateful data loader so that the position within the epoch comes back too. A rank killed mid-save leaves a
+partial checkpoint that is never taken as the latest.
 """
 
 import os
@@ -17,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fullshard import Accelerator
-from fullshard.utils import set_seed
+from fullshard import Accelerator, DataLoaderConfiguration, ProjectConfiguration
+from fullshard.utils import latest_checkpoint, set_seed
 
 out, seed, inject = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "inject"
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -44,7 +46,11 @@ class Progress:
 
 
 set_seed(0)
-accelerator = Accelerator(cpu=True)
+accelerator = Accelerator(
+    cpu=True,
+    dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True),
+    project_config=ProjectConfiguration(out, automatic_checkpoint_naming=True, total_limit=3),
+)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(SAMPLES, 8, generator=generator), torch.randn(SAMPLES, 1, generator=generator))
@@ -54,11 +60,10 @@ model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 progress = Progress()
 accelerator.register_for_checkpointing(progress)
 
-checkpoints = out / "ckpt"
-complete = sorted(p for p in checkpoints.glob("step_*") if (p / "COMPLETE").is_file())
-if complete:
-    accelerator.load_state(complete[-1])
-    accelerator.print(f"RESUMED from {complete[-1].name} on attempt {attempt}", flush=True)
+latest = latest_checkpoint(out)
+if latest is not None:
+    accelerator.load_state()
+    accelerator.print(f"RESUMED from {latest.name} at step {progress.step} on attempt {attempt}", flush=True)
 
 while progress.step < TOTAL:
     for x, y in loader:
@@ -73,11 +78,7 @@ while progress.step < TOTAL:
         optimizer.step()
         optimizer.zero_grad()
         progress.step = step
-        folder = checkpoints / f"step_{step:04d}"
-        accelerator.save_state(folder)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            (folder / "COMPLETE").touch()
+        accelerator.save_state()
         if progress.step >= TOTAL:
             break
 
