@@ -88,9 +88,21 @@ def test_sigterm_to_the_launcher(tmp_path: Path, child_env: dict[str, str], hand
     assert proc.returncode == code, stdout + stderr
     assert time.monotonic() - sent < 30  # within torch's default grace period
     if handler == "handler":
-        assert re.search(r"^PREEMPTED after step \d+; saved", stdout, flags=re.MULTILINE), stdout
-        assert (checkpoint / "pytorch_model_fsdp_0").is_dir() or (checkpoint / "pytorch_model_fsdp.bin").is_file()
+        stopped = re.search(r"^PREEMPTED after step (\d+); saved", stdout, flags=re.MULTILINE)
+        assert stopped, stdout
+        assert (checkpoint / "pytorch_model_fsdp.bin").is_file()  # the default plugin: FULL_STATE_DICT
         assert "SIGTERM received and passed to the workers; all 2 stopped cleanly (exit 0)" in stderr
+        # The next run resumes where the preempted one stopped and ends bitwise where an uninterrupted run ends.
+        total = 40
+        assert int(stopped.group(1)) < total
+        resumed = _launch([str(SCRIPTS / "preemptible.py"), str(checkpoint), handler, str(total)], child_env)
+        assert resumed.returncode == 0 and f"RESUMED at step {stopped.group(1)}" in resumed.stdout, resumed.stderr
+        straight = _launch([str(SCRIPTS / "preemptible.py"), str(tmp_path / "straight"), handler, str(total)],
+                           child_env)  # fmt: skip
+        assert straight.returncode == 0, straight.stderr
+        got, want = torch.load(checkpoint.with_suffix(".final.pt")), torch.load(tmp_path / "straight.final.pt")
+        assert want.keys() == got.keys() and want
+        assert all(torch.equal(got[k], want[k]) for k in want)
     else:
         assert not checkpoint.exists()
         assert "not all stopped cleanly" in stderr and "install_preemption_handler" in stderr

@@ -379,13 +379,13 @@ def wrap_with_hook(model: nn.Module, hook_name: str, strategy: str = "FULL_SHARD
 
 def wrap_with_allreduce_hook(model: nn.Module) -> nn.Module:
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy="NO_SHARD")
-    model.register_comm_hook(DefaultState(dist.group.WORLD), allreduce_hook)
+    model.register_comm_hook(DefaultState(), allreduce_hook)  # no group: the default group, as in torch
     return model
 
 
 def wrap_fully_shard_with_hook(model: nn.Module) -> nn.Module:
     model = fully_shard_blocks(model)
-    model.register_comm_hook(DefaultState(dist.group.WORLD), reduce_scatter_hook)
+    model.register_comm_hook(DefaultState(), reduce_scatter_hook)
     return model
 
 

@@ -29,8 +29,9 @@ class DefaultState:
     """The process group a hook reduces over and how it splits the averaging around the collective."""
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.process_group = process_group
-        world = dist.get_world_size(process_group)
+        # None means the default group, as in torch; the engine's collectives read None as "no group" (one rank).
+        self.process_group = dist.group.WORLD if process_group is None else process_group
+        world = dist.get_world_size(self.process_group)
         self.world_size = world
         self.gradient_predivide_factor = _predivide_factor(world)
         self.gradient_postdivide_factor = world / self.gradient_predivide_factor

@@ -370,30 +370,52 @@ class Accelerator:
     project_dir = property(lambda self: self.project_configuration.project_dir, doc="ProjectConfiguration's folder.")
     save_iteration = property(lambda self: self.project_configuration.iteration, doc="The next checkpoint_<i>.")
 
-    def save_state(self, output_dir: str | Path | None = None, **_: Any) -> str:
+    def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
 
         With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
         ``<project_dir>/checkpoints/checkpoint_<save_iteration>`` (``output_dir`` is ignored, as in Accelerate)
         and, once it is complete, the oldest complete checkpoints beyond ``total_limit`` are deleted. The hooks of
-        :meth:`register_save_state_pre_hook` run first.
+        :meth:`register_save_state_pre_hook` run first. ``safe_serialization`` is accepted as in Accelerate,
+        where under FSDP it changes nothing either: sharded models and optimizers are DCP folders, full ones
+        ``.bin`` files. Accelerate's other keywords go to DeepSpeed's ``save_checkpoint`` and are refused here.
         """
+        _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
+        del safe_serialization
         for hook in self._save_state_pre_hooks.values():
             hook(self._objects.models, [], str(output_dir))  # no weights list: FSDP models save themselves
         return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
                                                      self.project_configuration))  # fmt: skip
 
-    def load_state(self, input_dir: str | Path | None = None, verify: bool = False, **_: Any) -> None:
+    def load_state(
+        self,
+        input_dir: str | Path | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        *,
+        verify: bool = False,
+        strict: bool = True,
+        map_location: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder.
 
         With no ``input_dir`` and automatic checkpoint naming, the newest complete checkpoint is loaded (and
-        named on the main process); ``verify=True`` checks every file's checksum first (``fullshard verify``).
-        The hooks of :meth:`register_load_state_pre_hook` run first.
+        named on the main process); ``verify=True`` checks every file's checksum first (``fullshard verify``);
+        ``strict=False`` ignores model keys the checkpoint has and the models lack. The hooks of
+        :meth:`register_load_state_pre_hook` run first. ``map_location`` may be None, ``"cpu"`` or
+        ``"on_device"`` (everything is read on the CPU and placed where the prepared objects live);
+        ``load_kwargs`` and other keywords are DeepSpeed's in Accelerate and are refused.
         """
+        _refuse_extra_kwargs("load_state", {**kwargs, **(load_kwargs or {})}, "they are DeepSpeed's arguments")
+        if map_location not in (None, "cpu", "on_device"):
+            raise ValueError(
+                f"Accelerator.load_state(map_location={map_location!r}): expected None, 'cpu' or 'on_device'; "
+                "files are read on the CPU and each object keeps its device."
+            )
         for hook in self._load_state_pre_hooks.values():
             hook(self._objects.models, str(input_dir))
         state_io.load_state_as_configured(input_dir, self._objects, self.fsdp_plugin, self.project_configuration,
-                                          verify=verify, say=self.print)  # fmt: skip
+                                          verify=verify, strict=strict, say=self.print)  # fmt: skip
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""
@@ -525,6 +547,12 @@ class Accelerator:
         """``torch.profiler`` over the block; traces go to ``output_trace_dir`` (see ``handlers/profiling.py``)."""
         handler = profile_handler or self._handlers.profile
         return profiling.profile(handler, self.process_index, self.wait_for_everyone)
+
+
+def _refuse_extra_kwargs(method: str, kwargs: dict[str, Any], why: str) -> None:
+    if kwargs:
+        names = ", ".join(f"{k}=" for k in sorted(kwargs))
+        raise TypeError(f"Accelerator.{method}({names}...): not supported; {why}. Remove them.")
 
 
 def _all_tensors(data: Any) -> bool:

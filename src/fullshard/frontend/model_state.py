@@ -97,18 +97,21 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in full.items()}
 
 
-def load_full_model_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor] | None) -> None:
+def load_full_model_state_dict(
+    model: nn.Module, full_sd: dict[str, torch.Tensor] | None, *, strict: bool = True
+) -> None:
     """Load a full state dict that rank 0 holds (others pass ``None``) into the sharded ``model``; a collective.
 
     Every rank gathers the full parameters (``summon_full_params``), receives each tensor from rank 0 and
-    writes its rows back into its shards on exit.
+    writes its rows back into its shards on exit. ``strict=False`` ignores keys the model lacks; every key the
+    model has must be in ``full_sd`` with its shape either way.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     with summon_full_params(model, writeback=True), torch.no_grad():
         # The summoned parameters are full nn.Parameters under their original names (tied ones under each).
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         target = {k.replace(_WRAPPED, ""): v for k, v in named}
-        problem = [_full_problem(full_sd or {}, target) if rank == 0 else None]
+        problem = [_full_problem(full_sd or {}, target, strict) if rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(problem, src=0)
         if problem[0]:
@@ -120,16 +123,17 @@ def load_full_model_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor
                 dist.broadcast(tensor, src=0)
 
 
-def _full_problem(full_sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> str | None:
+def _full_problem(full_sd: dict[str, torch.Tensor], target: dict[str, torch.Tensor], strict: bool) -> str | None:
     missing = sorted(set(target) - set(full_sd))
-    unexpected = sorted(set(full_sd) - set(target))
+    unexpected = sorted(set(full_sd) - set(target)) if strict else []
     shapes = [f"{k}: {tuple(full_sd[k].shape)} vs {tuple(v.shape)}" for k, v in target.items()
               if k in full_sd and full_sd[k].shape != v.shape]  # fmt: skip
     if not (missing or unexpected or shapes):
         return None
     return (
         f"loading a full model state dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, "
-        f"shape mismatches (saved vs model) {shapes[:5]}. Load a checkpoint of the same model."
+        f"shape mismatches (saved vs model) {shapes[:5]}. Load a checkpoint of the same model"
+        + (", or pass strict=False to ignore keys the model lacks." if unexpected else ".")
     )
 
 

@@ -262,13 +262,20 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
 
 
 def load_state(
-    input_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, *, verify: bool = False
+    input_dir: str | Path,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    *,
+    verify: bool = False,
+    strict: bool = True,
 ) -> None:
     """Restore what :func:`save_state` wrote into the prepared objects (a collective).
 
     Before anything is loaded, every rank checks the folder: every part present with its recorded size and
     from the same save (``checkpoint/verify.py``), and with ``verify`` every file's checksum (the ranks share
     the reading). Every file is read without unpickling arbitrary objects (``checkpoint/safe_load.py``).
+    ``strict=False`` ignores model keys in the checkpoint that the models lack (every key a model has must
+    still be there); optimizers always load strictly.
     """
     where = f"Accelerator.load_state(input_dir='{input_dir}')"
     _check(objects, where)
@@ -276,7 +283,7 @@ def load_state(
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     _check_before_loading(folder, objects, full, verify, where)
     small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
-    _load_models_and_optimizers(folder, objects, plugin, full)
+    _load_models_and_optimizers(folder, objects, plugin, full, strict)
     for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
         scheduler.load_state_dict(state)
     for loader, state in zip(objects.dataloaders, small["samplers"], strict=True):
@@ -321,21 +328,23 @@ def _warn_missing_rng(where: str, ranks: list[int]) -> None:
 
 
 def _load_models_and_optimizers(
-    folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, full: bool
+    folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, full: bool, strict: bool
 ) -> None:
     if not full:
-        _load_sharded_folders(folder, objects, plugin)
+        _load_sharded_folders(folder, objects, plugin, strict)
         return
     rank = dist.get_rank()
     for i, model in enumerate(objects.models):
         sd = load_small_file(folder / _full_model_file(i)) if rank == 0 else None
-        model_state.load_full_model_state_dict(model, sd)
+        model_state.load_full_model_state_dict(model, sd, strict=strict)
     for i, optimizer in enumerate(objects.optimizers):
         osd = load_small_file(folder / optimizer_file_name(i)) if rank == 0 else None
         model_state.load_full_optim_state(objects.model_for(i), optimizer, plugin, osd)
 
 
-def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> None:
+def _load_sharded_folders(
+    folder: Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, strict: bool
+) -> None:
     """Every model and optimizer folder is checked against its template before any is loaded (collectives).
 
     A folder that is incomplete or does not fit (keys, shapes) is refused on every rank with the model and
@@ -347,10 +356,11 @@ def _load_sharded_folders(folder: Path, objects: TrainingObjects, plugin: FullyS
         model_state.init_optimizer_state(optimizer)
         osd = model_state.optim_state(objects.model_for(i), optimizer, plugin)
         templates.append(({"optimizer": osd}, folder / optimizer_folder_name(i)))
-    for template, path in templates:
-        check_sharded(template, path)
-    for template, path in templates:
-        load_sharded(template, path)
+    strictness = [strict] * len(objects.models) + [True] * len(objects.optimizers)
+    for (template, path), exact in zip(templates, strictness, strict=True):
+        check_sharded(template, path, strict=exact)
+    for (template, path), exact in zip(templates, strictness, strict=True):
+        load_sharded(template, path, strict=exact)
     for i, model in enumerate(objects.models):
         model_state.finish_model_load(model, plugin, templates[i][0]["model"])
     for i, optimizer in enumerate(objects.optimizers):
@@ -398,6 +408,7 @@ def load_state_as_configured(
     config: ProjectConfiguration,
     *,
     verify: bool = False,
+    strict: bool = True,
     say: Any = print,
 ) -> Path:
     """``Accelerator.load_state``: ``input_dir``, or the newest complete automatic checkpoint; returns the folder.
@@ -407,7 +418,7 @@ def load_state_as_configured(
     to overwrite).
     """
     if input_dir is not None:
-        load_state(input_dir, objects, plugin, verify=verify)
+        load_state(input_dir, objects, plugin, verify=verify, strict=strict)
         return Path(input_dir)
     if not config.automatic_checkpoint_naming:
         raise ValueError(
@@ -423,6 +434,6 @@ def load_state_as_configured(
             "Ask first with fullshard.utils.latest_checkpoint(project_dir), which returns None in that case."
         )
     say(f"Accelerator.load_state(): loading {latest}, the latest complete checkpoint")
-    load_state(latest, objects, plugin, verify=verify)
+    load_state(latest, objects, plugin, verify=verify, strict=strict)
     config.iteration = max(config.iteration, (checkpoint_index(latest) or 0) + 1)
     return latest
