@@ -49,6 +49,7 @@ from fullshard.checkpoint.reader import (
     read_metadata,
     resolve_checkpoint_dir,
 )
+from fullshard.checkpoint.transaction import fsync_dir
 
 __all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
 
@@ -217,19 +218,7 @@ def _commit(staging: Path, path: Path, world: int, files: dict[str, FileRecord])
     os.replace(staging, path)
     if previous.exists():
         shutil.rmtree(previous)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the renames durable; not every platform can open a directory (Windows), which is fine to skip.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def check_sharded(
