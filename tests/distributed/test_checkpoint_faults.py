@@ -122,8 +122,7 @@ def test_killed_save_leaves_the_previous_checkpoint(pool2: WorkerPool, tmp_path:
     # - Run: save again after 2 steps on fresh ranks, one of which kills itself at the chosen point
     dying = WorkerPool(2, timeout_s=120, grace_s=10)
     try:
-        # (the pool's health check after a failure writes to the dead rank's pipe: BrokenPipeError)
-        with pytest.raises((RankFailure, TimeoutError, BrokenPipeError)):
+        with pytest.raises((RankFailure, TimeoutError)):
             dying.run(save_after, str(folder), 2, kill)
     finally:
         dying.close()

@@ -147,7 +147,10 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def _healthy(self) -> bool:
-        _, failures, pending = self._run_once(_health_check, (), timeout_s=self.grace_s)
+        try:
+            _, failures, pending = self._run_once(_health_check, (), timeout_s=self.grace_s)
+        except (BrokenPipeError, EOFError, ConnectionResetError):  # a rank died: its pipe is closed
+            return False
         return not failures and not pending
 
     def _run_once(
