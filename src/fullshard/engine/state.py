@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import weakref
@@ -471,6 +472,19 @@ def set_gradient_sync(states: list[UnitState], enabled: bool) -> list[bool]:
     for s in states:
         s.requires_gradient_sync = enabled
     return previous
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, every unit in ``module`` reduces its gradients (``enabled``) or keeps them local; the
+    previous settings come back on exit (``no_sync`` and Accelerate's ``trigger_sync_in_backward``)."""
+    states = unit_states_in(module)
+    previous = set_gradient_sync(states, enabled)
+    try:
+        yield
+    finally:
+        for state, value in zip(states, previous, strict=True):
+            state.requires_gradient_sync = value
 
 
 def guard_direct_calls(unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]) -> None:

@@ -36,7 +36,7 @@ from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
-from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
+from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, unit_state, unit_states_in
 from fullshard.engine.unit import WRAPPED_NAME, InitOptions, build_unit, resolve_device, resolve_ignored
 from fullshard.engine.wrap import plan_units
 
@@ -191,16 +191,9 @@ class FullyShardedDataParallel(nn.Module):
             super().apply(fn)
         return self
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (unsharded) without reducing them; the next backward outside syncs."""
-        states = unit_states_in(self)
-        previous = set_gradient_sync(states, False)
-        try:
-            yield
-        finally:
-            for state, value in zip(states, previous):
-                state.requires_gradient_sync = value
+        return gradient_sync(self, False)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip all gradients of this (root) module to a global norm; return the norm before clipping."""

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ComputeEnvironment", "DynamoBackend", "RNGType", "SageMakerDistributedType"]
+__all__ = ["ComputeEnvironment", "ContainsByValue", "DynamoBackend", "RNGType", "SageMakerDistributedType"]
 
 
-class _ContainsByValue(enum.EnumMeta):
+class ContainsByValue(enum.EnumMeta):
+    """Enum metaclass: ``value in EnumClass`` is True for a member's value, as Accelerate's enums allow."""
+
     def __contains__(cls, item: object) -> bool:
         try:
             cls(item)
@@ -29,7 +31,7 @@ class _ContainsByValue(enum.EnumMeta):
         return True
 
 
-class _ListedEnum(str, enum.Enum, metaclass=_ContainsByValue):
+class _ListedEnum(str, enum.Enum, metaclass=ContainsByValue):
     def __str__(self) -> str:
         return self.value
 

@@ -12,26 +12,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from fullshard.engine.state import set_gradient_sync, unit_states_in
+from fullshard.engine.state import gradient_sync
 
 __all__ = ["clip_grad_value", "trigger_sync"]
 
 
-@contextlib.contextmanager
-def trigger_sync(model: nn.Module) -> Iterator[None]:
+def trigger_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Reduce ``model``'s gradients in the backward run inside this block, whatever ``no_sync`` says outside it."""
-    states = unit_states_in(model)
-    previous = set_gradient_sync(states, True)
-    try:
-        yield
-    finally:
-        for state, value in zip(states, previous):
-            state.requires_gradient_sync = value
+    return gradient_sync(model, True)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -26,21 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from fullshard.frontend import ops
+from fullshard.frontend.environment.enums import ContainsByValue
 from fullshard.frontend.operations.nested import listify
 
 __all__ = ["GeneralTracker", "JSONLinesTracker", "LoggerType", "TensorBoardTracker", "on_main_process"]
 
 
-class _ContainsByValue(enum.EnumMeta):
-    def __contains__(cls, item: object) -> bool:
-        try:
-            cls(item)
-        except ValueError:
-            return False
-        return True
-
-
-class LoggerType(enum.Enum, metaclass=_ContainsByValue):
+class LoggerType(enum.Enum, metaclass=ContainsByValue):
     """Tracker names for ``Accelerator(log_with=...)`` (Accelerate's values, plus ``JSONL``).
 
     fullshard writes ``TENSORBOARD`` and ``JSONL``; the others are accepted names whose trackers fullshard does
