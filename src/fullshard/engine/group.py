@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine import collective_check
+from fullshard.engine import collective_check, trace
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
@@ -257,14 +257,15 @@ class ParamGroup:
             if self._unsharded_version == self.flat_shard._version:
                 return
             self.state = ShardState.SHARDED  # the shards changed since the gather: gather again
-        send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
-        if self.world == 1:
-            self._gather = ([], send)
-        else:
-            with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
-                self._gather = self._issue_gathers(send)
-        self._unsharded_version = self.flat_shard._version
-        self.state = ShardState.UNSHARDING
+        with trace.phase(trace.ALL_GATHER):
+            send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
+            if self.world == 1:
+                self._gather = ([], send)
+            else:
+                with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
+                    self._gather = self._issue_gathers(send)
+            self._unsharded_version = self.flat_shard._version
+            self.state = ShardState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         """Finish a gather started by :meth:`unshard` and register the full parameters (again, after
@@ -279,7 +280,10 @@ class ParamGroup:
         self._gather = None
         if works:
             start = time.perf_counter()
-            with collective_check.waiting("all_gather", self.label, self.shard_group.shard_pg):
+            with (
+                trace.phase(trace.ALL_GATHER_WAIT),
+                collective_check.waiting("all_gather", self.label, self.shard_group.shard_pg),
+            ):
                 for work in works:
                     work.wait()
             if self.direct:
@@ -288,7 +292,8 @@ class ParamGroup:
                 torch._C._autograd._unsafe_set_version_counter((self.flat_full,), (self._full_version,))
             COMM_STATS.add_wait("all_gather", time.perf_counter() - start)
         if not self.alias_full and gathered is not None:
-            self._copy_out(gathered)
+            with trace.phase(trace.COPY_OUT):
+                self._copy_out(gathered)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
@@ -372,17 +377,18 @@ class ParamGroup:
             return
         if self.state is ShardState.UNSHARDING:
             self.wait_for_unshard()
-        self.expose_sharded()
-        if not self.alias_full:
-            self.flat_full.untyped_storage().resize_(0)
-        self.state = ShardState.SHARDED
+        with trace.phase(trace.RESHARD):
+            self.expose_sharded()
+            if not self.alias_full:
+                self.flat_full.untyped_storage().resize_(0)
+            self.state = ShardState.SHARDED
 
     # --- gradients ----------------------------------------------------------------------------------
 
     def reduce_grads(self, *, async_op: bool = True) -> None:
         """See :meth:`_reduce_grads`; checked and named by :mod:`collective_check`."""
         pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
-        with collective_check.collective("reduce_scatter", self.label, pg):
+        with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
             self._reduce_grads(async_op=async_op)
 
     def _reduce_grads(self, *, async_op: bool = True) -> None:
@@ -433,7 +439,8 @@ class ParamGroup:
         numel = sum(sp.layout.padded_shard_numel for sp in params)
         out = torch.empty(self.world, numel, dtype=dtype, device=self.device)
         if params:
-            torch.cat([self._full_block(sp, grad).view(self.world, -1) for sp in params], dim=1, out=out)
+            with trace.phase(trace.COPY_IN):
+                torch.cat([self._full_block(sp, grad).view(self.world, -1) for sp in params], dim=1, out=out)
         return out
 
     def _reduce_with_hook(self, rank_major: torch.Tensor) -> _PendingReduce:
@@ -496,13 +503,19 @@ class ParamGroup:
             pending = self._pending.pop(0)
             if pending.works:
                 start = time.perf_counter()
-                with collective_check.waiting("reduce_scatter", self.label, self.shard_group.shard_pg):
+                with (
+                    trace.phase(trace.REDUCE_WAIT),
+                    collective_check.waiting("reduce_scatter", self.label, self.shard_group.shard_pg),
+                ):
                     for work in pending.works:
                         work.wait()
                 COMM_STATS.add_wait("reduce_scatter", time.perf_counter() - start)
             output = pending.output
             if self.world > 1 and self.shard_group.replicate_pg is not None and self.comm_hook is None:
-                with collective_check.collective("all_reduce", self.label, self.shard_group.replicate_pg):
+                with (
+                    trace.phase(trace.REDUCE_WAIT),
+                    collective_check.collective("all_reduce", self.label, self.shard_group.replicate_pg),
+                ):
                     all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
             if not pending.divided:
                 output.div_(self.shard_group.data_parallel_size)

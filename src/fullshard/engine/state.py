@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from fullshard.engine import collective_check
+from fullshard.engine import collective_check, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
@@ -207,7 +207,8 @@ class UnitState:
 
     def pre_forward(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
         """Gather this unit's parameters (and prefetch); return the forward inputs, cast if configured."""
-        self._pre_forward()
+        with trace.phase(trace.PRE_FORWARD):
+            self._pre_forward()
         casts = self.config.casts
         dtype = casts.root_input_dtype if self.is_root else casts.input_dtype
         if dtype is None:
@@ -269,25 +270,26 @@ class UnitState:
         ctx = self.ctx
         if ctx is None or ctx.in_backward:
             return output
-        if self.group is not None:
-            no_backward = not torch.is_grad_enabled()
-            if no_backward or (self.config.reshard_after_forward and not self.is_root):
-                self.group.reshard()
-            else:
-                # Kept gathered for backward, but parameters() must yield the leaves the optimizer steps on
-                # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
-                self.group.expose_sharded()
-        if self.is_root:
-            if not ctx.order_frozen:
-                ctx.freeze_order()
-            _reshard_leftovers(ctx)
-            if order_debug_enabled():
-                _check_same_order_on_all_ranks(ctx.iteration_order)
-        self.training_state = TrainingState.IDLE
-        output = cast_floating(output, self.config.casts.output_dtype)
-        if torch.is_grad_enabled():
-            _register_on_tensors(output, self._pre_backward_hook)
-        return output
+        with trace.phase(trace.POST_FORWARD):
+            if self.group is not None:
+                no_backward = not torch.is_grad_enabled()
+                if no_backward or (self.config.reshard_after_forward and not self.is_root):
+                    self.group.reshard()
+                else:
+                    # Kept gathered for backward, but parameters() must yield the leaves the optimizer steps on
+                    # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
+                    self.group.expose_sharded()
+            if self.is_root:
+                if not ctx.order_frozen:
+                    ctx.freeze_order()
+                _reshard_leftovers(ctx)
+                if order_debug_enabled():
+                    _check_same_order_on_all_ranks(ctx.iteration_order)
+            self.training_state = TrainingState.IDLE
+            output = cast_floating(output, self.config.casts.output_dtype)
+            if torch.is_grad_enabled():
+                _register_on_tensors(output, self._pre_backward_hook)
+            return output
 
     def _unshard_now(self) -> None:
         if self.group is not None:
@@ -310,54 +312,57 @@ class UnitState:
             Variable._execution_engine.queue_callback(ctx.root._final_callback)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        self.training_state = TrainingState.PRE_BACKWARD
-        self._unshard_now()
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not ctx.order_changed:
-            _prefetch(ctx, ctx.next_in_backward(self))
-        ctx.note_gathered()
+        with trace.phase(trace.PRE_BACKWARD):
+            self.training_state = TrainingState.PRE_BACKWARD
+            self._unshard_now()
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not ctx.order_changed:
+                _prefetch(ctx, ctx.next_in_backward(self))
+            ctx.note_gathered()
 
     def post_backward(self) -> None:
         """Runs when every parameter of the unit has its gradient for this backward pass."""
         ctx, group = self.ctx, self.group
         if ctx is None or group is None:
             return
-        self.training_state = TrainingState.POST_BACKWARD
-        if self.requires_gradient_sync:
-            group.reduce_grads()
-            self.reduced = True
-            ctx.in_flight.append(group)
-            while len(ctx.in_flight) > 2:
-                ctx.in_flight.pop(0).finish_reduce()
-        elif self.config.expose_unsynced_grads:
-            group.expose_unsharded_grads()
-        group.reshard()
-        if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST and not ctx.order_changed:
-            _prefetch(ctx, ctx.next_in_backward(self))
-            ctx.note_gathered()
+        with trace.phase(trace.POST_BACKWARD):
+            self.training_state = TrainingState.POST_BACKWARD
+            if self.requires_gradient_sync:
+                group.reduce_grads()
+                self.reduced = True
+                ctx.in_flight.append(group)
+                while len(ctx.in_flight) > 2:
+                    ctx.in_flight.pop(0).finish_reduce()
+            elif self.config.expose_unsynced_grads:
+                group.expose_unsharded_grads()
+            group.reshard()
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST and not ctx.order_changed:
+                _prefetch(ctx, ctx.next_in_backward(self))
+                ctx.note_gathered()
 
     def _final_callback(self) -> None:
         ctx = self.ctx
         if ctx is None:
             raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: final callback without a root context")
-        try:
-            for state in ctx.states:
-                group = state.group
-                if group is None or not state.requires_gradient_sync:
-                    continue
-                if state.ran_forward and not state.reduced and group.requires_grad:
-                    group.reduce_grads()
-            for state in ctx.states:
-                if state.group is not None:
-                    state.group.finish_reduce()
-                    state.group.reshard()
-        finally:
-            ctx.in_flight.clear()
-            ctx.callback_queued = False
-            ctx.in_backward = False
-            for state in ctx.states:
-                state.training_state = TrainingState.IDLE
-                state.ran_forward = False
-                state.reduced = False
+        with trace.phase(trace.FINAL_CALLBACK):
+            try:
+                for state in ctx.states:
+                    group = state.group
+                    if group is None or not state.requires_gradient_sync:
+                        continue
+                    if state.ran_forward and not state.reduced and group.requires_grad:
+                        group.reduce_grads()
+                for state in ctx.states:
+                    if state.group is not None:
+                        state.group.finish_reduce()
+                        state.group.reshard()
+            finally:
+                ctx.in_flight.clear()
+                ctx.callback_queued = False
+                ctx.in_backward = False
+                for state in ctx.states:
+                    state.training_state = TrainingState.IDLE
+                    state.ran_forward = False
+                    state.reduced = False
 
 
 def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
