@@ -1,6 +1,7 @@
 """Train one GPT-style model on 2 gloo CPU ranks under fullshard and its peers, side by side, in one run.
 
     python benchmarks/bench_engine.py [--steps 12] [--layers 4] [--width 256]
+    python benchmarks/bench_engine.py --trace DIR [--systems "fullshard FSDP FULL_SHARD"]
 
 For each system it prints the median step time and its ratio to torch's FSDP2 (``fully_shard``), the bytes
 each rank holds in parameters + gradients + optimizer states (and that figure over model-state bytes / N),
@@ -8,12 +9,19 @@ and the bytes each rank moved through collectives per step next to the theoretic
 FULL_SHARD 3 x model bytes x (N-1)/N (all-gather in forward and in backward, reduce-scatter),
 SHARD_GRAD_OP and NO_SHARD/DDP 2 x. Collectives are counted by a dispatch mode on the c10d ops, the same
 way for every system.
+
+With ``--trace DIR`` it runs one fullshard system instead, profiles ``TRACE_STEPS`` steps on each rank after
+warm-up, writes ``DIR/trace_rank<r>.json`` (Chrome trace, open in chrome://tracing or Perfetto) and prints a
+per-step breakdown from the engine's ``fullshard::`` profiler ranges (see ``fullshard/engine/trace.py``):
+exposed all-gather and reduce waits (time the training thread was blocked on them), copies, the optimizer,
+and compute (the rest of the step).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fullshard import FullyShardedDataParallel as OurFSDP
 from fullshard import MixedPrecision
 from fullshard import fully_shard as our_fully_shard
+from fullshard.engine import trace
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.testing import run_on_ranks
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
@@ -215,6 +224,71 @@ def _bench_all(
     return {name: _bench_one(rank, world, name, cfg, steps, batch) for name in names}
 
 
+TRACE_WARMUP, TRACE_STEPS = 2, 3
+STEP_LABEL, OPTIMIZER_LABEL = "bench::step", "optimizer"
+# Leaf ranges: none nests inside another, so their times add up (see fullshard/engine/trace.py).
+BREAKDOWN = {
+    "exposed AG wait": (trace.ALL_GATHER_WAIT,),
+    "exposed reduce wait": (trace.REDUCE_WAIT,),
+    "copies": (trace.COPY_OUT, trace.COPY_IN),
+    "optimizer": (OPTIMIZER_LABEL,),
+}
+
+
+def _trace_one(rank: int, world: int, name: str, cfg: GPTConfig, batch: int, out_dir: str) -> dict[str, float]:
+    """Profile TRACE_STEPS steps of ``name``; export this rank's Chrome trace; return ms per step by part."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = SYSTEMS[name][0](TinyGPT(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per = batch // world
+
+    def step(i: int) -> None:
+        x, y = make_batch(cfg, batch, seed=i)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        dist.barrier()
+        with record_function(STEP_LABEL):
+            model(x, y).backward()
+            with record_function(OPTIMIZER_LABEL):
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+
+    for i in range(TRACE_WARMUP):
+        step(i)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(TRACE_WARMUP, TRACE_WARMUP + TRACE_STEPS):
+            step(i)
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_rank{rank}.json"))
+    totals_us = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    if totals_us.get(STEP_LABEL, 0) == 0:
+        raise RuntimeError(f"the profile holds no {STEP_LABEL!r} range; the breakdown cannot be computed")
+    parts = {part: sum(totals_us.get(k, 0.0) for k in keys) / 1e3 / TRACE_STEPS for part, keys in BREAKDOWN.items()}
+    total = totals_us[STEP_LABEL] / 1e3 / TRACE_STEPS
+    return {"step": total, "compute": total - sum(parts.values()), **parts}
+
+
+def trace_main(name: str, cfg: GPTConfig, batch: int, out_dir: str) -> None:
+    if name not in SYSTEMS or not name.startswith("fullshard"):
+        ours = [n for n in SYSTEMS if n.startswith("fullshard")]
+        raise SystemExit(f"--trace profiles one fullshard system; got {name!r}. Pass --systems with one of {ours}.")
+    os.makedirs(out_dir, exist_ok=True)
+    rows = run_on_ranks(_trace_one, WORLD, name, cfg, batch, out_dir)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{name}: ms per step, mean of {TRACE_STEPS} profiled steps, {WORLD} gloo CPU ranks")
+    columns = ("step", "compute", *BREAKDOWN)
+    for col in ("rank", *columns):
+        table.add_column(col, justify="right")
+    for rank, row in enumerate(rows):
+        table.add_row(str(rank), *(f"{row[c]:.1f}" for c in columns))
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"Chrome traces: {', '.join(os.path.join(out_dir, f'trace_rank{r}.json') for r in range(WORLD))}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -228,8 +302,20 @@ def main() -> None:
         default=None,
         help="gathered size from which fullshard gathers a parameter on its own (default: the engine's)",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="profile one fullshard system (--systems, default FULL_SHARD): Chrome traces and a breakdown",
+    )
     args = parser.parse_args()
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.width)
+    if args.trace is not None:
+        chosen = args.systems if args.systems != list(SYSTEMS) else ["fullshard FSDP FULL_SHARD"]
+        if len(chosen) != 1:
+            raise SystemExit(f"--trace profiles one system at a time; got {len(chosen)}: {chosen}")
+        trace_main(chosen[0], cfg, args.batch, args.trace)
+        return
     results = run_on_ranks(_bench_all, WORLD, args.systems, cfg, args.steps, args.batch, args.direct_min_mb)
     report(results, args.systems)
 
