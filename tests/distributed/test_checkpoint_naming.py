@@ -31,6 +31,8 @@ def _step(accelerator: Accelerator, model: Any, optimizer: Any, scheduler: Any, 
 
 def save_three_then_resume(rank: int, world: int, root: str) -> Any:
     accelerator = _accelerator(root, total_limit=2)
+    hooked: list[str] = []  # the folders the pre-save / pre-load hooks are given
+    accelerator.register_save_state_pre_hook(lambda models, weights, out: hooked.append(Path(out).name))
     model, optimizer, scheduler = accelerator.prepare(*model_and_optimizer(seed=0))
     snapshots, returned = [], []
     for i in range(3):
@@ -40,9 +42,11 @@ def save_three_then_resume(rank: int, world: int, root: str) -> Any:
     names = sorted(p.name for p in (Path(root) / "checkpoints").iterdir())
     # - a fresh run (another seed) resumes from the latest complete checkpoint without naming it
     resumed = _accelerator(root, total_limit=2)
+    resumed.register_load_state_pre_hook(lambda models, folder: hooked.append(Path(folder).name))
     model2, _, _ = resumed.prepare(*model_and_optimizer(seed=1))
     resumed.load_state()
     same = all(torch.equal(v, snapshots[2][k]) for k, v in resumed.get_state_dict(model2).items())
+    assert hooked == [*returned, "checkpoint_2"], hooked  # hooks see the folder chosen by automatic naming
     return returned, names, same, resumed.save_iteration
 
 

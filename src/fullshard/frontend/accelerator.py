@@ -382,10 +382,13 @@ class Accelerator:
         """
         _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
         del safe_serialization
-        for hook in self._save_state_pre_hooks.values():
-            hook(self._objects.models, [], str(output_dir))  # no weights list: FSDP models save themselves
+
+        def run_hooks(folder: Path) -> None:  # no weights list: FSDP models save themselves
+            for hook in self._save_state_pre_hooks.values():
+                hook(self._objects.models, [], str(folder))
+
         return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
-                                                     self.project_configuration))  # fmt: skip
+                                                     self.project_configuration, before=run_hooks))  # fmt: skip
 
     def load_state(
         self,
@@ -412,10 +415,13 @@ class Accelerator:
                 f"Accelerator.load_state(map_location={map_location!r}): expected None, 'cpu' or 'on_device'; "
                 "files are read on the CPU and each object keeps its device."
             )
-        for hook in self._load_state_pre_hooks.values():
-            hook(self._objects.models, str(input_dir))
+
+        def run_hooks(folder: Path) -> None:
+            for hook in self._load_state_pre_hooks.values():
+                hook(self._objects.models, str(folder))
+
         state_io.load_state_as_configured(input_dir, self._objects, self.fsdp_plugin, self.project_configuration,
-                                          verify=verify, strict=strict, say=self.print)  # fmt: skip
+                                          verify=verify, strict=strict, say=self.print, before=run_hooks)  # fmt: skip
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""

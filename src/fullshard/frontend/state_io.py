@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -373,8 +374,10 @@ def save_state_as_configured(
     objects: TrainingObjects,
     plugin: FullyShardedDataParallelPlugin,
     config: ProjectConfiguration,
+    before: Callable[[Path], None] | None = None,
 ) -> Path:
-    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), save, then rotate."""
+    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), call ``before(folder)``
+    (the pre-save hooks, which see the folder actually written), save, then rotate."""
     if config.automatic_checkpoint_naming:
         folder = checkpoint_folder(config.project_dir or ".", config.iteration)
         taken = [folder.exists() if dist.get_rank() == 0 else None]
@@ -392,6 +395,8 @@ def save_state_as_configured(
         )
     else:
         folder = Path(output_dir)
+    if before is not None:
+        before(folder)
     path = save_state(folder, objects, plugin)
     if config.automatic_checkpoint_naming:
         if dist.get_rank() == 0:
@@ -410,6 +415,7 @@ def load_state_as_configured(
     verify: bool = False,
     strict: bool = True,
     say: Any = print,
+    before: Callable[[Path], None] | None = None,
 ) -> Path:
     """``Accelerator.load_state``: ``input_dir``, or the newest complete automatic checkpoint; returns the folder.
 
@@ -418,6 +424,8 @@ def load_state_as_configured(
     to overwrite).
     """
     if input_dir is not None:
+        if before is not None:
+            before(Path(input_dir))
         load_state(input_dir, objects, plugin, verify=verify, strict=strict)
         return Path(input_dir)
     if not config.automatic_checkpoint_naming:
@@ -434,6 +442,8 @@ def load_state_as_configured(
             "Ask first with fullshard.utils.latest_checkpoint(project_dir), which returns None in that case."
         )
     say(f"Accelerator.load_state(): loading {latest}, the latest complete checkpoint")
+    if before is not None:
+        before(latest)
     load_state(latest, objects, plugin, verify=verify, strict=strict)
     config.iteration = max(config.iteration, (checkpoint_index(latest) or 0) + 1)
     return latest
