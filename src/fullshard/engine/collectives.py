@@ -1,6 +1,15 @@
 """The collectives the engine issues, as free functions over flat buffers, with byte accounting.
 
-Every function skips the collective when its group has one rank (the result is the input) and records
+Two layers. :func:`all_gather_flat`, :func:`reduce_scatter_flat` and :func:`all_reduce_flat` are the only
+places where a collective is issued. Above them, in the shape of torch FSDP2's ``foreach_all_gather`` /
+``foreach_reduce``, the functions a parameter group calls: :func:`foreach_all_gather` and :func:`copy_out`
+(the packed/direct gather of [Note: packed and direct parameters] in ``group.py`` and the copy from its
+rank-major output into ``flat_full``), :func:`foreach_reduce` and :func:`finish_reduce` (the rank-major
+reorder, the reduce-scatter or all-reduce, a communication hook, the hybrid all-reduce across replicas and the
+gradient-division policy, :func:`gradient_divide_factors`). They take buffers and parameter lists; the group
+keeps the buffers and the state machine.
+
+Every flat function skips the collective when its group has one rank (the result is the input) and records
 the bytes this rank sends and receives over the wire in :data:`COMM_STATS`, so that benchmarks can put the
 measured traffic next to the theoretical figure. For a group of ``n`` ranks and an unsharded size of ``B``
 bytes, ring algorithms move ``B * (n - 1) / n`` for an all-gather or a reduce-scatter and twice that for
@@ -9,12 +18,34 @@ an all-reduce; that is what is recorded.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMM_STATS", "CommStats", "all_gather_flat", "all_reduce_flat", "reduce_scatter_flat"]
+from fullshard.engine import collective_check, trace
+from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.param import ShardedParam
+
+__all__ = [
+    "COMM_STATS",
+    "CommStats",
+    "PendingReduce",
+    "all_gather_flat",
+    "all_reduce_flat",
+    "copy_out",
+    "finish_reduce",
+    "foreach_all_gather",
+    "foreach_reduce",
+    "full_block",
+    "gradient_divide_factors",
+    "predivide_factor",
+    "reduce_scatter_flat",
+    "wait_all",
+]
 
 
 @dataclass
@@ -88,3 +119,181 @@ def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async
         return None
     COMM_STATS.add("all_reduce", 2 * tensor.numel() * tensor.element_size() * (n - 1) / n)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+
+
+# --- gradient division ----------------------------------------------------------------------------------
+
+
+def gradient_divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[int, int]:
+    """``(before, after)``: what the engine divides a gradient by before and after reducing it.
+
+    The average is over ``data_parallel_size`` ranks. Low-precision sums can overflow, so float16 and bfloat16
+    gradients are divided before the collective; others after it (one rounding fewer in the sum's terms).
+    """
+    if data_parallel_size > 1 and reduce_dtype in (torch.float16, torch.bfloat16):
+        return data_parallel_size, 1
+    return 1, data_parallel_size
+
+
+def predivide_factor(world: int) -> float:
+    """The communication hooks' split: a power of two near ``sqrt(world)`` before, the rest after (torch's
+    FSDP1 choice, restated), so that neither the terms nor the sum of a low-precision reduction overflow."""
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return float(factor) if world > 1 else 1.0
+
+
+# --- the collectives of a parameter group -------------------------------------------------------------
+
+
+def full_block(flat_full: torch.Tensor, sp: ShardedParam, world: int) -> torch.Tensor:
+    """``sp``'s padded full block inside a buffer laid out like ``flat_full``: for ``sp`` alone, rank-major."""
+    return flat_full.narrow(0, world * sp.offset, world * sp.layout.padded_shard_numel)
+
+
+def _numel(params: Sequence[ShardedParam]) -> int:
+    return sum(sp.layout.padded_shard_numel for sp in params)
+
+
+def wait_all(works: list[dist.Work], kind: str, label: str, pg: dist.ProcessGroup | None, phase: str) -> None:
+    """Wait for ``works``, counting the time blocked as exposed ``kind`` communication."""
+    if not works:
+        return
+    start = time.perf_counter()
+    with trace.phase(phase), collective_check.waiting(kind, label, pg):
+        for work in works:
+            work.wait()
+    COMM_STATS.add_wait(kind, time.perf_counter() - start)
+
+
+def foreach_all_gather(
+    send: torch.Tensor,
+    packed: list[ShardedParam],
+    direct: list[ShardedParam],
+    flat_full: torch.Tensor,
+    world: int,
+    pg: dist.ProcessGroup | None,
+) -> tuple[list[dist.Work], torch.Tensor | None]:
+    """Start gathering a group from ``send`` (its flat shard, compute dtype): the packed prefix in one
+    collective into a new rank-major buffer (returned, for :func:`copy_out`), and each direct parameter
+    straight into its block of ``flat_full`` (whose storage must be allocated). Always asynchronous.
+
+    The direct writes preserve ``flat_full``'s version counter (see :func:`copy_out`).
+    """
+    works = []
+    out = None
+    if packed:
+        numel = _numel(packed)
+        out = torch.empty(world * numel, dtype=send.dtype, device=flat_full.device)
+        works.append(all_gather_flat(out, send.narrow(0, 0, numel), pg, async_op=True))
+    if direct:
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
+            for sp in direct:
+                shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
+                works.append(all_gather_flat(full_block(flat_full, sp, world), shard, pg, async_op=True))
+    return works, out
+
+
+def copy_out(gathered: torch.Tensor, packed: list[ShardedParam], flat_full: torch.Tensor, world: int) -> None:
+    """Move the packed parameters' rank-major pieces of ``gathered`` into their ``flat_full`` blocks.
+
+    The copy must not bump the version counter: autograd saved views of ``flat_full`` in forward and checks
+    the counter in backward, and this write restores exactly the data they saw.
+    """
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
+        if world == 1:
+            flat_full.copy_(gathered)
+            return
+        blocks = [full_block(flat_full, sp, world).view(world, -1) for sp in packed]
+        sizes = [sp.layout.padded_shard_numel for sp in packed]
+        by_rank = gathered.view(world, _numel(packed))
+        torch.split_with_sizes_copy(by_rank, sizes, dim=1, out=blocks)
+
+
+def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int, whole: bool) -> torch.Tensor:
+    """``params``' padded blocks of ``grad`` (in layout order) reordered rank-major: ``(world, their G)``.
+
+    ``whole``: ``params`` are all of the group's parameters, so with one rank ``grad`` is already in order.
+    """
+    if world == 1 and whole:
+        return grad.view(1, -1)
+    out = torch.empty(world, _numel(params), dtype=grad.dtype, device=grad.device)
+    if params:
+        with trace.phase(trace.COPY_IN):
+            torch.cat([full_block(grad, sp, world).view(world, -1) for sp in params], dim=1, out=out)
+    return out
+
+
+@dataclass
+class PendingReduce:
+    """A started reduction of one group's gradients, for :func:`finish_reduce`."""
+
+    works: list[dist.Work]
+    output: torch.Tensor  # 1D, the trainable parameters' padded shards, reduce dtype
+    keep_alive: object  # the reduce-scatter inputs, until the works complete
+    divided: bool  # fully averaged already (hooks average; the default policy may divide after)
+    hooked: bool = False
+
+
+def foreach_reduce(
+    grad: torch.Tensor,
+    packed: list[ShardedParam],
+    direct: list[ShardedParam],
+    shard_group: ShardGroup,
+    comm_hook: tuple[object, Callable[..., Any]] | None,
+    *,
+    whole: bool,
+) -> PendingReduce:
+    """Start reducing ``grad`` (the unsharded flat gradient, reduce dtype, owned by the caller) to this rank's
+    shard of the trainable parameters ``packed + direct`` (in layout order; ``whole`` when they are all of
+    the group's parameters).
+
+    Without a hook: one reduce-scatter for the packed ones (after a rank-major copy-in), one per direct
+    parameter straight from its block, asynchronous; with one rank per shard group, an all-reduce across
+    replicas instead. A communication hook runs synchronously, as torch's FSDP runs it, and averages itself.
+    """
+    world = shard_group.shard_size
+    params = packed + direct
+    numel = _numel(params)
+    if comm_hook is not None:
+        state, hook = comm_hook
+        ordered = rank_major(grad, params, world, whole)
+        if world == 1:
+            output = ordered.view(-1)
+            hook(state, output)
+        else:
+            output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
+            hook(state, ordered.view(-1), output)
+        return PendingReduce([], output, None, True, hooked=True)
+    before, _ = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype)
+    if before > 1:
+        grad.div_(before)
+    if world == 1:
+        output = rank_major(grad, params, world, whole).view(-1)
+        work = all_reduce_flat(output, shard_group.replicate_pg, async_op=True)
+        return PendingReduce([work] if work is not None else [], output, None, before > 1)
+    ordered = rank_major(grad, packed, world, False)  # (N, packed G)
+    output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
+    pg, works = shard_group.shard_pg, []
+    packed_numel = _numel(packed)
+    if packed_numel:
+        works.append(reduce_scatter_flat(output.narrow(0, 0, packed_numel), ordered.view(-1), pg, async_op=True))
+    for sp in direct:
+        # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
+        out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
+        works.append(reduce_scatter_flat(out, full_block(grad, sp, world), pg, async_op=True))
+    return PendingReduce(works, output, (ordered, grad), before > 1)
+
+
+def finish_reduce(pending: PendingReduce, shard_group: ShardGroup, label: str) -> torch.Tensor:
+    """Wait for ``pending``, all-reduce across replicas (hybrid sharding) and average: the reduced output."""
+    wait_all(pending.works, "reduce_scatter", label, shard_group.shard_pg, trace.REDUCE_WAIT)
+    output = pending.output
+    replicate_pg = shard_group.replicate_pg
+    if shard_group.shard_size > 1 and replicate_pg is not None and not pending.hooked:
+        with trace.phase(trace.REDUCE_WAIT), collective_check.collective("all_reduce", label, replicate_pg):
+            all_reduce_flat(output, replicate_pg, async_op=False)
+    if not pending.divided:
+        output.div_(shard_group.data_parallel_size)
+    return output

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fullshard.engine.collectives import all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
 
 __all__ = [
     "DefaultState",
@@ -33,7 +33,7 @@ class DefaultState:
         self.process_group = dist.group.WORLD if process_group is None else process_group
         world = dist.get_world_size(self.process_group)
         self.world_size = world
-        self.gradient_predivide_factor = _predivide_factor(world)
+        self.gradient_predivide_factor = predivide_factor(world)
         self.gradient_postdivide_factor = world / self.gradient_predivide_factor
 
 
@@ -45,14 +45,6 @@ class LowPrecisionState(DefaultState):
         if not parameter_type.is_floating_point:
             raise ValueError(f"LowPrecisionState(parameter_type={parameter_type}) must be a floating-point dtype.")
         self.parameter_type = parameter_type
-
-
-def _predivide_factor(world: int) -> float:
-    """The power of two nearest to sqrt(world) that divides it evenly enough (torch's choice, restated)."""
-    factor = 1
-    while world % factor == 0 and world / factor > factor:
-        factor *= 2
-    return float(factor) if world > 1 else 1.0
 
 
 def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:

@@ -39,7 +39,6 @@ keeps one collective for all the small parameters (norms, biases), which would e
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +48,16 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.engine import collective_check, trace
-from fullshard.engine.collectives import COMM_STATS, all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.collectives import (
+    PendingReduce,
+    all_gather_flat,
+    copy_out,
+    finish_reduce,
+    foreach_all_gather,
+    foreach_reduce,
+    full_block,
+    wait_all,
+)
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup
@@ -80,14 +88,6 @@ class GroupPrecision:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype
-
-
-@dataclass
-class _PendingReduce:
-    works: list[dist.Work]
-    output: torch.Tensor  # 1D, G_t, reduce dtype
-    keep_alive: object  # the reduce-scatter inputs, until the works complete
-    divided: bool
 
 
 class ParamGroup:
@@ -137,7 +137,6 @@ class ParamGroup:
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
-        self.packed_numel = sum(sp.layout.padded_shard_numel for sp in self.packed)  # G_p <= G, a prefix
         # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
         self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
         self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
@@ -146,8 +145,6 @@ class ParamGroup:
             self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
         ):
             sp.grad_offset = offset
-        self.grad_numel = sum(sp.layout.padded_shard_numel for sp in self.grad_params)  # G_t <= G
-        self.packed_grad_numel = sum(sp.layout.padded_shard_numel for sp in self.packed_grad_params)
         self.use_dtensor = use_dtensor
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
@@ -164,7 +161,7 @@ class ParamGroup:
         self.listener: Callable[[ShardState, ShardState], None] | None = None
         self.summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
-        self._pending: list[_PendingReduce] = []
+        self._pending: list[PendingReduce] = []
         self._unsharded_version = -1
         self._full_version = 0  # flat_full's version counter when a direct gather was issued
         for sp, (_, _, original) in zip(self.params, entries):
@@ -278,44 +275,25 @@ class ParamGroup:
             raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: UNSHARDING without a gather")
         works, gathered = self._gather
         self._gather = None
-        if works:
-            start = time.perf_counter()
-            with (
-                trace.phase(trace.ALL_GATHER_WAIT),
-                collective_check.waiting("all_gather", self.label, self.shard_group.shard_pg),
-            ):
-                for work in works:
-                    work.wait()
-            if self.direct:
-                # gloo copies into a direct block with ATen ops on its own thread, bumping flat_full's version
-                # counter whenever it finishes; put back the version autograd saw (see _copy_out).
-                torch._C._autograd._unsafe_set_version_counter((self.flat_full,), (self._full_version,))
-            COMM_STATS.add_wait("all_gather", time.perf_counter() - start)
+        wait_all(works, "all_gather", self.label, self.shard_group.shard_pg, trace.ALL_GATHER_WAIT)
+        if works and self.direct:
+            # gloo copies into a direct block with ATen ops on its own thread, bumping flat_full's version
+            # counter whenever it finishes; put back the version autograd saw (see collectives.copy_out).
+            torch._C._autograd._unsafe_set_version_counter((self.flat_full,), (self._full_version,))
         if not self.alias_full and gathered is not None:
             with trace.phase(trace.COPY_OUT):
-                self._copy_out(gathered)
+                self._allocate_full()
+                copy_out(gathered, self.packed, self.flat_full, self.world)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
     def _issue_gathers(self, send: torch.Tensor) -> tuple[list[dist.Work], torch.Tensor | None]:
-        """Start the all-gathers: one for the packed prefix, one per direct parameter (into place).
-
-        Always asynchronous: a caller that needs the result now calls wait_for_unshard() at once, and
-        the time blocked there is then the whole (exposed) all-gather.
-        """
-        pg, works = self.shard_group.shard_pg, []
-        out = None
-        if self.packed:
-            out = torch.empty(self.world * self.packed_numel, dtype=send.dtype, device=self.device)
-            works.append(all_gather_flat(out, send.narrow(0, 0, self.packed_numel), pg, async_op=True))
+        """Start the all-gathers (see :func:`collectives.foreach_all_gather`); always asynchronous: a caller that
+        needs the result now calls wait_for_unshard() at once, and the time blocked there is the exposed gather."""
         if self.direct:
             self._allocate_full()
             self._full_version = self.flat_full._version
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                for sp in self.direct:
-                    shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
-                    works.append(all_gather_flat(self._full_block(sp), shard, pg, async_op=True))
-        return works, out
+        return foreach_all_gather(send, self.packed, self.direct, self.flat_full, self.world, self.shard_group.shard_pg)
 
     def _allocate_full(self) -> None:
         full = self.flat_full
@@ -323,26 +301,6 @@ class ParamGroup:
         nbytes = full.numel() * full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
-
-    def _copy_out(self, gathered: torch.Tensor) -> None:
-        """Move the packed parameters' rank-major pieces into their ``flat_full`` blocks."""
-        self._allocate_full()
-        full = self.flat_full
-        # The copy must not bump the version counter: autograd saved views of flat_full in forward and
-        # checks the counter in backward, and this write restores exactly the data they saw.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-            if self.world == 1:
-                full.copy_(gathered)
-                return
-            blocks = [self._full_block(sp).view(self.world, -1) for sp in self.packed]
-            sizes = [sp.layout.padded_shard_numel for sp in self.packed]
-            by_rank = gathered.view(self.world, self.packed_numel)
-            torch.split_with_sizes_copy(by_rank, sizes, dim=1, out=blocks)
-
-    def _full_block(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
-        """``sp``'s padded full block inside ``flat`` (default ``flat_full``), in ``flat_full``'s layout."""
-        flat = self.flat_full if flat is None else flat
-        return flat.narrow(0, self.world * sp.offset, self.world * sp.layout.padded_shard_numel)
 
     def _register_full_views(self) -> None:
         sizes: list[int] = []
@@ -385,76 +343,29 @@ class ParamGroup:
 
     # --- gradients ----------------------------------------------------------------------------------
 
-    def reduce_grads(self, *, async_op: bool = True) -> None:
-        """See :meth:`_reduce_grads`; checked and named by :mod:`collective_check`."""
-        pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
-        with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
-            self._reduce_grads(async_op=async_op)
-
-    def _reduce_grads(self, *, async_op: bool = True) -> None:
+    def reduce_grads(self) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
 
-        Only trainable parameters are reduced. The unsharded gradient is freed here; :meth:`finish_reduce`
-        lands the result in the sharded parameters' ``.grad``.
+        Only trainable parameters are reduced (see :func:`collectives.foreach_reduce`). The unsharded gradient
+        is freed here; :meth:`finish_reduce` lands the result in the sharded parameters' ``.grad``.
         """
-        if not self.requires_grad:
-            return
-        self._restore_sharded_grads()
-        grad = self.flat_full.grad
-        self.flat_full.grad = None
-        rdtype = self.precision.reduce_dtype
-        if grad is None:
-            grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
-        elif grad.dtype != rdtype:
-            grad = grad.to(rdtype)
-        if self.comm_hook is not None:
-            self._pending.append(self._reduce_with_hook(self._rank_major(grad, rdtype, self.grad_params)))
-            return
-        dp = self.shard_group.data_parallel_size
-        # Low-precision sums can overflow: divide before reducing then, after reducing otherwise.
-        predivide = rdtype in (torch.float16, torch.bfloat16) and dp > 1
-        if predivide:
-            grad.div_(dp)  # ours: autograd handed it over when .grad was cleared
-        if self.world == 1:
-            output = self._rank_major(grad, rdtype, self.grad_params).view(-1)
-            work = all_reduce_flat(output, self.shard_group.replicate_pg, async_op=async_op)
-            self._pending.append(_PendingReduce([work] if work is not None else [], output, None, predivide))
-            return
-        rank_major = self._rank_major(grad, rdtype, self.packed_grad_params)  # (N, G_t_packed)
-        output = torch.empty(self.grad_numel, dtype=rdtype, device=self.device)
-        pg, works = self.shard_group.shard_pg, []
-        if self.packed_grad_numel:
-            packed_out = output.narrow(0, 0, self.packed_grad_numel)
-            works.append(reduce_scatter_flat(packed_out, rank_major.view(-1), pg, async_op=True))
-        for sp in self.direct_grad_params:
-            # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
-            out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
-            works.append(reduce_scatter_flat(out, self._full_block(sp, grad), pg, async_op=True))
-        self._pending.append(_PendingReduce(works, output, (rank_major, grad), predivide))
-
-    def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype, params: list[ShardedParam]) -> torch.Tensor:
-        """``params``' padded gradient blocks (in layout order) reordered rank-major: (N, their G), ``dtype``."""
-        if self.world == 1 and len(params) == len(self.params):
-            return grad.to(dtype).view(1, -1)  # flat_full's layout is already rank-major for one rank
-        numel = sum(sp.layout.padded_shard_numel for sp in params)
-        out = torch.empty(self.world, numel, dtype=dtype, device=self.device)
-        if params:
-            with trace.phase(trace.COPY_IN):
-                torch.cat([self._full_block(sp, grad).view(self.world, -1) for sp in params], dim=1, out=out)
-        return out
-
-    def _reduce_with_hook(self, rank_major: torch.Tensor) -> _PendingReduce:
-        """Run the registered communication hook (synchronously, as torch's FSDP does); it averages too."""
-        if self.comm_hook is None:
-            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: no communication hook registered")
-        state, hook = self.comm_hook
-        if self.world == 1:
-            output = rank_major.view(-1)
-            hook(state, output)
-            return _PendingReduce([], output, None, True)
-        output = torch.empty(self.grad_numel, dtype=rank_major.dtype, device=self.device)
-        hook(state, rank_major.view(-1), output)
-        return _PendingReduce([], output, None, True)
+        pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
+        with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
+            if not self.requires_grad:
+                return
+            self._restore_sharded_grads()
+            grad = self.flat_full.grad
+            self.flat_full.grad = None
+            rdtype = self.precision.reduce_dtype
+            if grad is None:
+                grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+            elif grad.dtype != rdtype:
+                grad = grad.to(rdtype)
+            whole = len(self.grad_params) == len(self.params)
+            pending = foreach_reduce(
+                grad, self.packed_grad_params, self.direct_grad_params, self.shard_group, self.comm_hook, whole=whole
+            )
+            self._pending.append(pending)
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
@@ -469,7 +380,7 @@ class ParamGroup:
         if self._stashed_grads is None:
             self._stashed_grads = [sp.sharded_param.grad for sp in self.grad_params]
         for sp in self.grad_params:
-            view = self._full_block(sp, grad).narrow(0, 0, sp.layout.numel).view(sp.shape)
+            view = full_block(grad, sp, self.world).narrow(0, 0, sp.layout.numel).view(sp.shape)
             param = sp.sharded_param
             if (view.shape, view.dtype, view.device) == (param.shape, param.dtype, param.device):
                 param.grad = view
@@ -493,34 +404,11 @@ class ParamGroup:
             sp.sharded_param.grad = grad
         self._stashed_grads = None
 
-    @property
-    def has_pending_reduce(self) -> bool:
-        return bool(self._pending)
-
     def finish_reduce(self) -> None:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
-            pending = self._pending.pop(0)
-            if pending.works:
-                start = time.perf_counter()
-                with (
-                    trace.phase(trace.REDUCE_WAIT),
-                    collective_check.waiting("reduce_scatter", self.label, self.shard_group.shard_pg),
-                ):
-                    for work in pending.works:
-                        work.wait()
-                COMM_STATS.add_wait("reduce_scatter", time.perf_counter() - start)
-            output = pending.output
-            if self.world > 1 and self.shard_group.replicate_pg is not None and self.comm_hook is None:
-                with (
-                    trace.phase(trace.REDUCE_WAIT),
-                    collective_check.collective("all_reduce", self.label, self.shard_group.replicate_pg),
-                ):
-                    all_reduce_flat(output, self.shard_group.replicate_pg, async_op=False)
-            if not pending.divided:
-                output.div_(self.shard_group.data_parallel_size)
-            output = output.to(self.storage_device, self.precision.grad_dtype)
-            self._accumulate_sharded_grads(output)
+            output = finish_reduce(self._pending.pop(0), self.shard_group, self.label)
+            self._accumulate_sharded_grads(output.to(self.storage_device, self.precision.grad_dtype))
 
     def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``."""
