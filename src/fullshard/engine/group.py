@@ -180,22 +180,12 @@ class ParamGroup:
     def _fill_shard(self, originals: list[nn.Parameter]) -> None:
         with torch.no_grad():
             for sp, original in zip(self.params, originals):
-                lay = sp.layout
-                rows = original.detach().reshape(lay.dim0, lay.row_numel)
-                local = rows.narrow(0, lay.row_offset, lay.local_rows).reshape(-1).to(self.storage_device)
-                self.flat_shard.narrow(0, sp.offset, lay.local_numel).copy_(local)
+                sp.local_view(self.flat_shard).copy_(sp.rows_of(original.detach()).to(self.storage_device))
                 sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
 
     def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's rows of ``sp``) as the sharded tensor type: plain, or a DTensor."""
-        if not self.use_dtensor:
-            return local
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        mesh = self.shard_group.get_mesh()
-        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        shape = torch.Size(sp.shape)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
+        return self.shard_group.dtensor(local, sp.shape) if self.use_dtensor else local
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
@@ -431,13 +421,7 @@ class ParamGroup:
         with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
             all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
         by_rank = gathered.view(self.world, self.shard_numel)
-        fulls = []
-        for sp in self.params:
-            lay = sp.layout
-            block = by_rank.narrow(1, sp.offset, lay.padded_shard_numel)
-            rows = block.reshape(self.world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0)
-            fulls.append(rows.reshape(sp.shape).clone())
-        return fulls
+        return [sp.full_of(by_rank, self.world).clone() for sp in self.params]
 
     def sharded_grad_flat(self) -> torch.Tensor:
         """The sharded gradients in ``flat_shard``'s layout (zeros where a parameter has none)."""
@@ -453,9 +437,7 @@ class ParamGroup:
         """Copy this rank's rows of each full tensor into the shards."""
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
-                lay = sp.layout
-                rows = full.detach().reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows)
-                sp.local_view(self.flat_shard).copy_(rows.reshape(lay.local_shape).to(self.storage_device))
+                sp.local_view(self.flat_shard).copy_(sp.rows_of(full.detach()).to(self.storage_device))
 
 
 DIRECT_MIN_BYTES = 4 * 2**20
@@ -467,11 +449,3 @@ def _gathers_directly(shard_group: ShardGroup) -> bool:
     cheap relative to megabytes; on NCCL one flat collective per unit stays best."""
     pg = shard_group.shard_pg
     return pg is not None and dist.get_backend(pg) == "gloo"
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))

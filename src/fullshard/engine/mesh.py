@@ -7,7 +7,8 @@ A :class:`ShardGroup` is the engine's view of the process topology for one unit:
 - ``replicate_pg``: the ranks that hold identical shards and all-reduce gradients (``None`` for FULL_SHARD
   and SHARD_GRAD_OP over the whole world);
 - ``mesh``: the ``DeviceMesh`` the sharded parameters are ``DTensor``s over, for ``fully_shard`` and for
-  sharded state dicts (dims ``(shard,)`` or ``(replicate, shard)``).
+  sharded state dicts (dims ``(shard,)`` or ``(replicate, shard)``). :meth:`ShardGroup.placements` and
+  :meth:`ShardGroup.dtensor` are the one place a sharded tensor's ``DTensor`` form is decided.
 
 Gradients are averaged over ``data_parallel_size = shard_size * replicate_size`` ranks.
 """
@@ -20,10 +21,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fullshard.engine.api import ShardingStrategy
 
-__all__ = ["ShardGroup", "build_shard_group", "require_process_group", "shard_group_from_mesh"]
+__all__ = [
+    "ShardGroup",
+    "build_shard_group",
+    "contiguous_stride",
+    "global_rank",
+    "require_process_group",
+    "shard_group_from_mesh",
+]
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -60,6 +69,36 @@ class ShardGroup:
         mesh = _mesh_for(self)
         object.__setattr__(self, "mesh", mesh)
         return mesh
+
+    def placements(self) -> tuple[Placement, ...]:
+        """How sharded tensors lie on :meth:`get_mesh`: ``Shard(0)`` on a 1-D mesh, ``(Replicate(), Shard(0))``
+        on a 2-D (replicate, shard) one, ``Replicate()`` when nothing is sharded (NO_SHARD)."""
+        if self.get_mesh().ndim == 2:
+            return (Replicate(), Shard(0))
+        if self.shard_pg is None:
+            return (Replicate(),)
+        return (Shard(0),)
+
+    def dtensor(self, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+        """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``."""
+        size = torch.Size(shape)
+        return DTensor.from_local(
+            local, self.get_mesh(), self.placements(), run_check=False, shape=size, stride=contiguous_stride(size)
+        )
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (sizes of 0 count as 1, as ``torch.empty`` does)."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without one): the rank messages and rank-0 choices use."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def require_process_group(where: str) -> None:

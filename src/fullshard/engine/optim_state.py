@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.engine import state_dict as sd
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.param import ShardedParam, replacement_for
+from fullshard.engine.param import ShardedParam, replacement_for, rows_of
 from fullshard.engine.state import unit_states_in
-from fullshard.engine.state_dict import clean_key, get_state_dict_type, rows_of, sharded_dtensor
+from fullshard.engine.state_dict import clean_key, get_state_dict_type, sharded_dtensor
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
@@ -277,7 +278,7 @@ def _to_local_state(p: _Param, name: str, value: Any) -> Any:
     if not isinstance(value, DTensor) and shape == lay.local_shape and shape != p.sp.shape:
         rows = value  # already this rank's rows (a local optimizer state dict)
     else:
-        rows = rows_of(p.group, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
+        rows = sd.rows_of(p.group, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
     return _like_param(p, rows)
 
 
@@ -480,10 +481,7 @@ def _scatter_unit(
                 if p.sp is None:
                     raise AssertionError(f"[rank {dist.get_rank()}] {p.fqn}: scattered without a unit")
                 lay = p.sp.layout.for_rank(shard_rank)
-                full = full_states[p.fqn][name].reshape(lay.dim0, lay.row_numel)
-                flat.narrow(0, p.sp.offset, lay.local_numel).copy_(
-                    full.narrow(0, lay.row_offset, lay.local_rows).reshape(-1)
-                )
+                flat.narrow(0, p.sp.offset, lay.local_numel).copy_(rows_of(lay, full_states[p.fqn][name]).reshape(-1))
             pieces.append(flat)
     dist.scatter(out, pieces, src=src, group=pg)
     return out

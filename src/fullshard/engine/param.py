@@ -18,7 +18,7 @@ from torch import nn
 
 from fullshard.engine.layout import ShardLayout
 
-__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "retired_data_ptr", "set_owner"]
+__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "retired_data_ptr", "rows_of", "set_owner"]
 
 
 @dataclass
@@ -63,6 +63,24 @@ class ShardedParam:
     def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
         """This rank's real rows inside a flat shard-sized buffer (a view; no copy)."""
         return flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape)
+
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of ``full`` (a tensor of the parameter's shape); see :func:`rows_of`."""
+        return rows_of(self.layout, full)
+
+    def full_of(self, by_rank: torch.Tensor, world: int) -> torch.Tensor:
+        """The parameter's full tensor (a view) from ``by_rank`` ``(world, G)``: every rank's flat shard of a
+        buffer laid out like the group's flat shard, as an all-gather returns them."""
+        lay = self.layout
+        block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
+        return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(self.shape)
+
+
+def rows_of(layout: ShardLayout, full: torch.Tensor) -> torch.Tensor:
+    """The real rows of ``full`` (of ``layout.shape``) that ``layout``'s rank holds, shaped
+    ``layout.local_shape`` (a view where ``full`` allows one); see [Note: dim-0 layout]."""
+    rows = full.reshape(layout.dim0, layout.row_numel).narrow(0, layout.row_offset, layout.local_rows)
+    return rows.reshape(layout.local_shape)
 
 
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fullshard.engine.api import (
@@ -72,7 +72,6 @@ __all__ = [
     "get_state_dict_type",
     "install_state_dict_hooks",
     "load_checked",
-    "placements_for",
     "rows_of",
     "set_state_dict_type",
     "sharded_dtensor",
@@ -254,24 +253,6 @@ def state_dict_type(
 # --- values -------------------------------------------------------------------------------------------
 
 
-def placements_for(group: ParamGroup) -> tuple[Placement, ...]:
-    """How a unit's sharded tensors lie on its mesh (see the module docstring)."""
-    mesh = group.shard_group.get_mesh()
-    if mesh.ndim == 2:
-        return (Replicate(), Shard(0))
-    if group.shard_group.shard_pg is None:
-        return (Replicate(),)
-    return (Shard(0),)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def sharded_dtensor(group: ParamGroup, sp: ShardedParam, local: torch.Tensor) -> DTensor:
     """``local`` (this rank's real rows of ``sp``) as a DTensor of ``sp``'s full shape on the unit's mesh."""
     if not sp.shape:
@@ -279,11 +260,7 @@ def sharded_dtensor(group: ParamGroup, sp: ShardedParam, local: torch.Tensor) ->
             f"sharded state dict: parameter {sp.fqn!r} is 0-dimensional, which cannot be sharded on dim 0. "
             "Use StateDictType.FULL_STATE_DICT for this model, or make the parameter shape (1,)."
         )
-    shape = torch.Size(sp.shape)
-    mesh = group.shard_group.get_mesh()
-    return DTensor.from_local(
-        local, mesh, placements_for(group), run_check=False, shape=shape, stride=_contiguous_stride(sp.shape)
-    )
+    return group.shard_group.dtensor(local, sp.shape)
 
 
 def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
@@ -299,11 +276,11 @@ def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) 
             "of the same architecture (full shapes, as the unwrapped model's state_dict() has)."
         )
     if isinstance(value, DTensor):
-        if value.device_mesh == group.shard_group.get_mesh() and tuple(value.placements) == placements_for(group):
+        shard_group = group.shard_group
+        if value.device_mesh == shard_group.get_mesh() and tuple(value.placements) == shard_group.placements():
             return value.to_local()
         value = value.full_tensor()
-    lay = sp.layout
-    return value.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
+    return sp.rows_of(value)
 
 
 # --- save ---------------------------------------------------------------------------------------------
@@ -356,12 +333,7 @@ def _save_local(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix:
             out.pop(prefix + key, None)
     flat = group.flat_shard.detach()
     flat = flat.cpu() if offload else flat
-    world = group.shard_group.shard_size
-    mesh = group.shard_group.get_mesh()
-    shape = torch.Size((world * group.shard_numel,))
-    out[prefix + FLAT_PARAM] = DTensor.from_local(
-        flat, mesh, placements_for(group), run_check=False, shape=shape, stride=(1,)
-    )
+    out[prefix + FLAT_PARAM] = group.shard_group.dtensor(flat, (group.shard_group.shard_size * group.shard_numel,))
 
 
 def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
