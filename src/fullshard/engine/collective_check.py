@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from fullshard.engine.mesh import global_rank
+
 __all__ = ["DesyncError", "collective", "debug_enabled", "note_forward", "waiting"]
 
 
@@ -93,7 +95,7 @@ def _named(where: str) -> Iterator[None]:
         raise
     except RuntimeError as exc:
         raise DesyncError(
-            f"[rank {dist.get_rank()}] {where} failed: {exc}\nIf this is a timeout, the other ranks did not "
+            f"[rank {global_rank()}] {where} failed: {exc}\nIf this is a timeout, the other ranks did not "
             "reach the same collective: they ran a different number of forwards or units in another order, "
             "finished early, or hang. Run with FULLSHARD_DEBUG=1 to name the first rank that differs."
         ) from exc
@@ -105,7 +107,7 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
         dist.all_gather_object(everyone, where, group=pg)
     except RuntimeError as exc:
         raise DesyncError(
-            f"[rank {dist.get_rank()}] FULLSHARD_DEBUG: about to run {where}, but the other ranks did not reach "
+            f"[rank {global_rank()}] FULLSHARD_DEBUG: about to run {where}, but the other ranks did not reach "
             f"any engine collective ({exc}). They ran fewer forwards, finished early, or wait elsewhere."
         ) from exc
     ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(len(everyone)))
@@ -114,7 +116,7 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
         rank, other = differing[0]
         listing = "; ".join(f"rank {r}: {w}" for r, w in zip(ranks, everyone))
         raise DesyncError(
-            f"[rank {dist.get_rank()}] FULLSHARD_DEBUG: ranks are out of step. This rank (in forward #{_forwards}) "
+            f"[rank {global_rank()}] FULLSHARD_DEBUG: ranks are out of step. This rank (in forward #{_forwards}) "
             f"is about to run {where}, rank {rank} {other}. All: {listing}. Every rank must run the same forwards "
             "and backwards, with units in one order."
         )

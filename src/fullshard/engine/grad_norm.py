@@ -13,13 +13,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from fullshard.engine.param import local_tensor
 from fullshard.engine.state import UnitState
 
 __all__ = ["clip_grad_norm_"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def clip_grad_norm_(
@@ -37,9 +34,9 @@ def clip_grad_norm_(
     for state in states:
         if state.group is None:
             continue
-        grads = [_local(sp.sharded_param.grad) for sp in state.group.params if sp.sharded_param.grad is not None]
+        grads = [local_tensor(sp.sharded_param.grad) for sp in state.group.params if sp.sharded_param.grad is not None]
         weighted.append((grads, state.group.shard_group.shard_size / world))
-    weighted.append(([_local(p.grad) for p in other_params if p.grad is not None], 1.0 / world))
+    weighted.append(([local_tensor(p.grad) for p in other_params if p.grad is not None], 1.0 / world))
     all_grads = [g for grads, _ in weighted for g in grads]
     device = all_grads[0].device if all_grads else torch.device("cpu")
     if math.isinf(norm_type):

@@ -12,11 +12,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from fullshard.engine.param import local_tensor
+
 __all__ = ["ShardedGradScaler"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -42,7 +40,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    grad = _local(param.grad)
+                    grad = local_tensor(param.grad)
                     by_device[grad.device].append(grad)
         found: dict[torch.device, torch.Tensor] = {}
         for device, grads in by_device.items():

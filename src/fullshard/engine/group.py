@@ -60,8 +60,8 @@ from fullshard.engine.collectives import (
 )
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
-from fullshard.engine.mesh import ShardGroup
-from fullshard.engine.param import ShardedParam, retire, set_owner
+from fullshard.engine.mesh import ShardGroup, global_rank
+from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
 
 __all__ = ["GroupPrecision", "Offload", "ParamGroup", "ShardState"]
 
@@ -213,7 +213,7 @@ class ParamGroup:
         Precondition: sharded. The caller makes the sharded parameters views of the new buffer.
         """
         if self.state is not ShardState.SHARDED:
-            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: new shard storage while gathered")
+            raise AssertionError(f"[rank {global_rank()}] {self.label}: new shard storage while gathered")
         self.storage_device = device
         self.flat_shard = self._new_flat_shard()
         self.flat_full = self._new_flat_full()
@@ -262,7 +262,7 @@ class ParamGroup:
         if self.state is not ShardState.UNSHARDING:
             return
         if self._gather is None:
-            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: UNSHARDING without a gather")
+            raise AssertionError(f"[rank {global_rank()}] {self.label}: UNSHARDING without a gather")
         works, gathered = self._gather
         self._gather = None
         wait_all(works, "all_gather", self.label, self.shard_group.shard_pg, trace.ALL_GATHER_WAIT)
@@ -409,8 +409,7 @@ class ParamGroup:
                 param.grad = self._as_sharded(sp, local)
             else:
                 existing = param.grad
-                target = existing._local_tensor if self.use_dtensor else existing  # type: ignore[attr-defined]
-                target.add_(local)
+                local_tensor(existing).add_(local)
 
     # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
 
@@ -429,8 +428,7 @@ class ParamGroup:
         for sp in self.params:
             grad = sp.sharded_param.grad
             if grad is not None:
-                local = grad._local_tensor if self.use_dtensor else grad  # type: ignore[attr-defined]
-                sp.local_view(flat).copy_(local)
+                sp.local_view(flat).copy_(local_tensor(grad))
         return flat
 
     def write_back(self, fulls: list[torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fullshard.engine.param import set_owner
+from fullshard.engine.param import local_tensor, set_owner
 
 if TYPE_CHECKING:
     from fullshard.engine.group import Offload, ParamGroup
@@ -49,10 +49,6 @@ def storage_device_for(
     return torch.device("cpu") if offload is not None else device
 
 
-def _local_of(group: ParamGroup, param: nn.Parameter) -> torch.Tensor:
-    return param._local_tensor if group.use_dtensor else param.data  # type: ignore[attr-defined]
-
-
 def adopt_applied_params(group: ParamGroup) -> None:
     """Make ``group``'s sharded parameters views of its ``flat_shard`` again after ``nn.Module._apply``.
 
@@ -66,7 +62,7 @@ def adopt_applied_params(group: ParamGroup) -> None:
         if current is not sp.sharded_param:  # replaced (overwrite_module_params_on_conversion), not changed in place
             sp.sharded_param = current
             sp.register_sharded()
-    locals_ = [_local_of(group, sp.sharded_param) for sp in group.params]  # type: ignore[arg-type]
+    locals_ = [local_tensor(sp.sharded_param).detach() for sp in group.params]  # type: ignore[arg-type]
     storage = group.flat_shard.untyped_storage()
     if all(t.is_meta for t in locals_) or all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
         return

@@ -34,7 +34,8 @@ from fullshard.engine import state_dict as sd
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.param import ShardedParam, replacement_for, rows_of
+from fullshard.engine.mesh import global_rank
+from fullshard.engine.param import ShardedParam, local_tensor, replacement_for, rows_of
 from fullshard.engine.state import unit_states_in
 from fullshard.engine.state_dict import clean_key, get_state_dict_type, sharded_dtensor
 
@@ -133,10 +134,6 @@ def _is_elementwise(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, dict[str, Any]], list[OsdT]]:
     """``osd`` (``optim.state_dict()``: integer ids) as fqn -> state and param groups listing fqns."""
     groups = osd["param_groups"]
@@ -160,19 +157,19 @@ def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, 
 
 def _gather_unit_state(group: ParamGroup, holders: list[_Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Full tensors of one per-element state of ``holders`` (params of ``group``): one all-gather."""
-    dtype = _local(values[0]).dtype
+    dtype = local_tensor(values[0]).dtype
     flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
     for p, value in zip(holders, values):
-        local = _local(value)
+        local = local_tensor(value)
         if p.sp is None or tuple(local.shape) != p.sp.layout.local_shape:
             raise AssertionError(
-                f"[rank {dist.get_rank()}] optimizer state of {p.fqn!r} has shape {tuple(local.shape)}, expected "
+                f"[rank {global_rank()}] optimizer state of {p.fqn!r} has shape {tuple(local.shape)}, expected "
                 f"the parameter's local shape {None if p.sp is None else p.sp.layout.local_shape}"
             )
         p.sp.local_view(flat).copy_(local)
     fulls = group.gather_full(flat)
     index = {id(sp): i for i, sp in enumerate(group.params)}
-    return [fulls[index[id(p.sp)]].to(_local(v).dtype) for p, v in zip(holders, values)]
+    return [fulls[index[id(p.sp)]].to(local_tensor(v).dtype) for p, v in zip(holders, values)]
 
 
 def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[_Param]]]:
@@ -247,7 +244,7 @@ def sharded_optim_state_dict(
     def convert(p: _Param, value: Any) -> Any:
         if p.group is None or p.sp is None or not _is_elementwise(value):
             return value
-        local = _local(value).detach()
+        local = local_tensor(value).detach()
         local = local.cpu() if offload_to_cpu else local
         return sharded_dtensor(p.group, p.sp, local) if as_dtensor else local
 
@@ -260,7 +257,7 @@ def sharded_optim_state_dict(
 
 def _like_param(p: _Param, rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (this rank's) as a fresh tensor on the parameter's device, a DTensor where the parameter is one."""
-    rows = rows.to(_local(p.param).device, copy=True)
+    rows = rows.to(local_tensor(p.param).device, copy=True)
     if isinstance(p.param, DTensor) and p.group is not None and p.sp is not None:
         return sharded_dtensor(p.group, p.sp, rows)
     return rows
@@ -479,7 +476,7 @@ def _scatter_unit(
             flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
             for p in holders:
                 if p.sp is None:
-                    raise AssertionError(f"[rank {dist.get_rank()}] {p.fqn}: scattered without a unit")
+                    raise AssertionError(f"[rank {global_rank()}] {p.fqn}: scattered without a unit")
                 lay = p.sp.layout.for_rank(shard_rank)
                 flat.narrow(0, p.sp.offset, lay.local_numel).copy_(rows_of(lay, full_states[p.fqn][name]).reshape(-1))
             pieces.append(flat)
@@ -511,7 +508,7 @@ def _scatter_states(
                 tensor = (
                     full_states[p.fqn][name] if full_states is not None else torch.empty(value.shape, dtype=value.dtype)
                 )
-                tensor = tensor.to(_local(p.param).device)
+                tensor = tensor.to(local_tensor(p.param).device)
                 dist.broadcast(tensor, src=src, group=pg)
                 out[p.fqn][name] = tensor
     return out

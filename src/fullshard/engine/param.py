@@ -15,10 +15,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fullshard.engine.layout import ShardLayout
 
-__all__ = ["ShardedParam", "owner_label", "replacement_for", "retire", "retired_data_ptr", "rows_of", "set_owner"]
+__all__ = [
+    "ShardedParam",
+    "local_tensor",
+    "owner_label",
+    "replacement_for",
+    "retire",
+    "retired_data_ptr",
+    "rows_of",
+    "set_owner",
+]
 
 
 @dataclass
@@ -74,6 +84,11 @@ class ShardedParam:
         lay = self.layout
         block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
         return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(self.shape)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a ``DTensor``'s local tensor (no autograd view), else ``tensor`` itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
 
 
 def rows_of(layout: ShardLayout, full: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from fullshard.engine import collective_check, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
+from fullshard.engine.mesh import global_rank
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.warn import warn_rank0
 
@@ -220,7 +221,7 @@ class UnitState:
             self._lazy_init()
         ctx = self.ctx
         if ctx is None:
-            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: no root context after lazy init")
+            raise AssertionError(f"[rank {global_rank()}] {self.label}: no root context after lazy init")
         if ctx.in_backward:
             # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
             self._unshard_now()
@@ -258,7 +259,7 @@ class UnitState:
             "order of units changed"
         )
         if order_debug_enabled():
-            raise RuntimeError(f"[rank {dist.get_rank()}] {message}. Every iteration must run units in one order.")
+            raise RuntimeError(f"[rank {global_rank()}] {message}. Every iteration must run units in one order.")
         if self.config.forward_prefetch:
             warn_rank0(
                 f"forward_prefetch=True, but {message}; prefetching stops for this model and units are gathered "
@@ -342,7 +343,7 @@ class UnitState:
     def _final_callback(self) -> None:
         ctx = self.ctx
         if ctx is None:
-            raise AssertionError(f"[rank {dist.get_rank()}] {self.label}: final callback without a root context")
+            raise AssertionError(f"[rank {global_rank()}] {self.label}: final callback without a root context")
         with trace.phase(trace.FINAL_CALLBACK):
             try:
                 for state in ctx.states:

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
@@ -63,6 +62,7 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
+from fullshard.engine.mesh import global_rank
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
 
@@ -158,7 +158,9 @@ def install_state_dict_hooks(
 def _unit(module: nn.Module) -> _DictUnit:
     unit = _UNITS.get(module)
     if unit is None:
-        raise AssertionError(f"[rank {_rank()}] {type(module).__name__}: state dict hook on a module without a unit")
+        raise AssertionError(
+            f"[rank {global_rank()}] {type(module).__name__}: state dict hook on a module without a unit"
+        )
     return unit
 
 
@@ -170,10 +172,6 @@ def _units_in(module: nn.Module, caller: str) -> list[_DictUnit]:
             "wrapping it with FullyShardedDataParallel or fully_shard."
         )
     return units
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 # --- settings -----------------------------------------------------------------------------------------
@@ -302,7 +300,7 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
         value = destination.get(prefix + key)
         if isinstance(value, torch.Tensor) and value.dtype != dtype:
             destination[prefix + key] = value.to(dtype)
-    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and _rank() != 0:
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and global_rank() != 0:
         for key in [k for k in destination if k.startswith(prefix)]:
             del destination[key]
     if unit.segment:
@@ -311,7 +309,7 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
 
 def _save_full(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, config: Any) -> None:
     fulls = group.gather_full()  # collective over the shard group: every rank, every unit, same order
-    if getattr(config, "rank0_only", False) and _rank() != 0:
+    if getattr(config, "rank0_only", False) and global_rank() != 0:
         return
     for (_, keys), full in zip(unit.param_keys(), fulls):
         value = full.cpu() if config.offload_to_cpu else full

@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fullshard.engine.group import ParamGroup
+from fullshard.engine.mesh import global_rank
 from fullshard.engine.state import TrainingState, UnitState, unit_state, unit_states_in
 
 __all__ = ["summon_full_params", "summoned_states"]
@@ -78,7 +78,7 @@ def summon_full_params(
     """Gather full parameters of ``module``'s units for the duration of the block; see the module docstring."""
     states = [s for s in summoned_states(module, recurse) if s.group is not None]
     _validate(states, writeback, rank0_only, offload_to_cpu)
-    show = not rank0_only or dist.get_rank() == 0
+    show = not rank0_only or global_rank() == 0
     summoned: list[tuple[ParamGroup, list[nn.Parameter]]] = []
     try:
         for state in states:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.engine.group import Offload, ParamGroup
-from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.mesh import ShardGroup, global_rank
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
@@ -177,7 +177,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
             init.param_init_fn(module)
             continue
         module.to_empty(device=device, recurse=False)
-        if init.sync_module_states and dist.get_rank() != 0:
+        if init.sync_module_states and global_rank() != 0:
             continue  # rank 0's values arrive by broadcast
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-import torch.distributed as dist
+from fullshard.engine.mesh import global_rank
 
 __all__ = ["warn_rank0"]
 
 
 def warn_rank0(message: str, stacklevel: int = 2) -> None:
     """``warnings.warn(message)`` on rank 0 (or without a process group); a no-op on other ranks."""
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if global_rank() != 0:
         return
     warnings.warn(message, stacklevel=stacklevel + 1)
