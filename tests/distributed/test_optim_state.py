@@ -329,6 +329,14 @@ def _misuse(rank: int, world: int, how: str) -> None:
     elif how == "shape":
         full["state"]["blocks.0.fc.weight"]["exp_avg"] = torch.zeros(3, 3)
         FSDP.shard_full_optim_state_dict(full, model, optim=opt)
+    elif how == "malformed":
+        osd = opt.state_dict()
+        osd["state"][0]["exp_avg"] = torch.zeros(3, 3)
+        FSDP.optim_state_dict(model, opt, osd)
+    elif how == "optim_input":
+        FSDP.full_optim_state_dict(model, opt, optim_input=list(model.parameters()))
+    elif how == "group":
+        FSDP.sharded_optim_state_dict(model, opt, group=dist.new_group([0]))
 
 
 ERRORS = {
@@ -338,10 +346,14 @@ ERRORS = {
     "rekey": "rekey_optim_state_dict: key 99 names no parameter of the model's 27 parameters (in optimizer order)",
     "scatter_none": "scatter_full_optim_state_dict(full_optim_state_dict=NoneType): rank 0 must pass the full",
     "shape": "optimizer state 'exp_avg' of 'blocks.0.fc.weight': the value has shape (3, 3) but the parameter has",
+    "malformed": "ValueError: [rank 0] full_optim_state_dict: optimizer state of 'logit_scale' has shape (3, 3), but",
+    "optim_input": "ValueError: FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported",
+    "group": "ValueError: sharded_optim_state_dict(group=<process group of ranks [0]>): the sharded form uses",
 }
 
 
 @pytest.mark.parametrize("how", list(ERRORS))
 def test_misuse_raises_with_a_fix(pool2: WorkerPool, how: str) -> None:
-    with pytest.raises(RankFailure, match=re.escape(ERRORS[how])):
+    with pytest.raises(RankFailure, match=re.escape(ERRORS[how])) as failure:
         pool2.run(_misuse, how)
+    assert sorted(failure.value.failures) == [0, 1]  # every rank raises: none is left waiting

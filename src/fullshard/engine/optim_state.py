@@ -162,9 +162,11 @@ def _gather_unit_state(group: ParamGroup, holders: list[_Param], values: list[to
     for p, value in zip(holders, values):
         local = local_tensor(value)
         if p.sp is None or tuple(local.shape) != p.sp.layout.local_shape:
-            raise AssertionError(
-                f"[rank {global_rank()}] optimizer state of {p.fqn!r} has shape {tuple(local.shape)}, expected "
-                f"the parameter's local shape {None if p.sp is None else p.sp.layout.local_shape}"
+            raise ValueError(
+                f"[rank {global_rank()}] full_optim_state_dict: optimizer state of {p.fqn!r} has shape "
+                f"{tuple(local.shape)}, but this rank's shard of the parameter has shape "
+                f"{None if p.sp is None else p.sp.layout.local_shape}. Pass the state dict of this optimizer "
+                "(optim.state_dict(), or None), built after wrapping and stepped on the sharded parameters."
             )
         p.sp.local_view(flat).copy_(local)
     fulls = group.gather_full(flat)
@@ -233,9 +235,12 @@ def sharded_optim_state_dict(
     optim_state_dict: OsdT | None = None,
     offload_to_cpu: bool = False,
     as_dtensor: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> OsdT:
     """Keyed by FQNs, per-element states as DTensors of the full shape, or with ``as_dtensor=False`` as this
-    rank's plain local tensors (the local form). No communication."""
+    rank's plain local tensors (the local form). No communication, so ``group`` must span the world (or be
+    None): the DTensors lie on the units' own meshes."""
+    _check_whole_world(group, "sharded_optim_state_dict")
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     rows = _optim_rows(model, optim, "sharded_optim_state_dict")
     states, groups = _named(osd, rows, "sharded_optim_state_dict")
@@ -250,6 +255,15 @@ def sharded_optim_state_dict(
 
     state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
     return {"state": state, "param_groups": groups}
+
+
+def _check_whole_world(group: dist.ProcessGroup | None, caller: str) -> None:
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        return
+    raise ValueError(
+        f"{caller}(group=<process group of ranks {dist.get_process_group_ranks(group)}>): the sharded form uses "
+        "the process groups the model was wrapped with and takes no other group. Pass group=None."
+    )
 
 
 # --- loadable -----------------------------------------------------------------------------------------
@@ -408,7 +422,12 @@ def optim_state_dict(
         )
     as_dtensor = kind is StateDictType.SHARDED_STATE_DICT
     return sharded_optim_state_dict(
-        model, optim, optim_state_dict=optim_state_dict, offload_to_cpu=config.offload_to_cpu, as_dtensor=as_dtensor
+        model,
+        optim,
+        optim_state_dict=optim_state_dict,
+        offload_to_cpu=config.offload_to_cpu,
+        as_dtensor=as_dtensor,
+        group=group,
     )
 
 

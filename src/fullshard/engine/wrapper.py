@@ -302,15 +302,23 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter names (``{}`` on ranks > 0 with ``rank0_only``)."""
+        """The full optimizer state keyed by parameter names (``{}`` on ranks > 0 with ``rank0_only``).
+
+        ``optim_input`` (deprecated by torch) is refused: the parameter order is read from ``optim``."""
+        if optim_input is not None:
+            raise ValueError(
+                "FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported (torch deprecated "
+                "it): the parameters and their order are read from `optim`. Drop optim_input."
+            )
         return optim_state.full_optim_state_dict(model, optim, rank0_only=rank0_only, group=group)
 
     @staticmethod
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
     ) -> dict[str, Any]:
-        """The optimizer state keyed by parameter names, per-element states as DTensors."""
-        return optim_state.sharded_optim_state_dict(model, optim)
+        """The optimizer state keyed by parameter names, per-element states as DTensors (``group``: None or
+        one spanning the world)."""
+        return optim_state.sharded_optim_state_dict(model, optim, group=group)
 
     @staticmethod
     def shard_full_optim_state_dict(
