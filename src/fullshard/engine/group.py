@@ -62,8 +62,9 @@ from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup, global_rank
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
+from fullshard.engine.precision import GroupPrecision
 
-__all__ = ["GroupPrecision", "Offload", "ParamGroup", "ShardState"]
+__all__ = ["Offload", "ParamGroup", "ShardState"]
 
 
 class ShardState(enum.Enum):
@@ -79,15 +80,6 @@ class Offload:
     """Keep the shards and their gradients on the CPU (``pin_memory``: pinned, when an accelerator exists)."""
 
     pin_memory: bool = True
-
-
-@dataclass(frozen=True)
-class GroupPrecision:
-    """Dtypes resolved once per group: compute (gathered parameters), reduction and sharded gradients."""
-
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    grad_dtype: torch.dtype
 
 
 class ParamGroup:

@@ -59,7 +59,7 @@ class _Param:
 
     fqn: str
     param: torch.Tensor  # what the optimizer holds: a sharded parameter (maybe a DTensor) or a whole one
-    group: ParamGroup | None  # its unit's group; None outside any unit
+    unit: ParamGroup | None  # the parameter group of its unit; None outside any unit
     sp: ShardedParam | None
 
 
@@ -78,11 +78,11 @@ def model_params(model: nn.Module) -> list[_Param]:
         for name, param in module._parameters.items():
             if param is None:
                 continue
-            group, sp = owners.get((id(module), name), (None, None))
+            unit, sp = owners.get((id(module), name), (None, None))
             tensor = param if sp is None else sp.sharded_param
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                out.append(_Param(clean_key(f"{path}.{name}" if path else name), tensor, group, sp))
+                out.append(_Param(clean_key(f"{path}.{name}" if path else name), tensor, unit, sp))
     return out
 
 
@@ -155,10 +155,10 @@ def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, 
 # --- full -----------------------------------------------------------------------------------------------
 
 
-def _gather_unit_state(group: ParamGroup, holders: list[_Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Full tensors of one per-element state of ``holders`` (params of ``group``): one all-gather."""
+def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full tensors of one per-element state of ``holders`` (params of ``unit``): one all-gather."""
     dtype = local_tensor(values[0]).dtype
-    flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
+    flat = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
     for p, value in zip(holders, values):
         local = local_tensor(value)
         if p.sp is None or tuple(local.shape) != p.sp.layout.local_shape:
@@ -169,8 +169,8 @@ def _gather_unit_state(group: ParamGroup, holders: list[_Param], values: list[to
                 "(optim.state_dict(), or None), built after wrapping and stepped on the sharded parameters."
             )
         p.sp.local_view(flat).copy_(local)
-    fulls = group.gather_full(flat)
-    index = {id(sp): i for i, sp in enumerate(group.params)}
+    fulls = unit.gather_full(flat)
+    index = {id(sp): i for i, sp in enumerate(unit.params)}
     return [fulls[index[id(p.sp)]].to(local_tensor(v).dtype) for p, v in zip(holders, values)]
 
 
@@ -178,8 +178,8 @@ def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tu
     """Parameters with state, by unit, in optimizer order (the same on every rank)."""
     units: dict[int, tuple[ParamGroup, list[_Param]]] = {}
     for p in params:
-        if p.group is not None and p.fqn in states:
-            units.setdefault(id(p.group), (p.group, []))[1].append(p)
+        if p.unit is not None and p.fqn in states:
+            units.setdefault(id(p.unit), (p.unit, []))[1].append(p)
     return list(units.values())
 
 
@@ -195,10 +195,10 @@ def _full_states(
 ) -> dict[str, dict[str, Any]]:
     """``states`` with per-element states of sharded parameters gathered in full (collective on every rank)."""
     out = {fqn: dict(state) for fqn, state in states.items()} if keep else {}
-    for group, members in _by_unit(params, states):
+    for unit, members in _by_unit(params, states):
         for name in _elementwise_names(members, states):
             holders = [p for p in members if _is_elementwise(states[p.fqn].get(name))]
-            fulls = _gather_unit_state(group, holders, [states[p.fqn][name] for p in holders])
+            fulls = _gather_unit_state(unit, holders, [states[p.fqn][name] for p in holders])
             for p, full in zip(holders, fulls):
                 if keep:
                     out[p.fqn][name] = full
@@ -247,11 +247,11 @@ def sharded_optim_state_dict(
     params = {p.fqn: p for row in rows for p in row}
 
     def convert(p: _Param, value: Any) -> Any:
-        if p.group is None or p.sp is None or not _is_elementwise(value):
+        if p.unit is None or p.sp is None or not _is_elementwise(value):
             return value
         local = local_tensor(value).detach()
         local = local.cpu() if offload_to_cpu else local
-        return sharded_dtensor(p.group, p.sp, local) if as_dtensor else local
+        return sharded_dtensor(p.unit, p.sp, local) if as_dtensor else local
 
     state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
     return {"state": state, "param_groups": groups}
@@ -272,8 +272,8 @@ def _check_whole_world(group: dist.ProcessGroup | None, caller: str) -> None:
 def _like_param(p: _Param, rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (this rank's) as a fresh tensor on the parameter's device, a DTensor where the parameter is one."""
     rows = rows.to(local_tensor(p.param).device, copy=True)
-    if isinstance(p.param, DTensor) and p.group is not None and p.sp is not None:
-        return sharded_dtensor(p.group, p.sp, rows)
+    if isinstance(p.param, DTensor) and p.unit is not None and p.sp is not None:
+        return sharded_dtensor(p.unit, p.sp, rows)
     return rows
 
 
@@ -281,7 +281,7 @@ def _to_local_state(p: _Param, name: str, value: Any) -> Any:
     """One saved state value (full, DTensor, or this rank's local rows) as the optimizer must hold it."""
     if not isinstance(value, torch.Tensor):
         return value
-    if p.group is None or p.sp is None or not _is_elementwise(value):
+    if p.unit is None or p.sp is None or not _is_elementwise(value):
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         return whole.clone()
     lay = p.sp.layout
@@ -289,7 +289,7 @@ def _to_local_state(p: _Param, name: str, value: Any) -> Any:
     if not isinstance(value, DTensor) and shape == lay.local_shape and shape != p.sp.shape:
         rows = value  # already this rank's rows (a local optimizer state dict)
     else:
-        rows = sd.rows_of(p.group, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
+        rows = sd.rows_of(p.unit, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
     return _like_param(p, rows)
 
 
@@ -477,7 +477,7 @@ def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
 
 
 def _scatter_unit(
-    group: ParamGroup,
+    unit: ParamGroup,
     holders: list[_Param],
     name: str,
     full_states: dict[str, dict[str, Any]] | None,
@@ -487,12 +487,12 @@ def _scatter_unit(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Scatter one per-element state of ``holders`` from ``src``; returns this rank's flat shard of it."""
-    out = torch.empty(group.shard_numel, dtype=dtype, device=group.device)
+    out = torch.empty(unit.shard_numel, dtype=dtype, device=unit.device)
     pieces = None
     if full_states is not None:
         pieces = []
         for shard_rank in shard_ranks:
-            flat = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
+            flat = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
             for p in holders:
                 if p.sp is None:
                     raise AssertionError(f"[rank {global_rank()}] {p.fqn}: scattered without a unit")
@@ -509,16 +509,16 @@ def _scatter_states(
     """Every rank's local per-element states, scattered unit by unit from ``src``, which holds them in full."""
     specs = skeleton["state"]
     out = {fqn: dict(s) for fqn, s in specs.items()}
-    groups = list({id(p.group): p.group for p in params if p.group is not None}.values())
-    position = {id(g): i for i, g in enumerate(groups)}
+    units = list({id(p.unit): p.unit for p in params if p.unit is not None}.values())
+    position = {id(u): i for i, u in enumerate(units)}
     everyone: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, [g.shard_group.shard_rank for g in groups], group=pg)
-    for group, members in _by_unit(params, specs):
-        column = [ranks[position[id(group)]] for ranks in everyone]
+    dist.all_gather_object(everyone, [u.shard_group.shard_rank for u in units], group=pg)
+    for unit, members in _by_unit(params, specs):
+        column = [ranks[position[id(unit)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
             holders = [p for p in members if _is_spec(specs[p.fqn].get(name))]
             dtype = specs[holders[0].fqn][name].dtype
-            flat = _scatter_unit(group, holders, name, full_states, column, pg, src, dtype)
+            flat = _scatter_unit(unit, holders, name, full_states, column, pg, src, dtype)
             for p in holders:
                 out[p.fqn][name] = p.sp.local_view(flat).to(specs[p.fqn][name].dtype, copy=True)  # type: ignore[union-attr]
     for p in params:
@@ -564,7 +564,7 @@ def scatter_full_optim_state_dict(
     rows = _target_rows(model, optim, optim_input, "scatter_full_optim_state_dict")
 
     def wrap(p: _Param, name: str, value: Any) -> Any:
-        if p.group is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if p.unit is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value.clone() if isinstance(value, torch.Tensor) else value
         return _like_param(p, value)
 

@@ -19,10 +19,16 @@ from typing import Any
 import torch
 
 from fullshard.engine.api import MixedPrecision, MixedPrecisionPolicy
-from fullshard.engine.group import GroupPrecision
 from fullshard.engine.warn import warn_rank0
 
-__all__ = ["Casts", "cast_floating", "casts_from_mixed_precision", "casts_from_policy", "group_precision"]
+__all__ = [
+    "Casts",
+    "GroupPrecision",
+    "cast_floating",
+    "casts_from_mixed_precision",
+    "casts_from_policy",
+    "group_precision",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,15 @@ class Casts:
     root_input_dtype: torch.dtype | None = None  # cast inputs when this unit is the root
     output_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class GroupPrecision:
+    """Dtypes resolved once per group: compute (gathered parameters), reduction and sharded gradients."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype
 
 
 def _check_dtype(value: Any, field: str, owner: str) -> None:

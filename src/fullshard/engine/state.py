@@ -143,7 +143,7 @@ class UnitState:
         self.group = group
         self.config = config
         self.label = label
-        self.kind = label  # the module's class name, kept when the label becomes a path at lazy init
+        self.class_name = label  # the module's class name, kept when the label becomes a path at lazy init
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -177,7 +177,7 @@ class UnitState:
         }
         for state in states:
             state.ctx = ctx
-            state.label = names.get(id(state.module)) or f"<root {state.kind}>"
+            state.label = names.get(id(state.module)) or f"<root {state.class_name}>"
             state._cast_buffers()
             if state.group is not None:
                 state.group.listener = state._group_state_changed
