@@ -144,7 +144,7 @@ def _gathered_at_once(rank: int, world: int, limit: bool) -> dict[str, object]:
     for _ in range(2):
         model(x, y).backward()
     ctx = model.unit_state.ctx
-    order = [s.label for s in ctx.forward_order]
+    order = [s.label for s in ctx.order.units]
     return {"max": ctx.max_gathered, "order": order}
 
 
@@ -152,6 +152,25 @@ def test_forward_order_is_recorded_and_rate_limited(pool2: WorkerPool) -> None:
     got = pool2.run(_gathered_at_once, True)[0]
     assert got["order"] == ["<root TinyGPT>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert got["max"] == 2  # the current unit and one prefetched, never more
+
+
+def _hooks_removed(rank: int, world: int) -> tuple[int, int, int, int]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(2, 4)
+    model(x)  # the hooks run: the first forward makes the model its root
+    handles = unit_state(model).hook_handles
+    registered = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    for handle in handles:
+        handle.remove()
+    left = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    return len(handles), registered, left, len(model[1]._forward_pre_hooks)
+
+
+def test_fully_shard_hooks_are_removable(pool2: WorkerPool) -> None:
+    # The unit's forward pre- and post-hook, and the guard on model[1], whose parameters the root unit holds.
+    assert pool2.run(_hooks_removed)[0] == (3, 2, 0, 0)
 
 
 def _order_changes(rank: int, world: int, debug: bool) -> list[str]:

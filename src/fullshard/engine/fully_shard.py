@@ -83,7 +83,7 @@ class FSDPModule:
                     "register_comm_hook on a module sharded over a 2-D mesh: communication hooks cover one "
                     "reduction, and hybrid sharding needs two. Use a 1-D mesh with a hook, or no hook."
                 )
-            unit.group.comm_hook = (state, hook)
+            unit.group.set_comm_hook(state, hook)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``), then take the moved sharded parameters back
@@ -194,8 +194,10 @@ def fully_shard(
     where = f"fully_shard({type(module).__name__})"
     sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
     module.__class__ = _fsdp_class(type(module))
-    module.register_forward_pre_hook(
-        lambda m, args, kwargs: state.pre_forward(args, kwargs), prepend=True, with_kwargs=True
+    state.keep_hooks(
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: state.pre_forward(args, kwargs), prepend=True, with_kwargs=True
+        ),
+        module.register_forward_hook(lambda m, args, output: state.post_forward(output)),
     )
-    module.register_forward_hook(lambda m, args, output: state.post_forward(output))
     return module

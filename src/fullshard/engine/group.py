@@ -142,16 +142,16 @@ class ParamGroup:
         self._fill_shard([p for _, _, p in entries])
         self.requires_grad = bool(self.grad_params)
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
-        self.comm_hook: tuple[object, Callable[..., Any]] | None = None
+        self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         # Called once per backward when every parameter has its gradient (the unit's post-backward).
-        self.on_grads_ready: Callable[[], None] | None = None
+        self._on_grads_ready: Callable[[], None] | None = None
         self.flat_full = self._new_flat_full()
         self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
         self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
         self._state = ShardState.SHARDED
         # Told (old, new) on every state change; the unit state counts gathered units with it.
-        self.listener: Callable[[ShardState, ShardState], None] | None = None
-        self.summoned = False  # full-precision copies registered by summon_full_params
+        self._on_state_change: Callable[[ShardState, ShardState], None] | None = None
+        self._summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
         self._pending: list[PendingReduce] = []
         self._unsharded_version = -1
@@ -191,8 +191,36 @@ class ParamGroup:
         return full
 
     def _grads_ready(self) -> None:
-        if self.on_grads_ready is not None:
-            self.on_grads_ready()
+        if self._on_grads_ready is not None:
+            self._on_grads_ready()
+
+    def observe(
+        self, on_grads_ready: Callable[[], None], on_state_change: Callable[[ShardState, ShardState], None]
+    ) -> None:
+        """Call ``on_grads_ready()`` once per backward when every parameter has its gradient (the unit's
+        post-backward), and ``on_state_change(old, new)`` on every state change (the unit counts gathered units)."""
+        self._on_grads_ready = on_grads_ready
+        self._on_state_change = on_state_change
+
+    def rename(self, label: str) -> None:
+        """Name the unit by its path, once the root knows it: errors about its collectives say where."""
+        self.label = label
+
+    @property
+    def comm_hook(self) -> tuple[object, Callable[..., Any]] | None:
+        return self._comm_hook
+
+    def set_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Reduce gradients with ``hook(state, ...)`` from now on (see :func:`collectives.foreach_reduce`)."""
+        self._comm_hook = (state, hook)
+
+    @property
+    def summoned(self) -> bool:
+        """Full-precision copies are registered by ``summon_full_params`` (direct submodule calls are allowed)."""
+        return self._summoned
+
+    def set_summoned(self, summoned: bool) -> None:
+        self._summoned = summoned
 
     @property
     def is_meta(self) -> bool:
@@ -218,8 +246,8 @@ class ParamGroup:
     @state.setter
     def state(self, new: ShardState) -> None:
         old, self._state = self._state, new
-        if self.listener is not None and old is not new:
-            self.listener(old, new)
+        if self._on_state_change is not None and old is not new:
+            self._on_state_change(old, new)
 
     # --- unshard / reshard --------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, trace
 from fullshard.engine.api import BackwardPrefetch
@@ -88,43 +89,85 @@ def unit_states_in(module: nn.Module) -> list[UnitState]:
 
 
 @dataclass
-class RootContext:
-    """What the root unit shares with every unit below it for one model."""
+class ForwardOrder:
+    """The order units ran forward in the first iteration (frozen after it), and this iteration's progress
+    against it: prefetching follows the recorded order and stops at the first difference."""
 
-    root: UnitState
-    states: list[UnitState]
-    forward_order: list[UnitState] = field(default_factory=list)
-    order_frozen: bool = False
-    callback_queued: bool = False
-    in_backward: bool = False
-    in_flight: list[ParamGroup] = field(default_factory=list)
+    units: list[UnitState] = field(default_factory=list)
+    frozen: bool = False
     cursor: int = 0  # units run forward so far this iteration
-    order_changed: bool = False
-    max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
-    iteration_order: list[str] = field(default_factory=list)
+    changed: bool = False
+    this_iteration: list[str] = field(default_factory=list)  # labels, for the cross-rank check
+    position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in units
 
-    gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
-    position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in forward_order
+    def start_iteration(self) -> None:
+        self.cursor = 0
+        self.this_iteration.clear()
+        if not self.frozen:
+            self.units.clear()
 
-    def note_gathered(self) -> None:
-        self.max_gathered = max(self.max_gathered, self.gathered)
-
-    def freeze_order(self) -> None:
-        self.order_frozen = True
-        for i, state in enumerate(self.forward_order):
+    def freeze(self) -> None:
+        self.frozen = True
+        for i, state in enumerate(self.units):
             self.position.setdefault(id(state), i)
+
+    def expected(self) -> UnitState | None:
+        """The unit the first iteration ran at this point of the forward (None past its end)."""
+        return self.units[self.cursor] if self.cursor < len(self.units) else None
 
     def next_in_forward(self, state: UnitState) -> UnitState | None:
         i = self.position.get(id(state))
-        if i is None or i + 1 >= len(self.forward_order):
+        if i is None or i + 1 >= len(self.units):
             return None
-        return self.forward_order[i + 1]
+        return self.units[i + 1]
 
     def next_in_backward(self, state: UnitState) -> UnitState | None:
         i = self.position.get(id(state))
         if i is None or i == 0:
             return None
-        return self.forward_order[i - 1]
+        return self.units[i - 1]
+
+
+@dataclass
+class BackwardPass:
+    """Bookkeeping of the backward pass under way: the root's final callback, and the reductions in flight."""
+
+    callback_queued: bool = False
+    in_backward: bool = False
+    in_flight: list[ParamGroup] = field(default_factory=list)
+
+    def begin(self, final_callback: Callable[[], None]) -> None:
+        """At the first pre-backward of a backward pass: queue the root's final callback once."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(final_callback)
+
+    def reducing(self, group: ParamGroup) -> None:
+        """``group`` started reducing: finish the oldest while more than two are in flight."""
+        self.in_flight.append(group)
+        while len(self.in_flight) > 2:
+            self.in_flight.pop(0).finish_reduce()
+
+    def end(self) -> None:
+        self.in_flight.clear()
+        self.callback_queued = False
+        self.in_backward = False
+
+
+@dataclass
+class RootContext:
+    """What the root unit shares with every unit below it for one model."""
+
+    root: UnitState
+    states: list[UnitState]
+    order: ForwardOrder = field(default_factory=ForwardOrder)
+    backward: BackwardPass = field(default_factory=BackwardPass)
+    gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
+    max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
+
+    def note_gathered(self) -> None:
+        self.max_gathered = max(self.max_gathered, self.gathered)
 
 
 class UnitState:
@@ -149,9 +192,14 @@ class UnitState:
         self.requires_gradient_sync = True
         self.ran_forward = False
         self.reduced = False
+        self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
         if group is not None:
-            group.on_grads_ready = self.post_backward
+            group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
         _STATES[module] = self
+
+    def keep_hooks(self, *handles: RemovableHandle) -> None:
+        """Remember hooks registered for this unit, so that they can be removed."""
+        self.hook_handles.extend(handles)
 
     def signature(self) -> tuple[Any, ...]:
         """What every rank must agree on: the unit's name and its parameters' names, shapes and dtypes."""
@@ -180,8 +228,7 @@ class UnitState:
             state.label = names.get(id(state.module)) or f"<root {state.class_name}>"
             state._cast_buffers()
             if state.group is not None:
-                state.group.listener = state._group_state_changed
-                state.group.label = state.label  # errors about its collectives name the path
+                state.group.rename(state.label)  # errors about its collectives name the path
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         _refuse_meta(states)
         _check_same_units_on_all_ranks(states)
@@ -222,7 +269,7 @@ class UnitState:
         ctx = self.ctx
         if ctx is None:
             raise AssertionError(f"[rank {global_rank()}] {self.label}: no root context after lazy init")
-        if ctx.in_backward:
+        if ctx.backward.in_backward:
             # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
             self._unshard_now()
             return
@@ -230,32 +277,30 @@ class UnitState:
         self.ran_forward = True
         if self.group is not None:
             self.group.forget_cleared_unsharded_grads()
+        order = ctx.order
         if self.is_root:
             collective_check.note_forward()
-            ctx.cursor = 0
-            ctx.iteration_order.clear()
-            if not ctx.order_frozen:
-                ctx.forward_order.clear()
+            order.start_iteration()
         self._unshard_now()
-        if not ctx.order_frozen:
-            ctx.forward_order.append(self)
+        if not order.frozen:
+            order.units.append(self)
         else:
-            self._check_order(ctx)
-            if self.config.forward_prefetch and not ctx.order_changed:
-                _prefetch(ctx, ctx.next_in_forward(self))
-        ctx.cursor += 1
-        ctx.iteration_order.append(self.label)
+            self._check_order(order)
+            if self.config.forward_prefetch and not order.changed:
+                _prefetch(ctx, order.next_in_forward(self))
+        order.cursor += 1
+        order.this_iteration.append(self.label)
         ctx.note_gathered()
 
-    def _check_order(self, ctx: RootContext) -> None:
+    def _check_order(self, order: ForwardOrder) -> None:
         """Compare with the first iteration's order; prefetching stops at the first difference."""
-        expected = ctx.forward_order[ctx.cursor] if ctx.cursor < len(ctx.forward_order) else None
-        if expected is self or ctx.order_changed:
+        expected = order.expected()
+        if expected is self or order.changed:
             return
-        ctx.order_changed = True
+        order.changed = True
         where = expected.label if expected is not None else "nothing (the recorded order had ended)"
         message = (
-            f"unit {self.label!r} ran forward as unit #{ctx.cursor}, where the first iteration ran {where}: the "
+            f"unit {self.label!r} ran forward as unit #{order.cursor}, where the first iteration ran {where}: the "
             "order of units changed"
         )
         if order_debug_enabled():
@@ -269,7 +314,7 @@ class UnitState:
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.ctx
-        if ctx is None or ctx.in_backward:
+        if ctx is None or ctx.backward.in_backward:
             return output
         with trace.phase(trace.POST_FORWARD):
             if self.group is not None:
@@ -281,11 +326,11 @@ class UnitState:
                     # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
                     self.group.expose_sharded()
             if self.is_root:
-                if not ctx.order_frozen:
-                    ctx.freeze_order()
+                if not ctx.order.frozen:
+                    ctx.order.freeze()
                 _reshard_leftovers(ctx)
                 if order_debug_enabled():
-                    _check_same_order_on_all_ranks(ctx.iteration_order)
+                    _check_same_order_on_all_ranks(ctx.order.this_iteration)
             self.training_state = TrainingState.IDLE
             output = cast_floating(output, self.config.casts.output_dtype)
             if torch.is_grad_enabled():
@@ -307,17 +352,14 @@ class UnitState:
         ctx = self.ctx
         if ctx is None:
             return
-        if not ctx.callback_queued:
-            ctx.callback_queued = True
-            ctx.in_backward = True
-            Variable._execution_engine.queue_callback(ctx.root._final_callback)
+        ctx.backward.begin(ctx.root._final_callback)
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         with trace.phase(trace.PRE_BACKWARD):
             self.training_state = TrainingState.PRE_BACKWARD
             self._unshard_now()
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE and not ctx.order_changed:
-                _prefetch(ctx, ctx.next_in_backward(self))
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                _prefetch_backward(ctx, self)
             ctx.note_gathered()
 
     def post_backward(self) -> None:
@@ -330,15 +372,12 @@ class UnitState:
             if self.requires_gradient_sync:
                 group.reduce_grads()
                 self.reduced = True
-                ctx.in_flight.append(group)
-                while len(ctx.in_flight) > 2:
-                    ctx.in_flight.pop(0).finish_reduce()
+                ctx.backward.reducing(group)
             elif self.config.expose_unsynced_grads:
                 group.expose_unsharded_grads()
             group.reshard()
-            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST and not ctx.order_changed:
-                _prefetch(ctx, ctx.next_in_backward(self))
-                ctx.note_gathered()
+            if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+                _prefetch_backward(ctx, self)
 
     def _final_callback(self) -> None:
         ctx = self.ctx
@@ -357,9 +396,7 @@ class UnitState:
                         state.group.finish_reduce()
                         state.group.reshard()
             finally:
-                ctx.in_flight.clear()
-                ctx.callback_queued = False
-                ctx.in_backward = False
+                ctx.backward.end()
                 for state in ctx.states:
                     state.training_state = TrainingState.IDLE
                     state.ran_forward = False
@@ -373,6 +410,13 @@ def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
     if state.config.limit_all_gathers and ctx.gathered >= 2:
         return
     state.group.unshard()
+
+
+def _prefetch_backward(ctx: RootContext, state: UnitState) -> None:
+    """Prefetch the unit that runs backward after ``state`` (the previous one in forward order)."""
+    if not ctx.order.changed:
+        _prefetch(ctx, ctx.order.next_in_backward(state))
+        ctx.note_gathered()
 
 
 def _reshard_leftovers(ctx: RootContext) -> None:
@@ -493,7 +537,9 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
             state.requires_gradient_sync = value
 
 
-def guard_direct_calls(unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]) -> None:
+def guard_direct_calls(
+    unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]
+) -> list[RemovableHandle]:
     """Make a forward of ``modules`` (inside the unit) fail clearly unless the unit's parameters are gathered."""
 
     def make_hook(fqn: str) -> Callable[..., None]:
@@ -508,5 +554,4 @@ def guard_direct_calls(unit_label: str, group: ParamGroup, modules: list[tuple[s
 
         return hook
 
-    for fqn, module in modules:
-        module.register_forward_pre_hook(make_hook(fqn))
+    return [module.register_forward_pre_hook(make_hook(fqn)) for fqn, module in modules]

@@ -62,7 +62,7 @@ def _summon_group(group: ParamGroup, show: bool, offload_to_cpu: bool, with_grad
             param.grad = grads[i].cpu() if offload_to_cpu else grads[i]
         sp.register(param)
         summoned.append(param)
-    group.summoned = True
+    group.set_summoned(True)
     return summoned
 
 
@@ -94,4 +94,4 @@ def summon_full_params(
                     group.write_back([p.detach().to(group.device) for p in params])
             for sp in group.params:
                 sp.register_sharded()
-            group.summoned = False
+            group.set_summoned(False)

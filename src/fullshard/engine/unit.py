@@ -247,14 +247,17 @@ def build_unit(
     if sync:
         _broadcast_from_rank0(label, entries, modules, problem)
     group = None
+    handles = []
     if entries:
         precision = group_precision(config.casts, entries[0][2].dtype)
         group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload)
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]
-        guard_direct_calls(label, group, guarded)
-    return UnitState(module, group, config, label, own_modules=[m for _, m in modules])
+        handles = guard_direct_calls(label, group, guarded)
+    state = UnitState(module, group, config, label, own_modules=[m for _, m in modules])
+    state.keep_hooks(*handles)
+    return state
 
 
 def _allow_low_precision_grads(group: ParamGroup) -> None:

@@ -216,7 +216,7 @@ class FullyShardedDataParallel(nn.Module):
         self._unit_comm_hook_checks()
         for unit in unit_states_in(self):
             if unit.group is not None:
-                unit.group.comm_hook = (state, hook)
+                unit.group.set_comm_hook(state, hook)
 
     def _unit_comm_hook_checks(self) -> None:
         if FullyShardedDataParallel.fsdp_modules(self, root_only=True) != [self] or (
