@@ -348,7 +348,7 @@ ERRORS = {
     "shape": "optimizer state 'exp_avg' of 'blocks.0.fc.weight': the value has shape (3, 3) but the parameter has",
     "malformed": "ValueError: [rank 0] full_optim_state_dict: optimizer state of 'logit_scale' has shape (3, 3), but",
     "optim_input": "ValueError: FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported",
-    "group": "ValueError: sharded_optim_state_dict(group=<process group of ranks [0]>): the sharded form uses",
+    "group": "ValueError: sharded_optim_state_dict(group=<process group of ranks [0]>): the sharded form uses the",
 }
 
 

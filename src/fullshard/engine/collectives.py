@@ -1,13 +1,10 @@
 """The collectives the engine issues, as free functions over flat buffers, with byte accounting.
 
 Two layers. :func:`all_gather_flat`, :func:`reduce_scatter_flat` and :func:`all_reduce_flat` are the only
-places where a collective is issued. Above them, in the shape of torch FSDP2's ``foreach_all_gather`` /
-``foreach_reduce``, the functions a parameter group calls: :func:`foreach_all_gather` and :func:`copy_out`
-(the packed/direct gather of [Note: packed and direct parameters] in ``group.py`` and the copy from its
-rank-major output into ``flat_full``), :func:`foreach_reduce` and :func:`finish_reduce` (the rank-major
-reorder, the reduce-scatter or all-reduce, a communication hook, the hybrid all-reduce across replicas and the
-gradient-division policy, :func:`gradient_divide_factors`). They take buffers and parameter lists; the group
-keeps the buffers and the state machine.
+places a collective is issued. Above them, shaped like torch FSDP2's ``foreach_all_gather`` / ``foreach_reduce``,
+what a parameter group runs over its buffers (it keeps the buffers and the state machine): the packed and
+direct gathers and the copy-out (see [Note: packed and direct parameters] in ``group.py``), the rank-major
+copy-in, reduce-scatter or all-reduce, communication hook, hybrid all-reduce and gradient division.
 
 Every flat function skips the collective when its group has one rank (the result is the input) and records
 the bytes this rank sends and receives over the wire in :data:`COMM_STATS`, so that benchmarks can put the
@@ -125,11 +122,8 @@ def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async
 
 
 def gradient_divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[int, int]:
-    """``(before, after)``: what the engine divides a gradient by before and after reducing it.
-
-    The average is over ``data_parallel_size`` ranks. Low-precision sums can overflow, so float16 and bfloat16
-    gradients are divided before the collective; others after it (one rounding fewer in the sum's terms).
-    """
+    """``(before, after)``: what a gradient is divided by around its reduction, to average it over
+    ``data_parallel_size`` ranks: before for float16 and bfloat16, whose sums can overflow; after otherwise."""
     if data_parallel_size > 1 and reduce_dtype in (torch.float16, torch.bfloat16):
         return data_parallel_size, 1
     return 1, data_parallel_size
@@ -175,12 +169,9 @@ def foreach_all_gather(
     world: int,
     pg: dist.ProcessGroup | None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
-    """Start gathering a group from ``send`` (its flat shard, compute dtype): the packed prefix in one
-    collective into a new rank-major buffer (returned, for :func:`copy_out`), and each direct parameter
-    straight into its block of ``flat_full`` (whose storage must be allocated). Always asynchronous.
-
-    The direct writes preserve ``flat_full``'s version counter (see :func:`copy_out`).
-    """
+    """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
+    in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
+    into its block of ``flat_full`` (allocated; its version counter preserved, see :func:`copy_out`)."""
     works = []
     out = None
     if packed:
@@ -211,13 +202,10 @@ def copy_out(gathered: torch.Tensor, packed: list[ShardedParam], flat_full: torc
         torch.split_with_sizes_copy(by_rank, sizes, dim=1, out=blocks)
 
 
-def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int, whole: bool) -> torch.Tensor:
-    """``params``' padded blocks of ``grad`` (in layout order) reordered rank-major: ``(world, their G)``.
-
-    ``whole``: ``params`` are all of the group's parameters, so with one rank ``grad`` is already in order.
-    """
-    if world == 1 and whole:
-        return grad.view(1, -1)
+def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int) -> torch.Tensor:
+    """``params``' padded blocks of ``grad`` (in layout order) reordered rank-major: ``(world, their G)``."""
+    if world == 1 and _numel(params) == grad.numel():
+        return grad.view(1, -1)  # all of the group's parameters, and one rank: already in order
     out = torch.empty(world, _numel(params), dtype=grad.dtype, device=grad.device)
     if params:
         with trace.phase(trace.COPY_IN):
@@ -242,23 +230,19 @@ def foreach_reduce(
     direct: list[ShardedParam],
     shard_group: ShardGroup,
     comm_hook: tuple[object, Callable[..., Any]] | None,
-    *,
-    whole: bool,
 ) -> PendingReduce:
-    """Start reducing ``grad`` (the unsharded flat gradient, reduce dtype, owned by the caller) to this rank's
-    shard of the trainable parameters ``packed + direct`` (in layout order; ``whole`` when they are all of
-    the group's parameters).
+    """Start reducing ``grad`` (the flat unsharded gradient, reduce dtype, ours to overwrite) to this rank's
+    shard of the trainable parameters ``packed + direct`` (layout order).
 
-    Without a hook: one reduce-scatter for the packed ones (after a rank-major copy-in), one per direct
-    parameter straight from its block, asynchronous; with one rank per shard group, an all-reduce across
-    replicas instead. A communication hook runs synchronously, as torch's FSDP runs it, and averages itself.
-    """
+    Without a hook: one asynchronous reduce-scatter for the packed ones (after a rank-major copy-in), one per
+    direct parameter straight from its block; with one rank per shard group, an all-reduce across replicas.
+    A communication hook runs synchronously, as torch's FSDP runs it, and averages itself."""
     world = shard_group.shard_size
     params = packed + direct
     numel = _numel(params)
     if comm_hook is not None:
         state, hook = comm_hook
-        ordered = rank_major(grad, params, world, whole)
+        ordered = rank_major(grad, params, world)
         if world == 1:
             output = ordered.view(-1)
             hook(state, output)
@@ -270,10 +254,10 @@ def foreach_reduce(
     if before > 1:
         grad.div_(before)
     if world == 1:
-        output = rank_major(grad, params, world, whole).view(-1)
+        output = rank_major(grad, params, world).view(-1)
         work = all_reduce_flat(output, shard_group.replicate_pg, async_op=True)
         return PendingReduce([work] if work is not None else [], output, None, before > 1)
-    ordered = rank_major(grad, packed, world, False)  # (N, packed G)
+    ordered = rank_major(grad, packed, world)  # (N, packed G)
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
     pg, works = shard_group.shard_pg, []
     packed_numel = _numel(packed)

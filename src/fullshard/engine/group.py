@@ -143,14 +143,12 @@ class ParamGroup:
         self.requires_grad = bool(self.grad_params)
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
-        # Called once per backward when every parameter has its gradient (the unit's post-backward).
-        self._on_grads_ready: Callable[[], None] | None = None
+        self._on_grads_ready: Callable[[], None] | None = None  # see observe
         self.flat_full = self._new_flat_full()
         self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
         self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
         self._state = ShardState.SHARDED
-        # Told (old, new) on every state change; the unit state counts gathered units with it.
-        self._on_state_change: Callable[[ShardState, ShardState], None] | None = None
+        self._on_state_change: Callable[[ShardState, ShardState], None] | None = None  # see observe
         self._summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
         self._pending: list[PendingReduce] = []
@@ -175,8 +173,7 @@ class ParamGroup:
                 sp.local_view(self.flat_shard).copy_(sp.rows_of(original.detach()).to(self.storage_device))
                 sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
 
-    def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:
-        """``local`` (this rank's rows of ``sp``) as the sharded tensor type: plain, or a DTensor."""
+    def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:  # plain, or a DTensor
         return self.shard_group.dtensor(local, sp.shape) if self.use_dtensor else local
 
     def _new_flat_full(self) -> torch.Tensor:
@@ -186,13 +183,9 @@ class ParamGroup:
             full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
             full.untyped_storage().resize_(0)
             full.requires_grad_(self.requires_grad)
-        if self.requires_grad:
-            full.register_post_accumulate_grad_hook(lambda _: self._grads_ready())
+        if self.requires_grad:  # the unit's post-backward (see observe)
+            full.register_post_accumulate_grad_hook(lambda _: self._on_grads_ready and self._on_grads_ready())
         return full
-
-    def _grads_ready(self) -> None:
-        if self._on_grads_ready is not None:
-            self._on_grads_ready()
 
     def observe(
         self, on_grads_ready: Callable[[], None], on_state_change: Callable[[ShardState, ShardState], None]
@@ -269,8 +262,12 @@ class ParamGroup:
             if self.world == 1:
                 self._gather = ([], send)
             else:
-                with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
-                    self._gather = self._issue_gathers(send)
+                if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
+                    self._allocate_full()
+                    self._full_version = self.flat_full._version
+                pg = self.shard_group.shard_pg
+                with collective_check.collective("all_gather", self.label, pg):
+                    self._gather = foreach_all_gather(send, self.packed, self.direct, self.flat_full, self.world, pg)
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
 
@@ -296,14 +293,6 @@ class ParamGroup:
                 copy_out(gathered, self.packed, self.flat_full, self.world)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
-
-    def _issue_gathers(self, send: torch.Tensor) -> tuple[list[dist.Work], torch.Tensor | None]:
-        """Start the all-gathers (see :func:`collectives.foreach_all_gather`); always asynchronous: a caller that
-        needs the result now calls wait_for_unshard() at once, and the time blocked there is the exposed gather."""
-        if self.direct:
-            self._allocate_full()
-            self._full_version = self.flat_full._version
-        return foreach_all_gather(send, self.packed, self.direct, self.flat_full, self.world, self.shard_group.shard_pg)
 
     def _allocate_full(self) -> None:
         full = self.flat_full
@@ -371,11 +360,8 @@ class ParamGroup:
                 grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
             elif grad.dtype != rdtype:
                 grad = grad.to(rdtype)
-            whole = len(self.grad_params) == len(self.params)
-            pending = foreach_reduce(
-                grad, self.packed_grad_params, self.direct_grad_params, self.shard_group, self.comm_hook, whole=whole
-            )
-            self._pending.append(pending)
+            packed, direct = self.packed_grad_params, self.direct_grad_params
+            self._pending.append(foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook))
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.

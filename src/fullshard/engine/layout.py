@@ -14,6 +14,7 @@ the gradient of its rows. A 0-dim parameter is treated as shape ``(1,)``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -81,8 +82,4 @@ class ShardLayout:
 
 def group_offsets(padded_numels: list[int]) -> list[int]:
     """Offsets of consecutive parameters in a group's flat shard, in the order given."""
-    offsets, total = [], 0
-    for n in padded_numels:
-        offsets.append(total)
-        total += n
-    return offsets
+    return list(itertools.accumulate(padded_numels[:-1], initial=0)) if padded_numels else []

@@ -25,14 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fullshard.engine.api import ShardingStrategy
 
-__all__ = [
-    "ShardGroup",
-    "build_shard_group",
-    "contiguous_stride",
-    "global_rank",
-    "require_process_group",
-    "shard_group_from_mesh",
-]
+__all__ = ["ShardGroup", "build_shard_group", "global_rank", "require_process_group", "shard_group_from_mesh"]
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -83,11 +76,11 @@ class ShardGroup:
         """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``."""
         size = torch.Size(shape)
         return DTensor.from_local(
-            local, self.get_mesh(), self.placements(), run_check=False, shape=size, stride=contiguous_stride(size)
+            local, self.get_mesh(), self.placements(), run_check=False, shape=size, stride=_contiguous_stride(size)
         )
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (sizes of 0 count as 1, as ``torch.empty`` does)."""
     stride, acc = [], 1
     for size in reversed(shape):

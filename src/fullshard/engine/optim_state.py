@@ -35,7 +35,7 @@ from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import global_rank
-from fullshard.engine.param import ShardedParam, local_tensor, replacement_for, rows_of
+from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
 from fullshard.engine.state import unit_states_in
 from fullshard.engine.state_dict import clean_key, get_state_dict_type, sharded_dtensor
 
@@ -152,6 +152,14 @@ def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, 
     return states, named_groups
 
 
+def _named_state(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: OsdT | None, caller: str
+) -> tuple[list[list[_Param]], dict[str, dict[str, Any]], list[OsdT]]:
+    """The optimizer's rows, and ``osd`` (default ``optim.state_dict()``) keyed by FQNs (see :func:`_named`)."""
+    rows = _optim_rows(model, optim, caller)
+    return (rows, *_named(optim.state_dict() if osd is None else osd, rows, caller))
+
+
 # --- full -----------------------------------------------------------------------------------------------
 
 
@@ -217,9 +225,7 @@ def full_optim_state_dict(
     group: dist.ProcessGroup | None = None,
 ) -> OsdT:
     """The full optimizer state dict keyed by FQNs (see the module note); ``{}`` on ranks > 0 if ``rank0_only``."""
-    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
-    rows = _optim_rows(model, optim, "full_optim_state_dict")
-    states, groups = _named(osd, rows, "full_optim_state_dict")
+    rows, states, groups = _named_state(model, optim, optim_state_dict, "full_optim_state_dict")
     keep = not rank0_only or dist.get_rank(group) == 0
     full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu)
     return {"state": full, "param_groups": groups} if keep else {}
@@ -240,10 +246,12 @@ def sharded_optim_state_dict(
     """Keyed by FQNs, per-element states as DTensors of the full shape, or with ``as_dtensor=False`` as this
     rank's plain local tensors (the local form). No communication, so ``group`` must span the world (or be
     None): the DTensors lie on the units' own meshes."""
-    _check_whole_world(group, "sharded_optim_state_dict")
-    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
-    rows = _optim_rows(model, optim, "sharded_optim_state_dict")
-    states, groups = _named(osd, rows, "sharded_optim_state_dict")
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"sharded_optim_state_dict(group=<process group of ranks {dist.get_process_group_ranks(group)}>): the "
+            "sharded form uses the process groups the model was wrapped with and takes no other group. Pass None."
+        )
+    rows, states, groups = _named_state(model, optim, optim_state_dict, "sharded_optim_state_dict")
     params = {p.fqn: p for row in rows for p in row}
 
     def convert(p: _Param, value: Any) -> Any:
@@ -255,15 +263,6 @@ def sharded_optim_state_dict(
 
     state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
     return {"state": state, "param_groups": groups}
-
-
-def _check_whole_world(group: dist.ProcessGroup | None, caller: str) -> None:
-    if group is None or dist.get_world_size(group) == dist.get_world_size():
-        return
-    raise ValueError(
-        f"{caller}(group=<process group of ranks {dist.get_process_group_ranks(group)}>): the sharded form uses "
-        "the process groups the model was wrapped with and takes no other group. Pass group=None."
-    )
 
 
 # --- loadable -----------------------------------------------------------------------------------------
@@ -367,15 +366,9 @@ def optim_state_dict_to_load(
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
         result = scatter_full_optim_state_dict(optim_state_dict, model, optim=optim, group=group)
     else:
-        rows = _optim_rows(model, optim, "optim_state_dict_to_load")
-        result = _loadable(
-            optim_state_dict,
-            model,
-            rows,
-            _to_local_state,
-            named=is_named_optimizer,
-            caller="optim_state_dict_to_load",
-        )
+        caller = "optim_state_dict_to_load"
+        rows = _optim_rows(model, optim, caller)
+        result = _loadable(optim_state_dict, model, rows, _to_local_state, named=is_named_optimizer, caller=caller)
     if load_directly:
         optim.load_state_dict(result)
     return result
@@ -408,27 +401,11 @@ def optim_state_dict(
 ) -> OsdT:
     """The optimizer state dict in the form set by the model's state dict type (full, sharded or local)."""
     settings = get_state_dict_type(model)
-    config = settings.optim_state_dict_config
-    kind = settings.state_dict_type
+    config, kind = settings.optim_state_dict_config, settings.state_dict_type
+    common = {"optim_state_dict": optim_state_dict, "offload_to_cpu": config.offload_to_cpu, "group": group}
     if kind is StateDictType.FULL_STATE_DICT:
-        rank0_only = getattr(config, "rank0_only", False)
-        return full_optim_state_dict(
-            model,
-            optim,
-            optim_state_dict=optim_state_dict,
-            rank0_only=rank0_only,
-            offload_to_cpu=config.offload_to_cpu,
-            group=group,
-        )
-    as_dtensor = kind is StateDictType.SHARDED_STATE_DICT
-    return sharded_optim_state_dict(
-        model,
-        optim,
-        optim_state_dict=optim_state_dict,
-        offload_to_cpu=config.offload_to_cpu,
-        as_dtensor=as_dtensor,
-        group=group,
-    )
+        return full_optim_state_dict(model, optim, rank0_only=getattr(config, "rank0_only", False), **common)
+    return sharded_optim_state_dict(model, optim, as_dtensor=kind is StateDictType.SHARDED_STATE_DICT, **common)
 
 
 # --- scatter ------------------------------------------------------------------------------------------
@@ -496,8 +473,8 @@ def _scatter_unit(
             for p in holders:
                 if p.sp is None:
                     raise AssertionError(f"[rank {global_rank()}] {p.fqn}: scattered without a unit")
-                lay = p.sp.layout.for_rank(shard_rank)
-                flat.narrow(0, p.sp.offset, lay.local_numel).copy_(rows_of(lay, full_states[p.fqn][name]).reshape(-1))
+                rows = p.sp.rows_of(full_states[p.fqn][name], shard_rank)
+                flat.narrow(0, p.sp.offset, rows.numel()).copy_(rows.reshape(-1))
             pieces.append(flat)
     dist.scatter(out, pieces, src=src, group=pg)
     return out

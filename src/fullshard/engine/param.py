@@ -19,16 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.engine.layout import ShardLayout
 
-__all__ = [
-    "ShardedParam",
-    "local_tensor",
-    "owner_label",
-    "replacement_for",
-    "retire",
-    "retired_data_ptr",
-    "rows_of",
-    "set_owner",
-]
+__all__ = ["ShardedParam", "local_tensor", "owner_label", "replacement_for", "retire", "retired_data_ptr", "set_owner"]
 
 
 @dataclass
@@ -74,9 +65,11 @@ class ShardedParam:
         """This rank's real rows inside a flat shard-sized buffer (a view; no copy)."""
         return flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape)
 
-    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's real rows of ``full`` (a tensor of the parameter's shape); see :func:`rows_of`."""
-        return rows_of(self.layout, full)
+    def rows_of(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """The real rows of ``full`` (of the parameter's shape) that this rank (or shard rank ``rank``) holds,
+        shaped like its local shard (a view where ``full`` allows one); see [Note: dim-0 layout]."""
+        lay = self.layout if rank is None else self.layout.for_rank(rank)
+        return full.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
 
     def full_of(self, by_rank: torch.Tensor, world: int) -> torch.Tensor:
         """The parameter's full tensor (a view) from ``by_rank`` ``(world, G)``: every rank's flat shard of a
@@ -89,13 +82,6 @@ class ShardedParam:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a ``DTensor``'s local tensor (no autograd view), else ``tensor`` itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
-
-
-def rows_of(layout: ShardLayout, full: torch.Tensor) -> torch.Tensor:
-    """The real rows of ``full`` (of ``layout.shape``) that ``layout``'s rank holds, shaped
-    ``layout.local_shape`` (a view where ``full`` allows one); see [Note: dim-0 layout]."""
-    rows = full.reshape(layout.dim0, layout.row_numel).narrow(0, layout.row_offset, layout.local_rows)
-    return rows.reshape(layout.local_shape)
 
 
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak

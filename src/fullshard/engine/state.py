@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,13 +67,6 @@ class UnitConfig:
     expose_unsynced_grads: bool = False
 
 
-def order_debug_enabled() -> bool:
-    """Check unit order every iteration and across ranks (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, or ours)."""
-    return os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" or os.environ.get(
-        "FULLSHARD_DEBUG", ""
-    ) not in ("", "0")
-
-
 _STATES: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
 
 
@@ -100,7 +92,7 @@ class ForwardOrder:
     this_iteration: list[str] = field(default_factory=list)  # labels, for the cross-rank check
     position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in units
 
-    def start_iteration(self) -> None:
+    def start_iteration(self) -> None:  # at the root's pre-forward
         self.cursor = 0
         self.this_iteration.clear()
         if not self.frozen:
@@ -111,35 +103,24 @@ class ForwardOrder:
         for i, state in enumerate(self.units):
             self.position.setdefault(id(state), i)
 
-    def expected(self) -> UnitState | None:
-        """The unit the first iteration ran at this point of the forward (None past its end)."""
-        return self.units[self.cursor] if self.cursor < len(self.units) else None
-
-    def next_in_forward(self, state: UnitState) -> UnitState | None:
+    def next(self, state: UnitState, step: int) -> UnitState | None:
+        """The unit ``step`` places after ``state`` in the recorded order: 1 in forward, -1 in backward."""
         i = self.position.get(id(state))
-        if i is None or i + 1 >= len(self.units):
+        if i is None or not 0 <= i + step < len(self.units):
             return None
-        return self.units[i + 1]
-
-    def next_in_backward(self, state: UnitState) -> UnitState | None:
-        i = self.position.get(id(state))
-        if i is None or i == 0:
-            return None
-        return self.units[i - 1]
+        return self.units[i + step]
 
 
 @dataclass
 class BackwardPass:
     """Bookkeeping of the backward pass under way: the root's final callback, and the reductions in flight."""
 
-    callback_queued: bool = False
-    in_backward: bool = False
+    in_backward: bool = False  # the root's final callback is queued and has not run yet
     in_flight: list[ParamGroup] = field(default_factory=list)
 
     def begin(self, final_callback: Callable[[], None]) -> None:
         """At the first pre-backward of a backward pass: queue the root's final callback once."""
-        if not self.callback_queued:
-            self.callback_queued = True
+        if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(final_callback)
 
@@ -151,7 +132,6 @@ class BackwardPass:
 
     def end(self) -> None:
         self.in_flight.clear()
-        self.callback_queued = False
         self.in_backward = False
 
 
@@ -287,14 +267,14 @@ class UnitState:
         else:
             self._check_order(order)
             if self.config.forward_prefetch and not order.changed:
-                _prefetch(ctx, order.next_in_forward(self))
+                _prefetch(ctx, order.next(self, 1))
         order.cursor += 1
         order.this_iteration.append(self.label)
         ctx.note_gathered()
 
     def _check_order(self, order: ForwardOrder) -> None:
         """Compare with the first iteration's order; prefetching stops at the first difference."""
-        expected = order.expected()
+        expected = order.units[order.cursor] if order.cursor < len(order.units) else None
         if expected is self or order.changed:
             return
         order.changed = True
@@ -303,7 +283,7 @@ class UnitState:
             f"unit {self.label!r} ran forward as unit #{order.cursor}, where the first iteration ran {where}: the "
             "order of units changed"
         )
-        if order_debug_enabled():
+        if collective_check.debug_enabled():
             raise RuntimeError(f"[rank {global_rank()}] {message}. Every iteration must run units in one order.")
         if self.config.forward_prefetch:
             warn_rank0(
@@ -329,7 +309,7 @@ class UnitState:
                 if not ctx.order.frozen:
                     ctx.order.freeze()
                 _reshard_leftovers(ctx)
-                if order_debug_enabled():
+                if collective_check.debug_enabled():
                     _check_same_order_on_all_ranks(ctx.order.this_iteration)
             self.training_state = TrainingState.IDLE
             output = cast_floating(output, self.config.casts.output_dtype)
@@ -415,7 +395,7 @@ def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
 def _prefetch_backward(ctx: RootContext, state: UnitState) -> None:
     """Prefetch the unit that runs backward after ``state`` (the previous one in forward order)."""
     if not ctx.order.changed:
-        _prefetch(ctx, ctx.order.next_in_backward(state))
+        _prefetch(ctx, ctx.order.next(state, -1))
         ctx.note_gathered()
 
 

@@ -34,7 +34,7 @@ def summoned_states(module: nn.Module, recurse: bool) -> list[UnitState]:
     return [s for s in states if id(s.module) not in inner]
 
 
-def _validate(states: list[UnitState], writeback: bool, rank0_only: bool, offload_to_cpu: bool) -> None:
+def _validate(states: list[UnitState], writeback: bool, rank0_only: bool) -> None:
     if writeback and rank0_only:
         raise ValueError(
             "summon_full_params(writeback=True, rank0_only=True) is not supported: other ranks would have "
@@ -77,7 +77,7 @@ def summon_full_params(
 ) -> Iterator[None]:
     """Gather full parameters of ``module``'s units for the duration of the block; see the module docstring."""
     states = [s for s in summoned_states(module, recurse) if s.group is not None]
-    _validate(states, writeback, rank0_only, offload_to_cpu)
+    _validate(states, writeback, rank0_only)
     show = not rank0_only or global_rank() == 0
     summoned: list[tuple[ParamGroup, list[nn.Parameter]]] = []
     try:

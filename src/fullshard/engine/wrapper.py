@@ -25,11 +25,7 @@ from fullshard.engine.api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
-    OptimStateDictConfig,
-    OptimStateKeyType,
     ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
     StateDictType,
 )
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
@@ -173,17 +169,7 @@ class FullyShardedDataParallel(nn.Module):
         inner = {id(m) for f in found for m in f.modules() if m is not f}
         return [f for f in found if id(f) not in inner]
 
-    @staticmethod
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
-        """Gather the full parameters for the block (see ``fullshard.engine.summon``)."""
-        return summon.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    summon_full_params = staticmethod(summon.summon_full_params)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:  # type: ignore[override]
         """Apply ``fn`` to every submodule, with this unit's full parameters gathered and written back."""
@@ -245,54 +231,12 @@ class FullyShardedDataParallel(nn.Module):
         """Load full tensors or DTensors under the unwrapped model's keys; checked before anything is copied."""
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)
 
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType | str,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set what ``state_dict()`` and ``optim_state_dict`` return for every unit in ``module``."""
-        return sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state dict settings of the units in ``module`` (which must agree)."""
-        return sd.get_state_dict_type(module)
-
-    @staticmethod
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType | str,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> contextlib.AbstractContextManager[None]:
-        """:meth:`set_state_dict_type` for the duration of a ``with`` block."""
-        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
-
-    @staticmethod
-    def optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: dict[str, Any] | None = None,
-        group: dist.ProcessGroup | None = None,
-    ) -> dict[str, Any]:
-        """The optimizer state keyed by parameter names, full or sharded as the model's state dict type says."""
-        return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
-
-    @staticmethod
-    def optim_state_dict_to_load(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_state_dict: dict[str, Any],
-        is_named_optimizer: bool = False,
-        load_directly: bool = False,
-        group: dist.ProcessGroup | None = None,
-    ) -> dict[str, Any]:
-        """Turn an :meth:`optim_state_dict` result into what ``optim.load_state_dict`` takes on this rank."""
-        return optim_state.optim_state_dict_to_load(
-            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
-        )
+    # Same signatures as torch's FSDP methods; the engine's functions are the methods.
+    set_state_dict_type = staticmethod(sd.set_state_dict_type)
+    get_state_dict_type = staticmethod(sd.get_state_dict_type)
+    state_dict_type = staticmethod(sd.state_dict_type)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
     @staticmethod
     def full_optim_state_dict(
@@ -320,44 +264,10 @@ class FullyShardedDataParallel(nn.Module):
         one spanning the world)."""
         return optim_state.sharded_optim_state_dict(model, optim, group=group)
 
-    @staticmethod
-    def shard_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any],
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, ready for ``optim.load_state_dict``."""
-        return optim_state.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(
-        full_optim_state_dict: dict[str, Any] | None,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-        group: dist.ProcessGroup | None = None,
-    ) -> dict[str, Any]:
-        """As :meth:`shard_full_optim_state_dict`, with the full dict held by rank 0 only."""
-        return optim_state.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(
-        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        """This rank's part of a :meth:`sharded_optim_state_dict` result, ready for ``optim.load_state_dict``."""
-        return optim_state.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
-
-    @staticmethod
-    def rekey_optim_state_dict(
-        optim_state_dict: dict[str, Any],
-        optim_state_key_type: OptimStateKeyType | str,
-        model: nn.Module,
-        optim_input: Any = None,
-        optim: torch.optim.Optimizer | None = None,
-    ) -> dict[str, Any]:
-        """Re-key an optimizer state dict by parameter names or by parameter ids."""
-        return optim_state.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
+    shard_full_optim_state_dict = staticmethod(optim_state.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(optim_state.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(optim_state.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(optim_state.rekey_optim_state_dict)
 
 
 FSDP = FullyShardedDataParallel
