@@ -220,7 +220,7 @@ class PendingReduce:
     works: list[dist.Work]
     output: torch.Tensor  # 1D, the trainable parameters' padded shards, reduce dtype
     keep_alive: object  # the reduce-scatter inputs, until the works complete
-    divided: bool  # fully averaged already (hooks average; the default policy may divide after)
+    divide_after: int  # what is left of the average (see gradient_divide_factors); hooks average themselves
     hooked: bool = False
 
 
@@ -249,14 +249,14 @@ def foreach_reduce(
         else:
             output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
             hook(state, ordered.view(-1), output)
-        return PendingReduce([], output, None, True, hooked=True)
-    before, _ = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype)
+        return PendingReduce([], output, None, 1, hooked=True)
+    before, after = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype)
     if before > 1:
         grad.div_(before)
     if world == 1:
         output = rank_major(grad, params, world).view(-1)
         work = all_reduce_flat(output, shard_group.replicate_pg, async_op=True)
-        return PendingReduce([work] if work is not None else [], output, None, before > 1)
+        return PendingReduce([work] if work is not None else [], output, None, after)
     ordered = rank_major(grad, packed, world)  # (N, packed G)
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
     pg, works = shard_group.shard_pg, []
@@ -267,7 +267,7 @@ def foreach_reduce(
         # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
         out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
         works.append(reduce_scatter_flat(out, full_block(grad, sp, world), pg, async_op=True))
-    return PendingReduce(works, output, (ordered, grad), before > 1)
+    return PendingReduce(works, output, (ordered, grad), after)
 
 
 def finish_reduce(pending: PendingReduce, shard_group: ShardGroup, label: str) -> torch.Tensor:
@@ -278,6 +278,6 @@ def finish_reduce(pending: PendingReduce, shard_group: ShardGroup, label: str) -
     if shard_group.shard_size > 1 and replicate_pg is not None and not pending.hooked:
         with trace.phase(trace.REDUCE_WAIT), collective_check.collective("all_reduce", label, replicate_pg):
             all_reduce_flat(output, replicate_pg, async_op=False)
-    if not pending.divided:
-        output.div_(shard_group.data_parallel_size)
+    if pending.divide_after > 1:
+        output.div_(pending.divide_after)
     return output
