@@ -33,9 +33,10 @@ from torch.distributed.tensor import DTensor
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam, replacement_for
 from fullshard.engine.state import unit_states_in
-from fullshard.engine.state_dict import clean_key, get_state_dict_type, rows_of, sharded_dtensor
+from fullshard.engine.state_dict import get_state_dict_type, rows_of, sharded_dtensor
 
 __all__ = [
     "flatten_sharded_optim_state_dict",

@@ -39,6 +39,7 @@ from fullshard.engine import collective_check, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
+from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.warn import warn_rank0
 
@@ -170,10 +171,7 @@ class UnitState:
         """Make this unit the root of every unit in its tree and check all ranks agree on them."""
         states = unit_states_in(self.module)
         ctx = RootContext(self, states)
-        names = {
-            id(m): n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-            for n, m in self.module.named_modules()
-        }
+        names = {id(m): clean_key(n) for n, m in self.module.named_modules()}
         for state in states:
             state.ctx = ctx
             state.label = names.get(id(state.module)) or f"<root {state.kind}>"

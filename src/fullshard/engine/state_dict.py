@@ -63,12 +63,12 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
 
 __all__ = [
     "FLAT_PARAM",
-    "clean_key",
     "get_state_dict_type",
     "install_state_dict_hooks",
     "load_checked",
@@ -79,7 +79,6 @@ __all__ = [
     "state_dict_type",
 ]
 
-WRAPPED_SEGMENT = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
 
 _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
@@ -87,11 +86,6 @@ _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCo
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
-
-
-def clean_key(key: str) -> str:
-    """``key`` without any ``_fsdp_wrapped_module`` segment."""
-    return ".".join(part for part in key.split(".") if part != WRAPPED_SEGMENT[:-1])
 
 
 def default_settings(state_dict_type: StateDictType) -> StateDictSettings:

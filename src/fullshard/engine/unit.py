@@ -15,13 +15,12 @@ from torch import nn
 
 from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
-
-WRAPPED_NAME = "_fsdp_wrapped_module"
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,6 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module) -> t
     return torch.device("cpu")
 
 
-def _clean(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
-
-
 Entry = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
 
 
@@ -115,7 +110,7 @@ def _collect(
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored.param_ids:
                 continue
-            fqn = _clean(prefix + name)
+            fqn = clean_key(prefix + name)
             _refuse_taken(param, fqn)
             if id(param) in entries:
                 entries[id(param)][1].append((module, name))
@@ -123,7 +118,7 @@ def _collect(
                 entries[id(param)] = (fqn, [(module, name)], param)
             holds = True
         if holds:
-            holders.append((_clean(prefix.rstrip(".")) or type(unit_module).__name__, module))
+            holders.append((clean_key(prefix.rstrip(".")) or type(unit_module).__name__, module))
     return list(entries.values()), holders
 
 
@@ -182,7 +177,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
         elif module._parameters and problem is None:
-            where = _clean(prefix.rstrip(".")) or "<root>"
+            where = clean_key(prefix.rstrip(".")) or "<root>"
             problem = (
                 f"{type(module).__name__} at {where!r} is on the meta device and has no reset_parameters() to "
                 "initialise it after materialization. Pass param_init_fn=... (called with each meta module), or "

@@ -35,9 +35,10 @@ from fullshard.engine.api import (
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
+from fullshard.engine.names import WRAPPED_NAME, clean_key
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
 from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, unit_state, unit_states_in
-from fullshard.engine.unit import WRAPPED_NAME, InitOptions, build_unit, resolve_device, resolve_ignored
+from fullshard.engine.unit import InitOptions, build_unit, resolve_device, resolve_ignored
 from fullshard.engine.wrap import plan_units
 
 __all__ = ["FullyShardedDataParallel"]
@@ -156,11 +157,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in super().named_parameters(*args, **kwargs):
-            yield _clean_name(name), param
+            yield clean_key(name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buf in super().named_buffers(*args, **kwargs):
-            yield _clean_name(name), buf
+            yield clean_key(name), buf
 
     # --- FSDP methods -------------------------------------------------------------------------------
 
@@ -353,10 +354,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-
-
-def _clean_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
 
 
 def _resolve_offload(cpu_offload: Any) -> Offload | None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from fullshard.engine.api import FullStateDictConfig, StateDictType
 from fullshard.engine.fully_shard import FSDPModule
+from fullshard.engine.names import clean_key
 from fullshard.engine.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.state_dict import state_dict_type
 from fullshard.engine.summon import summon_full_params
@@ -41,8 +42,6 @@ __all__ = [
     "optim_state",
     "sharded_model_state_dict",
 ]
-
-_WRAPPED = "_fsdp_wrapped_module."
 
 
 def _is_fsdp2(model: nn.Module) -> bool:
@@ -94,7 +93,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         full = model.state_dict()
     if rank != 0:
         return {}
-    return {k.replace(_WRAPPED, ""): v.detach().cpu() for k, v in full.items()}
+    return {clean_key(k): v.detach().cpu() for k, v in full.items()}
 
 
 def load_full_model_state_dict(
@@ -110,7 +109,7 @@ def load_full_model_state_dict(
     with summon_full_params(model, writeback=True), torch.no_grad():
         # The summoned parameters are full nn.Parameters under their original names (tied ones under each).
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        target = {k.replace(_WRAPPED, ""): v for k, v in named}
+        target = {clean_key(k): v for k, v in named}
         problem = [_full_problem(full_sd or {}, target, strict) if rank == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(problem, src=0)
@@ -158,7 +157,7 @@ def _names(model: nn.Module) -> dict[int, str]:
     """
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name.replace(_WRAPPED, ""))
+        names.setdefault(id(p), clean_key(name))
     return names
 
 
