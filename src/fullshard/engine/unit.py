@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.agreement import require_agreement
 from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.names import clean_key
@@ -192,19 +192,13 @@ def _broadcast_from_rank0(
     """sync_module_states: every rank takes rank 0's parameters and buffers, after checking on every rank that
     no rank failed to initialise its modules (``problem``) and that the shapes agree."""
     tensors = [p for _, _, p in entries] + [b for _, m in modules for b in m._buffers.values() if b is not None]
-    signature = [(name, tuple(p.shape)) for name, _, p in entries]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (signature, problem))
-    failed = next(((rank, p) for rank, (_, p) in enumerate(everyone) if p), None)
-    if failed is not None:
-        raise ValueError(f"sync_module_states=True, on rank {failed[0]}: {failed[1]}")
-    everyone = [theirs for theirs, _ in everyone]
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise RuntimeError(
-                f"sync_module_states=True: unit {label!r} differs across ranks: rank {rank} has {theirs}, rank 0 has "
-                f"{everyone[0]}. Every rank must build the same model before wrapping."
-            )
+    require_agreement(
+        [(name, tuple(p.shape)) for name, _, p in entries],
+        what=f"sync_module_states=True, unit {label!r}",
+        problem=problem,
+        describe=lambda rank, theirs, ours: f"rank {rank} has parameters {theirs}, but rank 0 has {ours}",
+        remedy="Every rank must build the same model before wrapping",
+    )
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=0)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.checkpointing import checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.param import replacement_for, retired_data_ptr
@@ -136,27 +137,28 @@ def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], No
     """Raise on every rank, before any broadcast, if the ranks built models of different shapes, or if rank 0
     has meta modules it cannot initialise (no ``param_init_fn`` and no ``reset_parameters()``)."""
     signature = [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    stuck = []
+    stuck = None
     if dist.get_rank() == 0 and param_init_fn is None:
-        stuck = [name or "<root>" for name, m in model.named_modules()
+        names = [name or "<root>" for name, m in model.named_modules()
                  if _holds_meta(m) and m._parameters and not hasattr(m, "reset_parameters")]  # fmt: skip
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (signature, stuck))
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs != everyone[0][0]:
-            differ = next((a, b) for a, b in zip([*theirs, None], [*everyone[0][0], None]) if a != b)
-            raise ValueError(
-                f"sync_module_states=True (model={type(model).__name__}): rank {rank} built a different model than "
-                f"rank 0 (first difference: {differ[0]} vs rank 0's {differ[1]}). Every rank must build the same "
-                "architecture; with cpu_ram_efficient_loading only the weights may differ (ranks > 0 on meta)."
-            )
-    if everyone[0][1]:
-        raise ValueError(
-            f"sync_module_states=True (model={type(model).__name__}): on rank 0, {everyone[0][1][:3]} are on the "
-            "meta device and have no reset_parameters() to initialise them before they are broadcast. Build the "
-            "model on a real device on rank 0 (only the other ranks may use meta), or pass "
+        stuck = names and (
+            f"{names[:3]} are on the meta device and have no reset_parameters() to initialise them before they are "
+            "broadcast. Build the model on a real device on rank 0 (only the other ranks may use meta), or pass "
             "FullyShardedDataParallelPlugin(param_init_fn=...)."
         )
+
+    def describe(rank: int, theirs: list[Any], ours: list[Any]) -> str:
+        _, mine, other = first_difference(ours, theirs)
+        return f"rank {rank} built a different model than rank 0 (first difference: {other} vs rank 0's {mine})"
+
+    require_agreement(
+        signature,
+        what=f"sync_module_states=True (model={type(model).__name__})",
+        problem=stuck or None,
+        describe=describe,
+        remedy="Every rank must build the same architecture; with cpu_ram_efficient_loading only the weights may "
+        "differ (ranks > 0 on meta)",
+    )
 
 
 def _holds_meta(module: nn.Module) -> bool:
