@@ -28,6 +28,7 @@ from torch import nn
 
 from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.checkpointing import checkpoint_module
+from fullshard.engine.full_load import load_full_state_dict
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.param import replacement_for, retired_data_ptr
 from fullshard.engine.state import unit_state
@@ -256,33 +257,12 @@ def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
 def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict held by rank 0 into the sharded ``model`` in place; other ranks pass ``{}``.
 
-    For each entry of ``model.state_dict()`` rank 0 scatters the rows each rank owns (``distribute_tensor``);
-    plain tensors (buffers) are broadcast. Rank 0 raises first, naming keys that are missing or differ in shape.
+    The engine's rank-0 → shards path (``engine/full_load.py``): rank 0 raises first, on every rank, naming keys
+    that are missing or differ in shape (keys the model lacks are ignored); then every rank receives its rows.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     del accelerator  # Accelerate's signature; the model carries its meshes
-    rank = dist.get_rank()
     _materialize_meta(model)
-    target = model.state_dict()
-    problem = [_full_state_dict_problem(full_sd, target) if rank == 0 else None]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise ValueError(problem[0])
-    with torch.no_grad():
-        for name, current in target.items():
-            source = full_sd[name] if rank == 0 else None
-            if isinstance(current, DTensor):
-                full = source.to(current.device, current.dtype) if source is not None else None
-                if full is None:
-                    full = torch.empty(current.shape, dtype=current.dtype, device=current.device)
-                piece = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=0)
-                current.to_local().copy_(piece.to_local())
-            else:
-                full = source.to(current.device, current.dtype) if source is not None else current.clone()
-                dist.broadcast(full, src=0)
-                current.copy_(full)
-    model.load_state_dict(target)
+    load_full_state_dict(model, full_sd, strict=False, caller="fsdp2_load_full_state_dict(full_sd=...)")
 
 
 def _materialize_meta(model: nn.Module) -> None:
@@ -294,16 +274,3 @@ def _materialize_meta(model: nn.Module) -> None:
     device_type = mesh.device_type if mesh is not None else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     model.to_empty(device=device)
-
-
-def _full_state_dict_problem(full_sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> str | None:
-    """The error message for a full state dict that does not fit ``target`` (``None`` when it fits)."""
-    missing = [k for k in target if k not in full_sd]
-    wrong = [f"{k}: {tuple(full_sd[k].shape)} vs {tuple(v.shape)}" for k, v in target.items()
-             if k in full_sd and tuple(full_sd[k].shape) != tuple(v.shape)]  # fmt: skip
-    if not missing and not wrong:
-        return None
-    return (
-        f"fsdp2_load_full_state_dict(full_sd=...): rank 0's full state dict lacks {missing[:5]} and differs in "
-        f"shape for {wrong[:5]} (full vs model). Pass the state dict of the same model (on rank 0)."
-    )
