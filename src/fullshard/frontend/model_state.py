@@ -91,9 +91,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     engine_init_optimizer_state(inner)
 
 
-def optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, plugin: FullyShardedDataParallelPlugin) -> Any:
-    """The sharded optimizer state dict of ``optimizer`` over ``model``'s parameters, keyed by name."""
-    with _as(model, plugin, StateDictType.SHARDED_STATE_DICT):
+def optim_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plugin: FullyShardedDataParallelPlugin, *, full: bool = False
+) -> Any:
+    """The optimizer state dict of ``optimizer`` over ``model``'s parameters, keyed by name: sharded (DTensors),
+    or with ``full`` every tensor in full, on the CPU, on rank 0 (``{}`` elsewhere; a collective)."""
+    kind = StateDictType.FULL_STATE_DICT if full else StateDictType.SHARDED_STATE_DICT
+    with _as(model, plugin, kind):
         return optim_state_dict(model, optimizer)
 
 
@@ -107,12 +111,6 @@ def load_optim_state(
 
 
 # --- full optimizer state (FULL_STATE_DICT) ---------------------------------------------------------
-
-
-def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, plugin: FullyShardedDataParallelPlugin) -> Any:
-    """The optimizer state with every tensor in full, on the CPU, on rank 0 (``{}`` elsewhere); a collective."""
-    with _as(model, plugin, StateDictType.FULL_STATE_DICT):
-        return optim_state_dict(model, optimizer)
 
 
 def load_full_optim_state(

@@ -175,7 +175,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
-            osd = model_state.full_optim_state(model, optimizer, plugin)
+            osd = model_state.optim_state(model, optimizer, plugin, full=True)
             tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)))
         else:
             # A checkpoint always holds every parameter's state (zeros before the first step): then any
