@@ -101,17 +101,9 @@ def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, devic
     """
     plugin.set_auto_wrap_policy(model)
     init = InitOptions(plugin.param_init_fn, bool(plugin.sync_module_states))
-    if plugin.fsdp_version == 2:
-        options: dict[str, Any] = {"reshard_after_forward": plugin.reshard_after_forward}
-    else:
-        options = {
-            "sharding_strategy": plugin.sharding_strategy,
-            "backward_prefetch": plugin.backward_prefetch,
-            "forward_prefetch": plugin.forward_prefetch,
-            "limit_all_gathers": plugin.limit_all_gathers,
-            "use_orig_params": plugin.use_orig_params,
-            **({"device_id": device} if device is not None and device.type == "cuda" else {}),
-        }
+    options = plugin.entry_options()
+    if plugin.fsdp_version == 1 and device is not None and device.type == "cuda":
+        options["device_id"] = device
     return plan_sharding(
         model,
         version=int(plugin.fsdp_version),  # type: ignore[arg-type]
