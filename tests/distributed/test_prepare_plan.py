@@ -82,3 +82,24 @@ def test_prepare_resolves_the_plugin_once(pool2: WorkerPool, version: int) -> No
             "checkpointed": True,
             "ln_f unsharded": True,
         }
+
+
+def fsdp2_helper(rank: int, world: int) -> tuple[list[str], str]:
+    from fullshard.frontend.prepare import fsdp2_prepare_model
+
+    accelerator = Accelerator(fsdp_plugin=plugin(2, activation_checkpointing=True))
+    model = fsdp2_prepare_model(accelerator, TinyGPT(CFG))
+    kinds = [type(s.module).__name__ for s in unit_states_in(model)]
+    checkpointed = [getattr(b, "_fullshard_checkpointed", False) for b in model.blocks]
+    try:
+        fsdp2_prepare_model(Accelerator(fsdp_plugin=plugin(1)), TinyGPT(CFG))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return [*kinds, str(any(checkpointed))], refused
+
+
+def test_fsdp2_prepare_model_shards_blocks_then_root_without_checkpointing(pool2: WorkerPool) -> None:
+    kinds, refused = pool2.run(fsdp2_helper)[0]
+    assert kinds == ["FSDPTinyGPT"] + ["FSDPBlock"] * CFG.n_layer + ["False"]
+    assert refused.startswith("fsdp2_prepare_model(accelerator=...) with fsdp_version=1:"), refused

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.engine.agreement import gather_from_ranks
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
@@ -500,8 +501,7 @@ def scatter_states(
     out = {fqn: dict(s) for fqn, s in specs.items()}
     groups = list({id(p.group): p.group for p in params if p.group is not None}.values())
     position = {id(g): i for i, g in enumerate(groups)}
-    everyone: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, [g.shard_group.shard_rank for g in groups], group=pg)
+    everyone = gather_from_ranks([g.shard_group.shard_rank for g in groups], pg)
     for group, members in _by_unit(params, specs):
         column = [ranks[position[id(group)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
