@@ -338,7 +338,9 @@ def test_sync_module_states_problem_on_rank0_raises_everywhere(pool2: WorkerPool
     with pytest.raises(RankFailure) as info:
         pool2.run(_uninitialisable_on_rank0, entry)
     assert set(info.value.failures) == {0, 1}
-    assert "sync_module_states=True, on rank 0: NoReset at '<root>' is on the meta device" in str(info.value)
+    assert "sync_module_states=True, unit 'NoReset': on rank 0, NoReset at '<root>' is on the meta device" in str(
+        info.value
+    )
 
 
 # --- activation checkpointing -------------------------------------------------------------------------

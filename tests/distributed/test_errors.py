@@ -112,7 +112,7 @@ def test_ranks_with_different_models(pool2: WorkerPool) -> None:
     with pytest.raises(RankFailure) as info:
         pool2.run(_ranks_differ)
     assert set(info.value.failures) == {0, 1}  # every rank raises; none hangs
-    assert "the sharded model differs across ranks at module 'blocks.2': rank 1 has unit 'blocks.2'" in str(info.value)
+    assert "the sharded model differs across ranks: at module 'blocks.2', rank 1 has unit 'blocks.2'" in str(info.value)
 
 
 def _tied_across_units(rank: int, world: int) -> None:

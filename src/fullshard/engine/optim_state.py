@@ -31,21 +31,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import state_dict as sd
+from fullshard.engine.agreement import gather_from_ranks
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import global_rank
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
 from fullshard.engine.state import unit_states_in
-from fullshard.engine.state_dict import clean_key, get_state_dict_type, sharded_dtensor
+from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
 
 __all__ = [
     "flatten_sharded_optim_state_dict",
     "full_optim_state_dict",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "StateSpec",
     "rekey_optim_state_dict",
     "scatter_full_optim_state_dict",
+    "scatter_states",
     "shard_full_optim_state_dict",
     "sharded_optim_state_dict",
 ]
@@ -412,7 +416,7 @@ def optim_state_dict(
 
 
 @dataclass(frozen=True)
-class _Spec:
+class StateSpec:
     """Stands for a tensor in the structure rank 0 broadcasts before scattering."""
 
     shape: tuple[int, ...]
@@ -420,12 +424,12 @@ class _Spec:
 
 
 def _is_spec(value: Any) -> bool:
-    return isinstance(value, _Spec)
+    return isinstance(value, StateSpec)
 
 
 def _skeleton(osd: OsdT) -> OsdT:
     state = {
-        fqn: {n: _Spec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
+        fqn: {n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
         for fqn, s in osd["state"].items()
     }
     return {"state": state, "param_groups": osd["param_groups"]}
@@ -480,16 +484,15 @@ def _scatter_unit(
     return out
 
 
-def _scatter_states(
+def scatter_states(
     params: list[_Param], skeleton: OsdT, full_states: dict[str, dict[str, Any]] | None, pg: dist.ProcessGroup, src: int
 ) -> dict[str, dict[str, Any]]:
-    """Every rank's local per-element states, scattered unit by unit from ``src``, which holds them in full."""
+    """Every rank's local per-element states, scattered unit by unit from ``src`` (the one rank-0 → shards path)."""
     specs = skeleton["state"]
     out = {fqn: dict(s) for fqn, s in specs.items()}
     units = list({id(p.unit): p.unit for p in params if p.unit is not None}.values())
     position = {id(u): i for i, u in enumerate(units)}
-    everyone: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, [u.shard_group.shard_rank for u in units], group=pg)
+    everyone = gather_from_ranks([u.shard_group.shard_rank for u in units], pg)
     for unit, members in _by_unit(params, specs):
         column = [ranks[position[id(unit)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
@@ -525,9 +528,7 @@ def scatter_full_optim_state_dict(
     pg = group or dist.group.WORLD
     src = dist.get_global_rank(pg, 0)
     is_src = dist.get_rank(pg) == 0
-    holder: list[Any] = [None]
-    if is_src:
-        holder = [_skeleton_or_error(full_optim_state_dict)]
+    holder: list[Any] = [_skeleton_or_error(full_optim_state_dict) if is_src else None]
     dist.broadcast_object_list(holder, src=src, group=pg)
     if isinstance(holder[0], str):  # rank 0's input is unusable: every rank raises, none waits
         raise ValueError(holder[0])
@@ -537,7 +538,7 @@ def scatter_full_optim_state_dict(
     _check_names(skeleton["state"], by_fqn, "scatter_full_optim_state_dict")
     _check_spec_shapes(skeleton, by_fqn)
     full_states = full_optim_state_dict["state"] if is_src else None  # type: ignore[index]
-    local = {"state": _scatter_states(params, skeleton, full_states, pg, src), "param_groups": skeleton["param_groups"]}
+    local = {"state": scatter_states(params, skeleton, full_states, pg, src), "param_groups": skeleton["param_groups"]}
     rows = _target_rows(model, optim, optim_input, "scatter_full_optim_state_dict")
 
     def wrap(p: _Param, name: str, value: Any) -> Any:

@@ -30,16 +30,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, trace
+from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
 from fullshard.engine.mesh import global_rank
+from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.warn import warn_rank0
 
@@ -199,10 +200,7 @@ class UnitState:
         """Make this unit the root of every unit in its tree and check all ranks agree on them."""
         states = unit_states_in(self.module)
         ctx = RootContext(self, states)
-        names = {
-            id(m): n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-            for n, m in self.module.named_modules()
-        }
+        names = {id(m): clean_key(n) for n, m in self.module.named_modules()}
         for state in states:
             state.ctx = ctx
             state.label = names.get(id(state.module)) or f"<root {state.class_name}>"
@@ -420,24 +418,16 @@ def _refuse_meta(states: list[UnitState]) -> None:
 
 
 def _check_same_order_on_all_ranks(order: list[str]) -> None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, order)
-    for rank, theirs in enumerate(everyone):
-        if theirs == everyone[0]:
-            continue
-        i = next(
-            i
-            for i in range(max(len(theirs), len(everyone[0])))
-            if i >= len(theirs) or i >= len(everyone[0]) or theirs[i] != everyone[0][i]
-        )
-        mine = everyone[0][i] if i < len(everyone[0]) else "nothing"
-        other = theirs[i] if i < len(theirs) else "nothing"
-        raise RuntimeError(
-            f"ranks 0 and {rank} ran units in different orders this iteration: unit #{i} was {mine!r} on rank 0 "
-            f"and {other!r} on rank {rank}. Every rank must run the same units in the same order."
-        )
+    def describe(rank: int, theirs: list[str], ours: list[str]) -> str:
+        i, mine, other = first_difference(ours, theirs, "nothing")
+        return f"unit #{i} was {mine!r} on rank 0 and {other!r} on rank {rank}"
+
+    require_agreement(
+        order,
+        what="ranks ran units in different orders this iteration",
+        describe=describe,
+        remedy="Every rank must run the same units in the same order",
+    )
 
 
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -462,24 +452,16 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 def _check_same_units_on_all_ranks(states: list[UnitState]) -> None:
     """Raise on every rank, naming the first rank and unit that differ from rank 0 (no hang later)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = [s.signature() for s in states]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs == reference:
-            continue
-        for i in range(max(len(theirs), len(reference))):
-            ours = reference[i] if i < len(reference) else None
-            other = theirs[i] if i < len(theirs) else None
-            if ours != other:
-                raise RuntimeError(_describe_difference(rank, ours, other))
-    return
+    require_agreement(
+        [s.signature() for s in states],
+        what="the sharded model differs across ranks",
+        describe=_describe_difference,
+        remedy="Every rank must build the same model (same config and sizes) and wrap it with the same policy "
+        "before training",
+    )
 
 
-def _describe_difference(rank: int, ours: Any, other: Any) -> str:
+def _describe_difference(rank: int, theirs: list[Any], reference: list[Any]) -> str:
     def text(sig: Any) -> str:
         if sig is None:
             return "no unit"
@@ -488,12 +470,9 @@ def _describe_difference(rank: int, ours: Any, other: Any) -> str:
         more = f", ... ({len(params)} in all)" if len(params) > 6 else ""
         return f"unit {label!r} with parameters [{shown}{more}]"
 
+    _, ours, other = first_difference(reference, theirs, None)
     where = (other or ours)[0]
-    return (
-        f"the sharded model differs across ranks at module {where!r}: rank {rank} has {text(other)}, but rank 0 "
-        f"has {text(ours)}. Every rank must build the same model (same config and sizes) and wrap it with the "
-        "same policy before training."
-    )
+    return f"at module {where!r}, rank {rank} has {text(other)}, but rank 0 has {text(ours)}"
 
 
 def set_gradient_sync(states: list[UnitState], enabled: bool) -> list[bool]:

@@ -63,22 +63,23 @@ from fullshard.engine.api import (
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import global_rank
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
 
 __all__ = [
     "FLAT_PARAM",
-    "clean_key",
+    "expected_entries",
     "get_state_dict_type",
     "install_state_dict_hooks",
     "load_checked",
+    "mismatches",
     "rows_of",
     "set_state_dict_type",
     "sharded_dtensor",
     "state_dict_type",
 ]
 
-WRAPPED_SEGMENT = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
 
 _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
@@ -86,11 +87,6 @@ _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCo
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
-
-
-def clean_key(key: str) -> str:
-    """``key`` without any ``_fsdp_wrapped_module`` segment."""
-    return ".".join(part for part in key.split(".") if part != WRAPPED_SEGMENT[:-1])
 
 
 def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
@@ -422,20 +418,22 @@ def _post_load(module: nn.Module, incompatible: _IncompatibleKeys) -> None:
 
 
 @dataclass
-class _Expected:
+class Expected:
     """What a state dict of a module holds: clean key -> full shape (``None``: not a tensor)."""
 
     shapes: dict[str, tuple[int, ...] | None]
     flats: dict[str, tuple[int, set[str]]]  # clean `_flat_param` key -> (G, the parameter keys it stands for)
+    whole: dict[str, torch.Tensor]  # the tensors no unit shards (persistent buffers, parameters outside units)
 
 
-def _expected(module: nn.Module) -> _Expected:
+def expected_entries(module: nn.Module) -> Expected:
     sharded: dict[tuple[int, str], ShardedParam] = {}
     for state in unit_states_in(module):
         for sp in [] if state.group is None else state.group.params:
             for holder, name in sp.registrations:
                 sharded[(id(holder), name)] = sp
     shapes: dict[str, tuple[int, ...] | None] = {}
+    whole: dict[str, torch.Tensor] = {}
     keys_of: dict[int, set[str]] = {}
     flat_units: list[tuple[str, ParamGroup]] = []
     for path, m in module.named_modules(remove_duplicate=False):
@@ -449,16 +447,19 @@ def _expected(module: nn.Module) -> _Expected:
                 shapes[clean_key(base + name)] = sp.shape if sp is not None else tuple(p.shape)
                 if sp is not None:
                     keys_of.setdefault(id(sp), set()).add(clean_key(base + name))
+                else:
+                    whole[clean_key(base + name)] = p
         for name, b in m._buffers.items():
             if b is not None and name not in m._non_persistent_buffers_set:
                 shapes[clean_key(base + name)] = tuple(b.shape)
+                whole[clean_key(base + name)] = b
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             shapes[clean_key(base + "_extra_state")] = None
     flats = {
         key: (group.shard_numel, set().union(*(keys_of.get(id(sp), set()) for sp in group.params)))
         for key, group in flat_units
     }
-    return _Expected(shapes, flats)
+    return Expected(shapes, flats, whole)
 
 
 def _listed(keys: list[str]) -> str:
@@ -466,10 +467,10 @@ def _listed(keys: list[str]) -> str:
     return f"[{shown}{', ...' if len(keys) > 8 else ''}] ({len(keys)})"
 
 
-def _mismatches(module: nn.Module, state_dict: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
+def mismatches(module: nn.Module, state_dict: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
     """Missing keys, unexpected keys and shape mismatches (as text) of ``state_dict`` against ``module``."""
     state_dict = {clean_key(k): v for k, v in state_dict.items()}
-    want = _expected(module)
+    want = expected_entries(module)
     covered = set().union(*(keys for k, (_, keys) in want.flats.items() if k in state_dict))
     missing = [k for k in want.shapes if k not in state_dict and k not in covered]
     unexpected = [k for k in state_dict if k not in want.shapes and k not in want.flats]
@@ -495,7 +496,7 @@ def load_checked(
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_state_dict(state_dict={type(state_dict).__name__}): expected a dict of name -> tensor.")
-    missing, unexpected, shapes = _mismatches(module, state_dict)
+    missing, unexpected, shapes = mismatches(module, state_dict)
     problems = []
     if strict and missing:
         problems.append(f"missing keys {_listed(missing)}")

@@ -7,21 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.agreement import require_agreement
 from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup, global_rank
+from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
-
-WRAPPED_NAME = "_fsdp_wrapped_module"
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,6 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module) -> t
     return torch.device("cpu")
 
 
-def _clean(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
-
-
 Entry = tuple[str, list[tuple[nn.Module, str]], nn.Parameter]
 
 
@@ -115,7 +110,7 @@ def _collect(
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored.param_ids:
                 continue
-            fqn = _clean(prefix + name)
+            fqn = clean_key(prefix + name)
             _refuse_taken(param, fqn)
             if id(param) in entries:
                 entries[id(param)][1].append((module, name))
@@ -123,7 +118,7 @@ def _collect(
                 entries[id(param)] = (fqn, [(module, name)], param)
             holds = True
         if holds:
-            holders.append((_clean(prefix.rstrip(".")) or type(unit_module).__name__, module))
+            holders.append((clean_key(prefix.rstrip(".")) or type(unit_module).__name__, module))
     return list(entries.values()), holders
 
 
@@ -182,7 +177,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
         elif module._parameters and problem is None:
-            where = _clean(prefix.rstrip(".")) or "<root>"
+            where = clean_key(prefix.rstrip(".")) or "<root>"
             problem = (
                 f"{type(module).__name__} at {where!r} is on the meta device and has no reset_parameters() to "
                 "initialise it after materialization. Pass param_init_fn=... (called with each meta module), or "
@@ -197,19 +192,13 @@ def _broadcast_from_rank0(
     """sync_module_states: every rank takes rank 0's parameters and buffers, after checking on every rank that
     no rank failed to initialise its modules (``problem``) and that the shapes agree."""
     tensors = [p for _, _, p in entries] + [b for _, m in modules for b in m._buffers.values() if b is not None]
-    signature = [(name, tuple(p.shape)) for name, _, p in entries]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (signature, problem))
-    failed = next(((rank, p) for rank, (_, p) in enumerate(everyone) if p), None)
-    if failed is not None:
-        raise ValueError(f"sync_module_states=True, on rank {failed[0]}: {failed[1]}")
-    everyone = [theirs for theirs, _ in everyone]
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise RuntimeError(
-                f"sync_module_states=True: unit {label!r} differs across ranks: rank {rank} has {theirs}, rank 0 has "
-                f"{everyone[0]}. Every rank must build the same model before wrapping."
-            )
+    require_agreement(
+        [(name, tuple(p.shape)) for name, _, p in entries],
+        what=f"sync_module_states=True, unit {label!r}",
+        problem=problem,
+        describe=lambda rank, theirs, ours: f"rank {rank} has parameters {theirs}, but rank 0 has {ours}",
+        remedy="Every rank must build the same model before wrapping",
+    )
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=0)

@@ -31,10 +31,11 @@ from fullshard.engine.api import (
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
+from fullshard.engine.names import WRAPPED_NAME, clean_key
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
 from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, unit_state, unit_states_in
-from fullshard.engine.unit import WRAPPED_NAME, InitOptions, build_unit, resolve_device, resolve_ignored
-from fullshard.engine.wrap import plan_units
+from fullshard.engine.unit import InitOptions, build_unit, resolve_device, resolve_ignored
+from fullshard.engine.wrap import UnitPlan, plan_units
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -102,8 +103,8 @@ class FullyShardedDataParallel(nn.Module):
         }
         casts = casts_from_mixed_precision(mixed_precision)
         offload = _resolve_offload(cpu_offload)
-        policy = _keep_full_precision(auto_wrap_policy, mixed_precision)
-        _wrap_children(module, policy, child_kwargs, ignored_modules or ignored_states or ())
+        ignored_given = [m for m in [*(ignored_modules or ()), *(ignored_states or ())] if isinstance(m, nn.Module)]
+        wrap_units(module, plan_wrapper_units(module, auto_wrap_policy, mixed_precision, ignored_given), child_kwargs)
         self._fsdp_wrapped_module = module
         shard_group = build_shard_group(strategy, process_group, device_mesh, device)
         config = UnitConfig(
@@ -152,11 +153,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         for name, param in super().named_parameters(*args, **kwargs):
-            yield _clean_name(name), param
+            yield clean_key(name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buf in super().named_buffers(*args, **kwargs):
-            yield _clean_name(name), buf
+            yield clean_key(name), buf
 
     # --- FSDP methods -------------------------------------------------------------------------------
 
@@ -273,10 +274,6 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 
-def _clean_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != WRAPPED_NAME)
-
-
 def _resolve_offload(cpu_offload: Any) -> Offload | None:
     if cpu_offload is None:
         return None
@@ -299,28 +296,35 @@ def _keep_full_precision(policy: Callable[..., Any] | None, mp: MixedPrecision |
         if recurse:
             return policy(module, recurse, nonwrapped_numel)
         if isinstance(module, classes):
-            return {"mixed_precision": None, _FULL_PRECISION_OF: mp.param_dtype}
+            return {"mixed_precision": None, FULL_PRECISION_OUTPUT: mp.param_dtype}
         return policy(module, recurse, nonwrapped_numel)
 
     return combined
 
 
-_FULL_PRECISION_OF = "_fullshard_full_precision_output_dtype"
+# The override by which _keep_full_precision marks the units it adds (their inputs and outputs are this dtype).
+FULL_PRECISION_OUTPUT = "_fullshard_full_precision_output_dtype"
 
 
-def _wrap_children(
-    module: nn.Module, policy: Callable[..., Any] | None, kwargs: dict[str, Any], ignored: Iterable[Any]
-) -> None:
-    """Replace each submodule that ``policy`` selects with a nested FullyShardedDataParallel, innermost first."""
-    ignored_modules = [m for m in ignored if isinstance(m, nn.Module)]
-    plans = plan_units(module, policy, ignored_modules=ignored_modules, is_unit=lambda m: unit_state(m) is not None)
+def plan_wrapper_units(
+    module: nn.Module, policy: Callable[..., Any] | None, mp: MixedPrecision | None, ignored: list[nn.Module]
+) -> list[UnitPlan]:
+    """The submodules of ``module`` that become nested wrappers, innermost first: those ``policy`` selects, and
+    under mixed precision the modules it must keep in full precision (see :func:`_keep_full_precision`)."""
+    return plan_units(
+        module, _keep_full_precision(policy, mp), ignored_modules=ignored, is_unit=lambda m: unit_state(m) is not None
+    )
+
+
+def wrap_units(root: nn.Module, plans: list[UnitPlan], kwargs: dict[str, Any]) -> None:
+    """Replace each planned submodule of ``root`` (innermost first) with a FullyShardedDataParallel of it."""
     if not plans:
         return
-    parents = {id(child): (parent, name) for parent in module.modules() for name, child in parent.named_children()}
+    parents = {id(child): (parent, name) for parent in root.modules() for name, child in parent.named_children()}
     for plan in plans:
         parent, name = parents[id(plan.module)]
         overrides = dict(plan.overrides)
-        low_dtype = overrides.pop(_FULL_PRECISION_OF, None)
+        low_dtype = overrides.pop(FULL_PRECISION_OUTPUT, None)
         wrapped = FullyShardedDataParallel(plan.module, **{**kwargs, **overrides})
         if low_dtype is not None:
             _run_in_full_precision(wrapped, low_dtype)

@@ -256,26 +256,36 @@ class FullyShardedDataParallelPlugin:
         """
         self._require_version(1, "fsdp_kwargs", "fully_shard_kwargs")
         return {
-            "sharding_strategy": self.sharding_strategy,
+            **self.entry_options(),
             "cpu_offload": self.cpu_offload,
             "auto_wrap_policy": self._bound_policy(model),
-            "backward_prefetch": self.backward_prefetch,
             "mixed_precision": self.mixed_precision_policy,
             "ignored_modules": self._ignored_for(model),
             "param_init_fn": self.param_init_fn,
             "sync_module_states": self.sync_module_states,
-            "forward_prefetch": self.forward_prefetch,
-            "limit_all_gathers": self.limit_all_gathers,
-            "use_orig_params": self.use_orig_params,
         }
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``fully_shard(module, **kwargs)`` (``fsdp_version=2``)."""
         self._require_version(2, "fully_shard_kwargs", "fsdp_kwargs")
         return {
-            "reshard_after_forward": self.reshard_after_forward,
+            **self.entry_options(),
             "mp_policy": self.mixed_precision_policy or MixedPrecisionPolicy(),
             "offload_policy": self.cpu_offload,
+        }
+
+    def entry_options(self) -> dict[str, Any]:
+        """The options of this version's entry point that are neither units, ignored modules, precision,
+        offload nor initialisation: ``reshard_after_forward`` for ``fully_shard``, the strategy, prefetch and
+        gather settings for ``FullyShardedDataParallel``."""
+        if self.fsdp_version == 2:
+            return {"reshard_after_forward": self.reshard_after_forward}
+        return {
+            "sharding_strategy": self.sharding_strategy,
+            "backward_prefetch": self.backward_prefetch,
+            "forward_prefetch": self.forward_prefetch,
+            "limit_all_gathers": self.limit_all_gathers,
+            "use_orig_params": self.use_orig_params,
         }
 
     def to_engine_kwargs(self, model: nn.Module | None = None) -> dict[str, Any]:

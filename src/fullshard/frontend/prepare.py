@@ -3,10 +3,11 @@
 Also Accelerate's FSDP2 helpers under their names (``fsdp2_prepare_model``, ``fsdp2_prepare_auto_wrap_policy``,
 ``fsdp2_load_full_state_dict``, ``fsdp2_switch_optimizer_parameters``) and the RAM-efficient-loading switches.
 
-Everything the plugin describes is done by the engine, one unit at a time: mixed precision, CPU offload,
-``param_init_fn`` and ``sync_module_states`` go to ``FullyShardedDataParallel`` and to ``fully_shard`` (which
-takes the last two as fullshard's extensions of torch's signature; see [Note: RAM-efficient loading]).
-Activation checkpointing is the engine's ``checkpoint_module`` on the blocks the auto-wrap policy selects.
+The plugin is resolved once, into the engine's ``ShardingPlan`` (:func:`resolve_plan`), and the engine shards
+by that plan alone (``engine/plan.py``), one unit at a time: mixed precision, CPU offload, ``param_init_fn`` and
+``sync_module_states`` go to ``FullyShardedDataParallel`` and to ``fully_shard`` (which takes the last two as
+fullshard's extensions of torch's signature; see [Note: RAM-efficient loading]). Activation checkpointing is
+the engine's ``checkpoint_module`` on the blocks the auto-wrap policy selects.
 
 [Note: RAM-efficient loading]
 With ``cpu_ram_efficient_loading`` (which forces ``sync_module_states``) only rank 0 reads the pretrained
@@ -18,6 +19,7 @@ most one unit in full (plus the shards of the units done), never the whole model
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.checkpointing import checkpoint_module
-from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.agreement import first_difference, require_agreement
+from fullshard.engine.full_load import load_full_state_dict
 from fullshard.engine.param import replacement_for, retired_data_ptr
+from fullshard.engine.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine.state import unit_state
-from fullshard.engine.wrap import plan_units
-from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.engine.unit import InitOptions
 from fullshard.frontend import env
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
@@ -90,11 +92,29 @@ def fsdp2_prepare_auto_wrap_policy(
     return select
 
 
-def _blocks(model: nn.Module, plugin: FullyShardedDataParallelPlugin) -> list[nn.Module]:
-    """The submodules the plugin's auto-wrap policy makes units, innermost first (as the wrapper picks them)."""
+def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, device: torch.device | None) -> ShardingPlan:
+    """The plugin's settings for ``model``, resolved once into the engine's :class:`ShardingPlan`.
+
+    Binds a name-based auto-wrap policy to ``model``'s classes (as Accelerate's ``set_auto_wrap_policy`` does, on
+    the plugin), finds the ignored modules, and applies the policy once. ``device`` is the compute device (given
+    to the ``fsdp_version=1`` wrapper as ``device_id`` on CUDA).
+    """
     plugin.set_auto_wrap_policy(model)
-    ignored = plugin.resolve_ignored_modules(model)
-    return [p.module for p in plan_units(model, plugin.auto_wrap_policy, ignored_modules=ignored, is_unit=is_sharded)]
+    init = InitOptions(plugin.param_init_fn, bool(plugin.sync_module_states))
+    options = plugin.entry_options()
+    if plugin.fsdp_version == 1 and device is not None and device.type == "cuda":
+        options["device_id"] = device
+    return plan_sharding(
+        model,
+        version=int(plugin.fsdp_version),  # type: ignore[arg-type]
+        auto_wrap_policy=plugin.auto_wrap_policy,  # type: ignore[arg-type]
+        ignored_modules=plugin.resolve_ignored_modules(model),
+        precision=plugin.mixed_precision_policy,  # type: ignore[arg-type]
+        offload=plugin.cpu_offload,
+        init=init,
+        activation_checkpointing=bool(plugin.activation_checkpointing),
+        **options,
+    )
 
 
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
@@ -103,10 +123,16 @@ def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     ``accelerator`` supplies ``state.fsdp_plugin`` (or ``fsdp_plugin``). With ``param_init_fn`` or
     ``sync_module_states``, meta-device modules are materialized (and, with the latter, given rank 0's values)
     one unit at a time (see the module docstring); without either they stay on meta, as with Accelerate, for
-    the caller's ``to_empty`` and init.
+    the caller's ``to_empty`` and init. Activation checkpointing is left to the caller, as Accelerate does.
     """
     plugin = _plugin_of(accelerator, "fsdp2_prepare_model")
-    return _shard_fsdp2(model, plugin, _blocks(model, plugin))
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            f"fsdp2_prepare_model(accelerator=...) with fsdp_version={plugin.fsdp_version}: this helper applies "
+            "fully_shard (fsdp_version=2). Use Accelerator.prepare(model) for fsdp_version=1."
+        )
+    plan = resolve_plan(plugin, model, None)
+    return _apply(model, dataclasses.replace(plan, checkpointed=()))
 
 
 def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
@@ -116,47 +142,39 @@ def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
     return _check_plugin(plugin, f"{where}(accelerator=...)")
 
 
-def _shard_fsdp2(model: nn.Module, plugin: FullyShardedDataParallelPlugin, blocks: list[nn.Module]) -> nn.Module:
-    """``fully_shard`` each block, then the root, initialising each unit first (:func:`_initialize_unit`)."""
-    kwargs = plugin.fully_shard_kwargs()
-    ignored_modules = plugin.resolve_ignored_modules(model)
-    ignored_params = {p for m in ignored_modules for p in m.parameters()}
-    if ignored_params:
-        kwargs["ignored_params"] = ignored_params
-    if plugin.sync_module_states and dist.get_world_size() > 1:
-        _check_before_sync(model, plugin.param_init_fn)  # the whole model at once, before any unit is sharded
-    init = {"param_init_fn": plugin.param_init_fn, "sync_module_states": bool(plugin.sync_module_states)}
-    for unit in [*blocks, model]:
-        if not isinstance(unit, FSDPModule):
-            fully_shard(unit, **kwargs, **init)
-    return model
+def _apply(model: nn.Module, plan: ShardingPlan) -> nn.Module:
+    """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), then shard it."""
+    if plan.init.sync_module_states and dist.get_world_size() > 1:
+        _check_before_sync(model, plan.init.param_init_fn)
+    return apply_plan(model, plan)
 
 
 def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
     """Raise on every rank, before any broadcast, if the ranks built models of different shapes, or if rank 0
     has meta modules it cannot initialise (no ``param_init_fn`` and no ``reset_parameters()``)."""
     signature = [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
-    stuck = []
+    stuck = None
     if dist.get_rank() == 0 and param_init_fn is None:
-        stuck = [name or "<root>" for name, m in model.named_modules()
+        names = [name or "<root>" for name, m in model.named_modules()
                  if _holds_meta(m) and m._parameters and not hasattr(m, "reset_parameters")]  # fmt: skip
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (signature, stuck))
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs != everyone[0][0]:
-            differ = next((a, b) for a, b in zip([*theirs, None], [*everyone[0][0], None]) if a != b)
-            raise ValueError(
-                f"sync_module_states=True (model={type(model).__name__}): rank {rank} built a different model than "
-                f"rank 0 (first difference: {differ[0]} vs rank 0's {differ[1]}). Every rank must build the same "
-                "architecture; with cpu_ram_efficient_loading only the weights may differ (ranks > 0 on meta)."
-            )
-    if everyone[0][1]:
-        raise ValueError(
-            f"sync_module_states=True (model={type(model).__name__}): on rank 0, {everyone[0][1][:3]} are on the "
-            "meta device and have no reset_parameters() to initialise them before they are broadcast. Build the "
-            "model on a real device on rank 0 (only the other ranks may use meta), or pass "
+        stuck = names and (
+            f"{names[:3]} are on the meta device and have no reset_parameters() to initialise them before they are "
+            "broadcast. Build the model on a real device on rank 0 (only the other ranks may use meta), or pass "
             "FullyShardedDataParallelPlugin(param_init_fn=...)."
         )
+
+    def describe(rank: int, theirs: list[Any], ours: list[Any]) -> str:
+        _, mine, other = first_difference(ours, theirs)
+        return f"rank {rank} built a different model than rank 0 (first difference: {other} vs rank 0's {mine})"
+
+    require_agreement(
+        signature,
+        what=f"sync_module_states=True (model={type(model).__name__})",
+        problem=stuck or None,
+        describe=describe,
+        remedy="Every rank must build the same architecture; with cpu_ram_efficient_loading only the weights may "
+        "differ (ranks > 0 on meta)",
+    )
 
 
 def _holds_meta(module: nn.Module) -> bool:
@@ -175,23 +193,12 @@ def _check_activation_checkpointing(plugin: FullyShardedDataParallelPlugin) -> N
 def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> nn.Module:
     """Shard ``model`` as ``plugin`` says; a model that is already sharded is returned as it is.
 
-    ``device`` is the compute device (passed as ``device_id`` to the ``fsdp_version=1`` wrapper on CUDA).
+    One trip down: the plugin is resolved once (:func:`resolve_plan`) and the engine shards by that plan.
     """
     if is_sharded(model):
         return model
     _check_activation_checkpointing(plugin)
-    blocks = _blocks(model, plugin)
-    if plugin.activation_checkpointing:
-        for block in blocks:
-            checkpoint_module(block)
-    if plugin.fsdp_version == 2:
-        return _shard_fsdp2(model, plugin, blocks)
-    if plugin.sync_module_states and dist.get_world_size() > 1:
-        _check_before_sync(model, plugin.param_init_fn)  # the wrapper checks per unit, where ranks could hang
-    kwargs = plugin.fsdp_kwargs(model)
-    if device.type == "cuda":
-        kwargs["device_id"] = device
-    return FullyShardedDataParallel(model, **kwargs)
+    return _apply(model, resolve_plan(plugin, model, device))
 
 
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:
@@ -254,33 +261,12 @@ def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
 def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict held by rank 0 into the sharded ``model`` in place; other ranks pass ``{}``.
 
-    For each entry of ``model.state_dict()`` rank 0 scatters the rows each rank owns (``distribute_tensor``);
-    plain tensors (buffers) are broadcast. Rank 0 raises first, naming keys that are missing or differ in shape.
+    The engine's rank-0 → shards path (``engine/full_load.py``): rank 0 raises first, on every rank, naming keys
+    that are missing or differ in shape (keys the model lacks are ignored); then every rank receives its rows.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     del accelerator  # Accelerate's signature; the model carries its meshes
-    rank = dist.get_rank()
     _materialize_meta(model)
-    target = model.state_dict()
-    problem = [_full_state_dict_problem(full_sd, target) if rank == 0 else None]
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0]:
-        raise ValueError(problem[0])
-    with torch.no_grad():
-        for name, current in target.items():
-            source = full_sd[name] if rank == 0 else None
-            if isinstance(current, DTensor):
-                full = source.to(current.device, current.dtype) if source is not None else None
-                if full is None:
-                    full = torch.empty(current.shape, dtype=current.dtype, device=current.device)
-                piece = distribute_tensor(full, current.device_mesh, current.placements, src_data_rank=0)
-                current.to_local().copy_(piece.to_local())
-            else:
-                full = source.to(current.device, current.dtype) if source is not None else current.clone()
-                dist.broadcast(full, src=0)
-                current.copy_(full)
-    model.load_state_dict(target)
+    load_full_state_dict(model, full_sd, strict=False, caller="fsdp2_load_full_state_dict(full_sd=...)")
 
 
 def _materialize_meta(model: nn.Module) -> None:
@@ -292,16 +278,3 @@ def _materialize_meta(model: nn.Module) -> None:
     device_type = mesh.device_type if mesh is not None else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
     model.to_empty(device=device)
-
-
-def _full_state_dict_problem(full_sd: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> str | None:
-    """The error message for a full state dict that does not fit ``target`` (``None`` when it fits)."""
-    missing = [k for k in target if k not in full_sd]
-    wrong = [f"{k}: {tuple(full_sd[k].shape)} vs {tuple(v.shape)}" for k, v in target.items()
-             if k in full_sd and tuple(full_sd[k].shape) != tuple(v.shape)]  # fmt: skip
-    if not missing and not wrong:
-        return None
-    return (
-        f"fsdp2_load_full_state_dict(full_sd=...): rank 0's full state dict lacks {missing[:5]} and differs in "
-        f"shape for {wrong[:5]} (full vs model). Pass the state dict of the same model (on rank 0)."
-    )

@@ -60,6 +60,7 @@ from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, l
 from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
 from fullshard.checkpoint.verify import CheckpointDamagedError, check_parts, verify_checkpoint
+from fullshard.engine.agreement import gather_from_ranks
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -175,7 +176,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
-            osd = model_state.full_optim_state(model, optimizer, plugin)
+            osd = model_state.optim_state(model, optimizer, plugin, full=True)
             tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)))
         else:
             # A checkpoint always holds every parameter's state (zeros before the first step): then any
@@ -254,8 +255,7 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         problem = str(exc)
     rng_file = folder / rng_state_file_name(rank)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (problem, rng_file.is_file()))
+    everyone = gather_from_ranks((problem, rng_file.is_file()))
     first = next((p for p, _ in everyone if p), None)
     if first:
         raise (FileNotFoundError if " is missing" in first else CheckpointDamagedError)(first)

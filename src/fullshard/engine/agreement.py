@@ -1,0 +1,79 @@
+"""Checking that every rank holds the same value, before work that would hang or diverge if they did not.
+
+[Note: rank agreement]
+Each check is one ``all_gather_object`` of (this rank's value, this rank's problem). Every rank then sees
+every rank's value and raises the same error, naming the first rank that failed or that disagrees with rank
+0 (and how), so no rank goes on into a collective the others never reach. Without a process group, or with
+one rank, nothing is communicated and every check passes (a problem is still raised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["RanksDisagreeError", "first_difference", "gather_from_ranks", "require_agreement"]
+
+
+class RanksDisagreeError(ValueError, RuntimeError):
+    """Ranks hold different values where they must hold the same one.
+
+    Both a ``ValueError`` (the ranks were given different inputs) and a ``RuntimeError`` (what torch raises when
+    ranks fall out of step), so that callers catching either keep working.
+    """
+
+
+def gather_from_ranks(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``value``, in rank order; a collective over ``group`` (just ``[value]`` with one rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def require_agreement(
+    value: Any,
+    *,
+    what: str,
+    remedy: str,
+    problem: str | None = None,
+    describe: Callable[[int, Any, Any], str] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[Any]:
+    """Raise on every rank unless no rank has a ``problem`` and every rank's ``value`` equals rank 0's.
+
+    ``what`` names the check (it starts every message). A rank's ``problem`` (a message, e.g. what it could not
+    initialise) is raised on every rank as a ``ValueError``: ``"{what}: on rank {r}, {problem}"``. Otherwise a
+    differing value raises :class:`RanksDisagreeError`: ``"{what}: {detail}. {remedy}"``, where ``detail`` is
+    ``describe(rank, theirs, rank0s)`` for the first differing rank (default: both values in full) and names
+    the other differing ranks too. Returns every rank's value. A collective: see [Note: rank agreement].
+    """
+    everyone = gather_from_ranks((value, problem), group)
+    failed = [(rank, theirs) for rank, (_, theirs) in enumerate(everyone) if theirs]
+    if failed:
+        rank, first = failed[0]
+        more = f" (ranks {', '.join(str(r) for r, _ in failed)} failed)" if len(failed) > 1 else ""
+        raise ValueError(f"{what}: on rank {rank}, {first}{more}")
+    values = [v for v, _ in everyone]
+    differing = [rank for rank, theirs in enumerate(values) if theirs != values[0]]
+    if differing:
+        rank = differing[0]
+        detail = (
+            describe(rank, values[rank], values[0])
+            if describe is not None
+            else f"rank {rank} has {values[rank]!r}, but rank 0 has {values[0]!r}"
+        )
+        more = f" (ranks {', '.join(map(str, differing))} all differ from rank 0)" if len(differing) > 1 else ""
+        raise RanksDisagreeError(f"{what}: {detail}{more}. {remedy.rstrip('.')}.")
+    return values
+
+
+def first_difference(ours: list[Any], theirs: list[Any], missing: Any = None) -> tuple[int, Any, Any]:
+    """The first index where two different lists differ, with each one's item there (``missing`` past its end)."""
+    i = next(
+        i for i in range(max(len(ours), len(theirs))) if i >= len(ours) or i >= len(theirs) or ours[i] != theirs[i]
+    )
+    return i, ours[i] if i < len(ours) else missing, theirs[i] if i < len(theirs) else missing
