@@ -69,7 +69,7 @@ def all_gather_flat(
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
     if p2p_policy.use_p2p("all_gather", pg, output):
-        return p2p_policy.all_gather(output, shard, pg)
+        return p2p_policy.all_gather(output, shard, pg, async_op=async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
@@ -83,7 +83,7 @@ def reduce_scatter_flat(
         return None
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
     if p2p_policy.use_p2p("reduce_scatter", pg, full):
-        return p2p_policy.reduce_scatter(output, full, pg)
+        return p2p_policy.reduce_scatter(output, full, pg, async_op=async_op)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
 
 

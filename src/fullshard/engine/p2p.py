@@ -101,6 +101,9 @@ def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.P
         rows.append(row)
 
     def finish() -> None:
+        if n == 1:
+            output.copy_(rows[0])
+            return
         torch.add(rows[0], rows[1], out=output)
         for row in rows[2:]:
             output.add_(row)
@@ -138,6 +141,9 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.Proce
             pg.recv([incoming[s % 2]], left, REDUCE_SCATTER_TAG),
         ]
 
+    if n == 1:
+        output.copy_(chunks[0])
+        return P2PWork([])
     first = step(0, chunks[(rank - 1) % n])
 
     def finish() -> None:

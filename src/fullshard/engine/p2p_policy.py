@@ -73,9 +73,21 @@ def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool
     return full.numel() * full.element_size() >= threshold
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> p2p.P2PWork:
-    return p2p.pairwise_reduce_scatter(output, full, pg)
+def _finish(work: p2p.P2PWork, async_op: bool) -> p2p.P2PWork | None:
+    """As torch's collectives: a handle when asynchronous, else complete before returning."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup) -> p2p.P2PWork:
-    return p2p.pairwise_all_gather(output, shard, pg)
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool
+) -> p2p.P2PWork | None:
+    return _finish(p2p.pairwise_reduce_scatter(output, full, pg), async_op)
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool
+) -> p2p.P2PWork | None:
+    return _finish(p2p.pairwise_all_gather(output, shard, pg), async_op)
