@@ -6,7 +6,7 @@ For each group size it spawns that many gloo CPU ranks (one thread each) and tim
 from a few KB to 50 MB (MB = 10^6 bytes, the all-ranks size of one unit's buffer) in fp32 and bf16:
 
 - reduce-scatter: gloo's ``reduce_scatter_tensor`` (torch 2.13: an all-reduce of a clone, then a copy),
-  :func:`fullshard.engine.p2p.pairwise_reduce_scatter` and :func:`~fullshard.engine.p2p.ring_reduce_scatter`;
+  :func:`fullshard.engine.p2p.pairwise_reduce_scatter` and :func:`ring_reduce_scatter` (below);
 - all-gather: gloo's ``all_gather_into_tensor`` and :func:`~fullshard.engine.p2p.pairwise_all_gather`;
 - a two-rank exchange (ranks 0 and 1 send each other ``m`` bytes at once), to which the alpha-beta model
   ``t = alpha + beta m`` is fitted by least squares on relative error (each point weighted by 1 / its time, so that
@@ -23,8 +23,8 @@ prediction for that algorithm (``n`` ranks, ``B`` bytes):
     pairwise (all sends at once)           alpha +   B (n-1)/n beta
 
 It ends with the crossover per collective and group size (the smallest size from which the point-to-point
-version wins at that size and every larger one), which is what ``fullshard/engine/p2p_policy.py`` encodes, and
-the load average before and after. ``--json`` writes every median and the fit.
+version wins at that size and every larger one), which ``P2P_MIN_BYTES`` in ``fullshard/engine/p2p.py``
+encodes, and the load average before and after. ``--json`` writes every median and the fit.
 """
 
 from __future__ import annotations
@@ -54,12 +54,50 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+
+def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> p2p.P2PWork:
+    """``output`` becomes the sum over ranks of chunk ``rank`` of ``full``, in ``n - 1`` ring steps.
+
+    Step ``s`` sends the partial sum of chunk ``rank - s - 1`` to the right and receives that of chunk
+    ``rank - s - 2`` from the left, adding this rank's piece; the last one received is chunk ``rank``'s
+    complete sum (added from the rank after the owner round to the owner). Each step needs the previous one's
+    result, so the call posts the first and ``wait()`` runs the rest, where they cannot overlap with compute:
+    the reason the engine uses the pairwise exchange instead (for 2 ranks the two are the same).
+    """
+    n, rank = pg.size(), pg.rank()
+    chunks = full.view(n, -1)
+    if n == 1:
+        output.copy_(chunks[0])
+        return p2p.P2PWork([])
+    right, left = (rank + 1) % n, (rank - 1) % n
+    partial = torch.empty(2, chunks.shape[1], dtype=full.dtype)  # one being sent while the other is summed
+    incoming = torch.empty_like(partial)
+
+    def step(s: int, outgoing: torch.Tensor) -> list[dist.Work]:
+        tag = p2p.REDUCE_SCATTER_TAG
+        return [pg.send([outgoing], right, tag), pg.recv([incoming[s % 2]], left, tag)]
+
+    first = step(0, chunks[(rank - 1) % n])
+
+    def finish() -> None:
+        pending = first
+        for s in range(n - 1):
+            for work in pending:
+                work.wait()
+            last = s == n - 2
+            target = output if last else partial[s % 2]
+            torch.add(incoming[s % 2], chunks[(rank - s - 2) % n], out=target)
+            pending = [] if last else step(s + 1, target)
+
+    return p2p.P2PWork([], finish)
+
+
 Op = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], Any]
 VARIANTS: dict[str, dict[str, Op]] = {
     "reduce_scatter": {
         "gloo": lambda out, full, pg: _reduce_scatter_single(out, full, group=pg, async_op=True),
         "pairwise": p2p.pairwise_reduce_scatter,
-        "ring": p2p.ring_reduce_scatter,
+        "ring": ring_reduce_scatter,
     },
     "all_gather": {
         "gloo": lambda full, shard, pg: _all_gather_single(full, shard, group=pg, async_op=True),

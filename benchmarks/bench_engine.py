@@ -168,7 +168,7 @@ def ddp(model: nn.Module) -> nn.Module:
 
 
 # Systems named with this suffix run with gloo's own reduce-scatter and all-gather (FULLSHARD_GLOO_P2P=0); the
-# others with the engine's measured choice (fullshard/engine/p2p_policy.py).
+# others with the engine's measured choice (use_p2p in fullshard/engine/p2p.py).
 GLOO_NATIVE = ", gloo collectives"
 
 SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
@@ -192,7 +192,7 @@ THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 
 def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
-    from fullshard.engine.p2p_policy import ENV_VAR
+    from fullshard.engine.p2p import ENV_VAR
 
     before = os.environ.get(ENV_VAR)
     os.environ[ENV_VAR] = "0" if name.endswith(GLOO_NATIVE) else (before or "auto")

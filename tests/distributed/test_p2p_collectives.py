@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from benchmarks.bench_collectives import ring_reduce_scatter
 
-from fullshard.engine import p2p, p2p_policy
+from fullshard.engine import p2p
 from fullshard.engine.collectives import all_gather_flat, reduce_scatter_flat
 from fullshard.testing import WorkerPool
 from fullshard.testing.parity import RunResult, TrainSpec, reference_run
@@ -45,7 +46,7 @@ def _check_collectives(rank: int, world: int) -> list[str]:
             rank_order = everyone[0].view(world, chunk)[rank].clone()
             for other in everyone[1:]:
                 rank_order += other.view(world, chunk)[rank]
-            for name, fn in (("pairwise", p2p.pairwise_reduce_scatter), ("ring", p2p.ring_reduce_scatter)):
+            for name, fn in (("pairwise", p2p.pairwise_reduce_scatter), ("ring", ring_reduce_scatter)):
                 got = torch.full((chunk,), float("nan"), dtype=dtype)
                 fn(got, full, pg).wait()
                 where = f"{name} reduce-scatter {dtype} chunk {chunk}"
@@ -106,7 +107,7 @@ def _one_rank_groups(rank: int, world: int) -> list[bool]:
     out = torch.empty(6)
     p2p.pairwise_reduce_scatter(out, full, mine).wait()
     ring_out = torch.empty(6)
-    p2p.ring_reduce_scatter(ring_out, full, mine).wait()
+    ring_reduce_scatter(ring_out, full, mine).wait()
     gathered = torch.empty(6)
     p2p.pairwise_all_gather(gathered, full, mine).wait()
     flat_out = torch.empty(6)
@@ -124,45 +125,53 @@ def test_one_rank_group(pool2: WorkerPool) -> None:
 def _policy(rank: int, world: int) -> dict[str, object]:
     pg, full = dist.group.WORLD, torch.zeros(world * 4)
     seen: dict[str, object] = {}
-    old = os.environ.pop(p2p_policy.ENV_VAR, None)
+    old = os.environ.pop(p2p.ENV_VAR, None)
     try:
         for value in ("0", "1", "auto"):
-            os.environ[p2p_policy.ENV_VAR] = value
-            seen[value] = p2p_policy.use_p2p("reduce_scatter", pg, full)
-        seen["meta"] = p2p_policy.use_p2p("reduce_scatter", pg, torch.zeros(world * 4, device="meta"))
-        os.environ[p2p_policy.ENV_VAR] = "yes"
+            os.environ[p2p.ENV_VAR] = value
+            seen[value] = p2p.use_p2p("reduce_scatter", pg, full)
+        seen["meta"] = p2p.use_p2p("reduce_scatter", pg, torch.zeros(world * 4, device="meta"))
+        os.environ[p2p.ENV_VAR] = "yes"
         try:
             reduce_scatter_flat(torch.empty(4), full, pg, async_op=False)
         except ValueError as err:
             seen["bad"] = str(err)
     finally:
-        os.environ.pop(p2p_policy.ENV_VAR, None)
+        os.environ.pop(p2p.ENV_VAR, None)
         if old is not None:
-            os.environ[p2p_policy.ENV_VAR] = old
+            os.environ[p2p.ENV_VAR] = old
     return seen
 
 
 def test_policy_switch(pool2: WorkerPool) -> None:
     for seen in pool2.run(_policy):
         assert seen["0"] is False and seen["1"] is True and seen["meta"] is False
-        assert seen["auto"] is (p2p_policy.P2P_MIN_BYTES[("reduce_scatter", 2)] <= 16)
+        assert seen["auto"] is (p2p.P2P_MIN_BYTES[("reduce_scatter", 2)] <= 16)
         assert "FULLSHARD_GLOO_P2P='yes'" in str(seen["bad"]) and "auto" in str(seen["bad"])
 
 
-def test_uneven_input_refused() -> None:
-    with pytest.raises(ValueError, match=r"full \(7,\)"):
-        p2p._check(torch.empty(3), torch.empty(7), 2, "pairwise_reduce_scatter")
+def _uneven(rank: int, world: int) -> str:
+    try:
+        p2p.pairwise_reduce_scatter(torch.empty(3), torch.empty(7), dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_uneven_input_refused(pool2: WorkerPool) -> None:
+    for message in pool2.run(_uneven):
+        assert message.startswith("pairwise_reduce_scatter:") and "full (7,)" in message and "2 x" in message
 
 
 # --- training through the engine --------------------------------------------------------------------------
 
 
 def _run_with(rank: int, world: int, setting: str, spec: TrainSpec, shard: functools.partial) -> RunResult:
-    os.environ[p2p_policy.ENV_VAR] = setting
+    os.environ[p2p.ENV_VAR] = setting
     try:
         return run(rank, world, spec, shard)
     finally:
-        os.environ.pop(p2p_policy.ENV_VAR, None)
+        os.environ.pop(p2p.ENV_VAR, None)
 
 
 SPEC = TrainSpec()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fullshard.engine import p2p_policy
+from fullshard.engine import p2p
 
 __all__ = ["COMM_STATS", "CommStats", "all_gather_flat", "all_reduce_flat", "reduce_scatter_flat"]
 
@@ -68,8 +68,8 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
-    if p2p_policy.use_p2p("all_gather", pg, output):
-        return p2p_policy.all_gather(output, shard, pg, async_op=async_op)
+    if p2p.use_p2p("all_gather", pg, output):
+        return p2p.all_gather(output, shard, pg, async_op=async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
@@ -82,8 +82,8 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
-    if p2p_policy.use_p2p("reduce_scatter", pg, full):
-        return p2p_policy.reduce_scatter(output, full, pg, async_op=async_op)
+    if p2p.use_p2p("reduce_scatter", pg, full):
+        return p2p.reduce_scatter(output, full, pg, async_op=async_op)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
 
 

@@ -1,104 +1,100 @@
-"""Reduce-scatter and all-gather over gloo's point-to-point sends, for when gloo's own collectives are slower.
+"""Reduce-scatter and all-gather over gloo's point-to-point sends, and when the engine uses them.
 
-torch's gloo backend (2.13) has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones the input,
-all-reduces the whole clone and copies this rank's chunk out. An all-reduce moves ``2 B (n-1)/n`` bytes per
-rank for an input of ``B`` bytes, twice a reduce-scatter's ``B (n-1)/n``, and the clone and copy add two
-passes over memory. ``all_gather_into_tensor`` runs gloo's all-gather into a temporary and copies it into the
-output chunks. Two algorithms over ``ProcessGroup.send`` / ``recv`` (asynchronous in gloo: the transfer
-runs on gloo's I/O thread while the caller goes on) do the same job with the minimum traffic:
+torch's gloo backend (2.13) has no reduce-scatter: ``reduce_scatter_tensor`` clones the input, all-reduces
+the whole clone and copies this rank's chunk out, ``2 B (n-1)/n`` bytes per rank over ``2 (n-1)`` rounds for
+a ``B``-byte input; ``all_gather_into_tensor`` gathers into a temporary and copies. The pairwise versions
+here post every transfer at once with ``ProcessGroup.send`` / ``recv`` (asynchronous in gloo: its I/O thread
+moves the bytes while the caller computes): ``B (n-1)/n`` bytes, one round. ``wait()`` on the returned handle
+waits for the transfers and, for a reduce-scatter, adds the ``n`` contributions in rank order
+``((c0 + c1) + c2) + ...``, each add rounded to the dtype as gloo's are. The all-gather receives in place.
 
-- **pairwise** (:func:`pairwise_reduce_scatter`, :func:`pairwise_all_gather`): every rank sends chunk ``j``
-  straight to rank ``j`` and receives its own chunk from every other rank, all at once: one round of
-  latency, ``B (n-1)/n`` bytes. All transfers are posted when the call returns; ``wait()`` waits for them
-  and, for a reduce-scatter, sums the received chunks. The all-gather receives directly into the output.
-- **ring** (:func:`ring_reduce_scatter`): ``n - 1`` steps, each sending one partial sum to the right-hand
-  neighbour: the same bytes, ``n - 1`` rounds of latency, one chunk of receive buffer. Each step needs the
-  previous one's result, so only the first step is posted by the call and ``wait()`` runs the rest: the
-  later steps do not overlap with the caller's compute. For ``n == 2`` it is the pairwise algorithm.
+Which one runs: :func:`use_p2p`, asked by ``engine/collectives.py`` before each collective. Only gloo groups
+on CPU tensors are ever routed here (NCCL and the rest keep their own collectives), from the crossovers in
+:data:`P2P_MIN_BYTES` measured by ``benchmarks/bench_collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's
+collectives, ``1`` the point-to-point ones, ``auto`` (or unset) the measured choice; other values are
+refused by name at the first collective.
 
-Summation order (why results can differ from gloo's in the last bit): the pairwise reduce-scatter adds the
-``n`` contributions in rank order, ``((c0 + c1) + c2) + ...``; the ring adds them starting at the rank after
-the owner; gloo's all-reduce uses its own order, which depends on where the element sits in gloo's
-segmentation of the buffer (measured at 4 ranks, where the segments line up with the chunks: rank ``r``'s
-chunk is ``((c[r+2] + c[r+3]) + c[r+1]) + c[r]``). For ``n == 2`` every order is ``a + b == b + a`` (IEEE
-addition commutes), so all three agree bitwise; for ``n >= 3`` they agree up to rounding (floating-point
-addition does not associate). Each add rounds to the tensor's dtype, as gloo's reduction does (bf16 too).
+Numerics: on 2 ranks the sum is one addition, which commutes, so results are bitwise gloo's. On 3 or more,
+gloo adds in its own order (measured on 4 ranks, where its segments line up with the chunks: rank ``r``'s
+chunk is ``((c[r+2] + c[r+3]) + c[r+1]) + c[r]``), so sums can differ in the last bit; neither order is that
+of single-process training or of DDP's bucketed all-reduce. All-gathers are always bitwise.
 
-Invariants: ranks must call these functions in the same order with the same sizes (as for any collective);
-messages between two ranks on one tag are matched first-in first-out, so several calls may be in flight at
-once. The input of a reduce-scatter and the output of an all-gather must stay alive and unmodified until
-``wait()`` returns. Every call returns a handle whose ``wait()`` completes the operation (idempotent).
+Invariants: ranks call these in the same order with the same sizes, as for any collective; messages between
+two ranks on one tag match first-in first-out, so several calls may be in flight at once. A reduce-scatter's
+input and an all-gather's output stay alive and untouched until ``wait()`` returns (the engine holds them in
+its pending reductions and gathers).
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALL_GATHER_TAG", "REDUCE_SCATTER_TAG", "P2PWork", "pairwise_all_gather", "pairwise_reduce_scatter"]
-__all__ += ["ring_reduce_scatter"]
+__all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "all_gather", "reduce_scatter", "use_p2p"]
+__all__ += ["pairwise_all_gather", "pairwise_reduce_scatter"]
 
-# Tags well below gloo's collective slots (those carry a prefix in the top byte); one per kind so that an
-# all-gather and a reduce-scatter in flight together never match each other's messages.
-REDUCE_SCATTER_TAG = 0x5EA1
-ALL_GATHER_TAG = 0x5EA2
+ENV_VAR = "FULLSHARD_GLOO_P2P"
+
+# Smallest full-buffer size (bytes, all ranks' chunks) from which the point-to-point version beat gloo's, per
+# (collective, group size); larger groups use the largest size measured. From bench_collectives.py on the
+# 2-core AMD EPYC machine (2026-11-23, load average 19-21 from other jobs; docs/benchmarks.md): on 2 ranks
+# pairwise reduce-scatter won from 1 MB up (0.81x-0.30x gloo's time), the all-gather from 2 MB (fp32; bf16
+# tied at 2 MB and won from 5 MB); below that gloo won or the difference was within the noise.
+P2P_MIN_BYTES: dict[tuple[str, int], int] = {
+    ("reduce_scatter", 2): 1_000_000,
+    ("reduce_scatter", 4): 1_000_000,
+    ("all_gather", 2): 2_000_000,
+    ("all_gather", 4): 2_000_000,
+}
+
+# Below gloo's collective slots (those carry a prefix in the top byte); one tag per kind, so that an
+# all-gather and a reduce-scatter in flight together never take each other's messages.
+REDUCE_SCATTER_TAG, ALL_GATHER_TAG = 0x5EA1, 0x5EA2
+
+_is_gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
 class P2PWork:
-    """A ``dist.Work``-like handle: ``wait()`` waits for the posted transfers, then runs ``finish``.
-
-    ``finish`` may post and wait for more transfers (the ring's later steps). ``wait`` runs it once; later
-    calls return at once.
-    """
+    """A ``dist.Work``-like handle: ``wait()`` waits for the posted transfers, then runs ``finish`` once."""
 
     def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
-        self._works = works
-        self._finish = finish
-        self._done = False
+        self._works, self._finish, self._done = works, finish, False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if self._done:
-            return True
-        for work in self._works:
-            work.wait() if timeout is None else work.wait(timeout)
-        if self._finish is not None:
-            self._finish()
-        self._works, self._finish, self._done = [], None, True
+        if not self._done:
+            for work in self._works:
+                work.wait() if timeout is None else work.wait(timeout)
+            if self._finish is not None:
+                self._finish()
+            self._works, self._finish, self._done = [], None, True
         return True
 
     def is_completed(self) -> bool:
         return self._done
 
 
-def _check(output: torch.Tensor, flat: torch.Tensor, n: int, what: str) -> int:
-    if not (output.is_contiguous() and flat.is_contiguous()) or flat.numel() != n * output.numel():
+def _chunk_numel(chunk: torch.Tensor, full: torch.Tensor, n: int, what: str) -> int:
+    if not (chunk.is_contiguous() and full.is_contiguous()) or full.numel() != n * chunk.numel():
         raise ValueError(
-            f"{what}: needs contiguous 1D tensors with the full one {n} x the chunk; got chunk "
-            f"{tuple(output.shape)} (contiguous={output.is_contiguous()}), full {tuple(flat.shape)} "
-            f"(contiguous={flat.is_contiguous()})"
+            f"{what}: needs contiguous tensors, the full one {n} x the chunk; got chunk {tuple(chunk.shape)} "
+            f"(contiguous={chunk.is_contiguous()}), full {tuple(full.shape)} (contiguous={full.is_contiguous()})"
         )
-    return output.numel()
+    return chunk.numel()
 
 
 def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> P2PWork:
-    """``output`` becomes the sum over ranks of chunk ``rank`` of ``full`` (``n`` equal chunks), rank order."""
+    """``output`` becomes the rank-order sum over ranks of chunk ``rank`` of ``full`` (``n`` equal chunks)."""
     n, rank = pg.size(), pg.rank()
-    chunks = full.view(n, _check(output, full, n, "pairwise_reduce_scatter"))
-    received = torch.empty(n - 1, chunks.shape[1], dtype=full.dtype, device=full.device)
-    works, rows = [], []
-    for peer in range(n):
-        if peer != rank:
-            works.append(pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG))
-    for peer in range(n):
-        if peer == rank:
-            rows.append(chunks[rank])
-            continue
-        row = received[peer if peer < rank else peer - 1]
-        works.append(pg.recv([row], peer, REDUCE_SCATTER_TAG))
-        rows.append(row)
+    chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
+    received = torch.empty(max(n - 1, 0), chunks.shape[1], dtype=full.dtype, device=full.device)
+    works = [pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
+    rows = [chunks[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(n)]
+    works += [pg.recv([rows[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
 
     def finish() -> None:
         if n == 1:
@@ -114,47 +110,50 @@ def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.P
 def pairwise_all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup) -> P2PWork:
     """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place."""
     n, rank = pg.size(), pg.rank()
-    chunks = output.view(n, _check(shard, output, n, "pairwise_all_gather"))
+    chunks = output.view(n, _chunk_numel(shard, output, n, "pairwise_all_gather"))
     works = [pg.send([shard], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
     works += [pg.recv([chunks[peer]], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
     chunks[rank].copy_(shard)
     return P2PWork(works)
 
 
-def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> P2PWork:
-    """``output`` becomes the sum over ranks of chunk ``rank`` of ``full``, by ``n - 1`` ring steps.
+def _forced() -> bool | None:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if value in ("0", "1"):
+        return value == "1"
+    if value not in ("", "auto"):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 (gloo's collectives), 1 (point-to-point) or auto")
+    return None
 
-    Step ``s`` sends the partial sum of chunk ``rank - s - 1`` to the right and receives the partial sum of
-    chunk ``rank - s - 2`` from the left, to which this rank adds its own piece; after ``n - 1`` steps the
-    partial sum received is chunk ``rank``'s complete sum.
-    """
-    n, rank = pg.size(), pg.rank()
-    chunks = full.view(n, _check(output, full, n, "ring_reduce_scatter"))
-    right, left = (rank + 1) % n, (rank - 1) % n
-    # Two partial-sum buffers: one being sent while the next is received and summed into.
-    partial = torch.empty(2, chunks.shape[1], dtype=full.dtype, device=full.device)
-    incoming = torch.empty_like(partial)
 
-    def step(s: int, outgoing: torch.Tensor) -> list[dist.Work]:
-        return [
-            pg.send([outgoing], right, REDUCE_SCATTER_TAG),
-            pg.recv([incoming[s % 2]], left, REDUCE_SCATTER_TAG),
-        ]
+def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool:
+    """Whether the ``kind`` collective of ``full`` (the unsharded buffer) over ``pg`` goes point-to-point."""
+    if pg is None or full.device.type != "cpu":
+        return False
+    if pg not in _is_gloo:
+        _is_gloo[pg] = dist.get_backend(pg) == "gloo"
+    if not _is_gloo[pg]:
+        return False
+    forced = _forced()
+    if forced is not None:
+        return forced
+    measured = [size for k, size in P2P_MIN_BYTES if k == kind and size <= pg.size()]
+    return bool(measured) and full.numel() * full.element_size() >= P2P_MIN_BYTES[(kind, max(measured))]
 
-    if n == 1:
-        output.copy_(chunks[0])
-        return P2PWork([])
-    first = step(0, chunks[(rank - 1) % n])
 
-    def finish() -> None:
-        pending = first
-        for s in range(n - 1):
-            for work in pending:
-                work.wait()
-            mine = chunks[(rank - s - 2) % n]
-            last = s == n - 2
-            target = output if last else partial[s % 2]
-            torch.add(incoming[s % 2], mine, out=target)
-            pending = [] if last else step(s + 1, target)
+def _returned(work: P2PWork, async_op: bool) -> P2PWork | None:
+    """As torch's collectives: the handle when asynchronous, else done before returning."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
-    return P2PWork([], finish)
+
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool
+) -> P2PWork | None:
+    return _returned(pairwise_reduce_scatter(output, full, pg), async_op)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool) -> P2PWork | None:
+    return _returned(pairwise_all_gather(output, shard, pg), async_op)
