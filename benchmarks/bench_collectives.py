@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.engine import p2p
-from fullshard.testing import run_on_ranks
+from fullshard.testing import WorkerPool
 
 SIZES_MB = [0.004, 0.05, 0.2, 0.5, 1, 2, 5, 10, 20, 50]
 QUICK_SIZES_MB = [0.05, 0.2, 2, 20]
@@ -266,23 +266,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES_MB} MB, fp32 only, 3 repetitions")
     parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--reps", type=int, default=None, help="repetitions per size (default 7, quick 3)")
+    parser.add_argument("--sizes", type=float, nargs="*", default=None, help="full-buffer sizes in MB")
     parser.add_argument("--json", default="bench_collectives.json", help="where to write the medians and fit")
     args = parser.parse_args()
-    sizes = QUICK_SIZES_MB if args.quick else SIZES_MB
+    sizes = args.sizes or (QUICK_SIZES_MB if args.quick else SIZES_MB)
     dtypes = ["fp32"] if args.quick else list(DTYPES)
     reps = args.reps or (3 if args.quick else 7)
     out: dict[str, Any] = {"machine": _cpu(), "torch": torch.__version__, "load_before": _load(), "worlds": []}
     print(f"{out['machine']}; torch {out['torch']}; load average before: {out['load_before']}")
     for world in args.worlds:
-        per_rank = run_on_ranks(_measure, world, sizes, dtypes, reps)
+        pool = WorkerPool(world, timeout_s=3 * 3600)  # the full sweep on 4 ranks of 2 busy cores takes a while
+        try:
+            per_rank = pool.run(_measure, sizes, dtypes, reps)
+        finally:
+            pool.close()
         summary = summarise(per_rank, world)
         summary["crossover_mb"] = crossovers(summary)
         out["worlds"].append(summary)
         report(summary)
-    out["load_after"] = _load()
-    print(f"load average after: {out['load_after']}")
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+        out["load_after"] = _load()
+        print(f"load average now: {out['load_after']}")
+        with open(args.json, "w") as f:  # after every group size: a long sweep keeps what it measured
+            json.dump(out, f, indent=1)
     print(f"wrote {args.json}")
 
 

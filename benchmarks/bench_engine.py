@@ -40,7 +40,7 @@ from fullshard import MixedPrecision
 from fullshard import fully_shard as our_fully_shard
 from fullshard.engine import trace
 from fullshard.engine.collectives import COMM_STATS
-from fullshard.testing import run_on_ranks
+from fullshard.testing import WorkerPool, run_on_ranks
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -358,9 +358,11 @@ def main() -> None:
             raise SystemExit(f"--trace profiles one system at a time; got {len(chosen)}: {chosen}")
         trace_main(chosen[0], cfg, args.batch, args.trace)
         return
-    results = run_on_ranks(
-        _bench_all, WORLD, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes
-    )
+    pool = WorkerPool(WORLD, timeout_s=3 * 3600)  # a medium model with several passes outlasts the default
+    try:
+        results = pool.run(_bench_all, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes)
+    finally:
+        pool.close()
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     report(results, args.systems)
 
