@@ -42,9 +42,11 @@ ENV_VAR = "FULLSHARD_GLOO_P2P"
 
 # Smallest full-buffer size (bytes, all ranks' chunks) from which the point-to-point version beat gloo's, per
 # (collective, group size); larger groups use the largest size measured. From bench_collectives.py on the
-# 2-core AMD EPYC machine (2026-11-23, load average 19-21 from other jobs; docs/benchmarks.md): on 2 ranks
-# pairwise reduce-scatter won from 1 MB up (0.81x-0.30x gloo's time), the all-gather from 2 MB (fp32; bf16
-# tied at 2 MB and won from 5 MB); below that gloo won or the difference was within the noise.
+# 2-core AMD EPYC machine, 2026-11-23, under load average 19-30 from other jobs (docs/benchmarks.md). 2 ranks:
+# the pairwise reduce-scatter won at every size from 1 MB (0.30-0.81x gloo's time), the all-gather from 2 MB
+# in fp32 (0.13-0.53x; bf16 tied at 2 and 5 MB); below, gloo won or the gap was noise. 4 ranks: from 1 MB the
+# reduce-scatter won at 10 of 12 (size, dtype) points (median 0.67x; the losses, 2 MB fp32 and 10 MB bf16,
+# did not recur at the same bytes in the other dtype), the all-gather at every point from 2 MB (0.14-0.78x).
 P2P_MIN_BYTES: dict[tuple[str, int], int] = {
     ("reduce_scatter", 2): 1_000_000,
     ("reduce_scatter", 4): 1_000_000,
