@@ -358,7 +358,8 @@ def main() -> None:
             raise SystemExit(f"--trace profiles one system at a time; got {len(chosen)}: {chosen}")
         trace_main(chosen[0], cfg, args.batch, args.trace)
         return
-    pool = WorkerPool(WORLD, timeout_s=3 * 3600)  # a medium model with several passes outlasts the default
+    # A medium model with several passes outlasts the default timeouts on a busy machine (gloo too: pg timeout).
+    pool = WorkerPool(WORLD, timeout_s=3 * 3600, grace_s=600)
     try:
         results = pool.run(_bench_all, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes)
     finally:
