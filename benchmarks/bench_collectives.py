@@ -62,7 +62,7 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.Proce
     ``rank - s - 2`` from the left, adding this rank's piece; the last one received is chunk ``rank``'s
     complete sum (added from the rank after the owner round to the owner). Each step needs the previous one's
     result, so the call posts the first and ``wait()`` runs the rest, where they cannot overlap with compute:
-    the reason the engine uses the pairwise exchange instead (for 2 ranks the two are the same).
+    one reason the engine uses the pairwise exchange instead (for 2 ranks the two are the same).
     """
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, -1)
