@@ -81,7 +81,7 @@ class CollectiveBytes(TorchDispatchMode):
             return nbytes(args[1]) * share
         if name.startswith("allreduce"):
             return 2 * nbytes(args[0]) * share
-        if name == "send":  # point-to-point collectives (fullshard/engine/p2p.py): count what leaves this rank
+        if name.startswith("send"):  # point-to-point collectives (fullshard/engine/p2p.py): count what leaves this rank
             return nbytes(args[0])
         return 0.0
 
