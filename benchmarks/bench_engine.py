@@ -2,10 +2,13 @@
 
     python benchmarks/bench_engine.py [--steps 12] [--layers 4] [--width 256]
     python benchmarks/bench_engine.py --trace DIR [--systems "fullshard FSDP FULL_SHARD"]
+    python benchmarks/bench_engine.py --layers 8 --width 512 --passes 2 --systems "fullshard FSDP FULL_SHARD"
+        "fullshard FSDP FULL_SHARD, gloo collectives" "fullshard fully_shard" "fullshard fully_shard, gloo collectives"
 
 For each system it prints the median step time and its ratio to torch's FSDP2 (``fully_shard``), the bytes
 each rank holds in parameters + gradients + optimizer states (and that figure over model-state bytes / N),
-and the bytes each rank moved through collectives per step next to the theoretical figure:
+and the bytes each rank moved through collectives per step next to the theoretical figure (point-to-point
+sends counted as sent):
 FULL_SHARD 3 x model bytes x (N-1)/N (all-gather in forward and in backward, reduce-scatter),
 SHARD_GRAD_OP and NO_SHARD/DDP 2 x. Collectives are counted by a dispatch mode on the c10d ops, the same
 way for every system.
@@ -37,7 +40,7 @@ from fullshard import MixedPrecision
 from fullshard import fully_shard as our_fully_shard
 from fullshard.engine import trace
 from fullshard.engine.collectives import COMM_STATS
-from fullshard.testing import run_on_ranks
+from fullshard.testing import WorkerPool, run_on_ranks
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -78,6 +81,8 @@ class CollectiveBytes(TorchDispatchMode):
             return nbytes(args[1]) * share
         if name.startswith("allreduce"):
             return 2 * nbytes(args[0]) * share
+        if name.startswith("send"):  # point-to-point collectives (fullshard/engine/p2p.py): count what leaves this rank
+            return nbytes(args[0])
         return 0.0
 
 
@@ -162,6 +167,10 @@ def ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+# Systems named with this suffix run with gloo's own reduce-scatter and all-gather (FULLSHARD_GLOO_P2P=0); the
+# others with the engine's measured choice (use_p2p in fullshard/engine/p2p.py).
+GLOO_NATIVE = ", gloo collectives"
+
 SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "fullshard FSDP FULL_SHARD": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
     "fullshard FSDP SHARD_GRAD_OP": (functools.partial(ours_fsdp, strategy="SHARD_GRAD_OP"), "SHARD_GRAD_OP"),
@@ -170,6 +179,8 @@ SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "torch FSDP2 fully_shard": (torch_fsdp2, "FULL_SHARD"),
     "torch FSDP1 FULL_SHARD": (functools.partial(torch_fsdp1, strategy="FULL_SHARD"), "FULL_SHARD"),
     "torch DDP": (ddp, "NO_SHARD"),
+    f"fullshard FSDP FULL_SHARD{GLOO_NATIVE}": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
+    f"fullshard fully_shard{GLOO_NATIVE}": (ours_fully_shard, "FULL_SHARD"),
     "fullshard FSDP bf16, no prefetch": (functools.partial(ours_fsdp_bf16, prefetch="none"), "FULL_SHARD"),
     "fullshard FSDP bf16, backward prefetch": (functools.partial(ours_fsdp_bf16, prefetch="default"), "FULL_SHARD"),
     "fullshard FSDP bf16, fwd+bwd prefetch": (functools.partial(ours_fsdp_bf16, prefetch="all"), "FULL_SHARD"),
@@ -180,7 +191,20 @@ BF16_SYSTEMS = {name for name in SYSTEMS if "bf16" in name}
 THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 
-def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, float]:
+def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
+    from fullshard.engine.p2p import ENV_VAR
+
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = "0" if name.endswith(GLOO_NATIVE) else (before or "auto")
+    try:
+        return _bench_steps(rank, world, name, cfg, steps, batch)
+    finally:
+        os.environ.pop(ENV_VAR)
+        if before is not None:
+            os.environ[ENV_VAR] = before
+
+
+def _bench_steps(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -206,6 +230,7 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
     warm = max(2, steps // 4)
     return {
         "step_s": statistics.median(times[warm:]),
+        "times": times[warm:],
         "state_bytes": _state_bytes(model, opt),
         "model_bytes": model_bytes,
         "comm_bytes": statistics.median(comm[warm:]),
@@ -214,14 +239,30 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
 
 
 def _bench_all(
-    rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int, direct_min_mb: float | None
+    rank: int,
+    world: int,
+    names: list[str],
+    cfg: GPTConfig,
+    steps: int,
+    batch: int,
+    direct_min_mb: float | None,
+    passes: int = 1,
 ) -> dict[str, Any]:
+    """Every system ``passes`` times, the order reversed on every other pass; step times pooled per system."""
     torch.set_num_threads(1)
     if direct_min_mb is not None:
         from fullshard.engine import group
 
         group.DIRECT_MIN_BYTES = int(direct_min_mb * 2**20)
-    return {name: _bench_one(rank, world, name, cfg, steps, batch) for name in names}
+    results: dict[str, Any] = {}
+    for p in range(passes):
+        for name in names if p % 2 == 0 else names[::-1]:
+            result = _bench_one(rank, world, name, cfg, steps, batch)
+            if name in results:
+                result["times"] += results[name]["times"]
+                result["step_s"] = statistics.median(result["times"])
+            results[name] = result
+    return results
 
 
 TRACE_WARMUP, TRACE_STEPS = 2, 3
@@ -296,6 +337,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
+    parser.add_argument("--passes", type=int, default=1, help="run the systems this many times, interleaved")
     parser.add_argument(
         "--direct_min_mb",
         type=float,
@@ -316,7 +358,13 @@ def main() -> None:
             raise SystemExit(f"--trace profiles one system at a time; got {len(chosen)}: {chosen}")
         trace_main(chosen[0], cfg, args.batch, args.trace)
         return
-    results = run_on_ranks(_bench_all, WORLD, args.systems, cfg, args.steps, args.batch, args.direct_min_mb)
+    # A medium model with several passes outlasts the default timeouts on a busy machine (gloo too: pg timeout).
+    pool = WorkerPool(WORLD, timeout_s=3 * 3600, grace_s=600)
+    try:
+        results = pool.run(_bench_all, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes)
+    finally:
+        pool.close()
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     report(results, args.systems)
 
 
@@ -356,6 +404,11 @@ def report(results: list[dict[str, Any]], names: list[str]) -> None:
     console = Console(width=160)
     console.print(table)
     console.print("bf16 rows are compared with torch FSDP2 bf16; the others with torch FSDP2 in fp32.")
+    for name in names:
+        native = name + GLOO_NATIVE
+        if native in names:
+            ratio = max(r[name]["step_s"] for r in results) / max(r[native]["step_s"] for r in results)
+            console.print(f"{name}: step time with the engine's collective choice / gloo's collectives: {ratio:.2f}")
     on_demand, prefetched = "fullshard FSDP bf16, no prefetch", "fullshard FSDP bf16, fwd+bwd prefetch"
     if on_demand in names and prefetched in names:
         exposed = max(r[on_demand]["ag_wait_s"] for r in results)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.engine import collective_check, trace
+from fullshard.engine import collective_check, p2p, trace
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import ShardedParam
 
@@ -94,6 +94,8 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
+    if p2p.use_p2p("all_gather", pg, output):
+        return p2p.all_gather(output, shard, pg, async_op=async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
@@ -106,6 +108,8 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
+    if p2p.use_p2p("reduce_scatter", pg, full):
+        return p2p.reduce_scatter(output, full, pg, async_op=async_op)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
 
 
