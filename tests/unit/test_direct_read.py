@@ -1,0 +1,78 @@
+"""Direct tensor reads (checkpoint/direct_read.py): the bytes read straight into targets equal torch's own load.
+
+See [Note: direct tensor reads]. Single process, tiny tensors: the path is the same at any size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fullshard.checkpoint import direct_read
+from fullshard.checkpoint.dcp import load_sharded, save_sharded
+from fullshard.checkpoint.direct_read import ItemView, locate, read_item_into
+from fullshard.checkpoint.reader import quiet_single_process_warning, read_metadata
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(6, 5, generator=g),
+        "b": torch.randn(7, generator=g),
+        "h": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3.0),  # 0-d
+        "n": torch.arange(10),
+    }
+
+
+def _first_item(folder: Path, fqn: str) -> tuple[Path, int, int]:
+    md = read_metadata(folder)
+    (info,) = [info for index, info in md.storage_data.items() if index.fqn == fqn]
+    return folder / info.relative_path, info.offset, info.length
+
+
+def test_load_reads_every_tensor_directly_and_equals_what_was_saved(tmp_path: Path, monkeypatch) -> None:
+    saved = _state()
+    save_sharded({"model": {k: v.clone() for k, v in saved.items()}}, tmp_path / "ck")
+    calls = []
+    real = direct_read.read_item_into
+    monkeypatch.setattr("fullshard.checkpoint.reader.read_item_into", lambda *a: calls.append(a[-1].shape) or real(*a))
+    target = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    target["model"]["w"] = torch.zeros(5, 6).t()  # a non-contiguous target: read into a buffer, then copied
+    load_sharded(target, tmp_path / "ck")
+    assert len(calls) == len(saved), "every tensor item took the direct path"
+    for key, value in saved.items():
+        assert torch.equal(target["model"][key], value), key
+
+
+def test_row_ranges_are_read_from_the_middle_of_the_item_and_column_slices_are_refused(tmp_path: Path) -> None:
+    weight = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    with quiet_single_process_warning():
+        dcp.save({"w": weight}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    path, offset, length = _first_item(tmp_path, "w")
+    with open(path, "rb", buffering=0) as f:
+        stored = locate(ItemView(f, offset, length))
+        assert stored is not None and stored.shape == (8, 6) and stored.contiguous
+        rows = torch.empty(3, 6)
+        assert read_item_into(f, offset, stored, (2, 0), (3, 6), rows)
+        assert torch.equal(rows, weight[2:5])
+        cols = torch.full((8, 2), -1.0)
+        assert not read_item_into(f, offset, stored, (0, 1), (8, 2), cols), "a column slice is not one byte range"
+        assert bool((cols == -1).all()), "nothing was read when refused"
+
+
+def test_a_truncated_item_raises_naming_the_file(tmp_path: Path) -> None:
+    weight = torch.randn(64, 64)
+    with quiet_single_process_warning():
+        dcp.save({"w": weight}, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    path, offset, length = _first_item(tmp_path, "w")
+    with open(path, "rb", buffering=0) as f:
+        stored = locate(ItemView(f, offset, length))
+    data = path.read_bytes()
+    cut = offset + stored.offset + 1000  # inside the tensor's bytes
+    path.write_bytes(data[:cut])
+    with open(path, "rb", buffering=0) as f, pytest.raises(OSError, match=r"ended .* bytes early.*truncated"):
+        read_item_into(f, offset, stored, (0, 0), (64, 64), torch.empty(64, 64))
