@@ -1,10 +1,11 @@
-"""Direct tensor reads (checkpoint/direct_read.py): the bytes read straight into targets equal torch's own load.
+"""Fast checkpoint I/O: direct tensor reads (checkpoint/direct_read.py) and write-behind (checkpoint/checksum.py).
 
 See [Note: direct tensor reads]. Single process, tiny tensors: the path is the same at any size.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,37 @@ def test_a_truncated_item_raises_naming_the_file(tmp_path: Path) -> None:
     path.write_bytes(data[:cut])
     with open(path, "rb", buffering=0) as f, pytest.raises(OSError, match=r"ended .* bytes early.*truncated"):
         read_item_into(f, offset, stored, (0, 0), (64, 64), torch.empty(64, 64))
+
+
+def test_write_behind_starts_writeback_per_window_and_keeps_bytes_and_checksum(tmp_path: Path, monkeypatch) -> None:
+    from fullshard.checkpoint import checksum
+
+    if checksum._SYNC_FILE_RANGE is None:
+        pytest.skip("sync_file_range is Linux-only")
+    calls = []
+    real = checksum._SYNC_FILE_RANGE
+    monkeypatch.setattr(checksum, "_SYNC_FILE_RANGE", lambda *a: calls.append(a[1:]) or real(*a))
+    monkeypatch.setattr(checksum, "_WRITE_BEHIND_WINDOW", 4096)
+    data = torch.randint(0, 256, (50_000,), dtype=torch.uint8).numpy().tobytes()
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as raw:
+        stream = checksum.ChecksumStream(raw, write_behind=True)
+        for i in range(0, len(data), 3000):
+            stream.write(data[i : i + 3000])
+        raw.flush()
+    assert path.read_bytes() == data
+    assert stream.record == checksum.file_checksum(path)
+    started = [(start, length) for start, length, flags in calls if flags == checksum._SFR_WRITE]
+    waited = [(start, length) for start, length, flags in calls if flags != checksum._SFR_WRITE]
+    assert len(started) >= 5 and started[0][0] == 0, "writeback started window after window, from the start"
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(started)), "windows are contiguous"
+    assert waited == started[:-1], "each window is waited for once the next one started"
+
+
+def test_a_write_behind_error_raises_naming_the_file(tmp_path: Path, monkeypatch) -> None:
+    from fullshard.checkpoint import checksum
+
+    monkeypatch.setattr(checksum, "_SYNC_FILE_RANGE", lambda *a: -1)
+    monkeypatch.setattr(checksum, "_WRITE_BEHIND_WINDOW", 16)
+    with open(tmp_path / "f.bin", "wb") as raw, pytest.raises(OSError, match=r"f\.bin"):
+        checksum.ChecksumStream(raw, write_behind=True).write(b"x" * 64)
