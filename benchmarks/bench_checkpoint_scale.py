@@ -259,6 +259,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--fsdp-version", type=int, default=2, choices=[1, 2])
     parser.add_argument("--workdir", default="/work/scratch/ckscale")
+    parser.add_argument("--dd-gb", type=float, default=2.0, help="GB each of the 2 dd streams writes and reads")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (e.g. for bench_merge_scale)")
     args = parser.parse_args()
     layers = args.layers or (2 if args.quick else 16)
@@ -272,13 +273,14 @@ def main() -> None:
     try:
         # Stream size: what each rank writes (12 bytes per parameter: weights and AdamW's two moments, halved).
         approx_params = layers * 12.6 * args.width**2 + 2 * 8192 * args.width
-        dd_before = measure_dd(work, int(approx_params * 12 / WORLD))
+        stream = int(min(approx_params * 12 / WORLD, args.dd_gb * 1e9))
+        dd_before = measure_dd(work, stream)
         print("dd before (GB/s):", {k: round(v, 2) for k, v in dd_before.items()})
         with tempfile.TemporaryDirectory() as tmp:
             store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
             mp.spawn(_rank, args=(store, cfg, str(work), args.fsdp_version, out), nprocs=WORLD)
             result = json.loads(Path(out).read_text())
-        dd_after = measure_dd(work, int(approx_params * 12 / WORLD))
+        dd_after = measure_dd(work, stream)
         print("dd after  (GB/s):", {k: round(v, 2) for k, v in dd_after.items()})
         report(result, dd_before, dd_after, cfg, args.fsdp_version)
     finally:
