@@ -111,3 +111,23 @@ def test_a_write_behind_error_raises_naming_the_file(tmp_path: Path, monkeypatch
     monkeypatch.setattr(checksum, "_WRITE_BEHIND_WINDOW", 16)
     with open(tmp_path / "f.bin", "wb") as raw, pytest.raises(OSError, match=r"f\.bin"):
         checksum.ChecksumStream(raw, write_behind=True).write(b"x" * 64)
+
+
+def test_views_are_saved_without_a_copy_and_read_back_exactly(tmp_path: Path, monkeypatch) -> None:
+    flat = torch.randn(1000)  # a unit's flat shard: the sharded parameters are views of it
+    state = {"model": {"a": flat[0:600].view(20, 30), "b": flat[600:1000], "own": torch.randn(7)}}
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(
+        torch.Tensor, "clone", lambda self, *a, **k: clones.append(self.shape) or real_clone(self, *a, **k)
+    )
+    save_sharded(state, tmp_path / "ck")
+    monkeypatch.undo()
+    assert clones == [], "DCP's writer copied a view before writing it"
+    assert (tmp_path / "ck" / "__0_0.distcp").stat().st_size < 1007 * 4 + 3 * 2048, (
+        "each view wrote its own bytes, not the whole flat shard"
+    )
+    target = {"model": {"a": torch.zeros(20, 30), "b": torch.zeros(400), "own": torch.zeros(7)}}
+    load_sharded(target, tmp_path / "ck")
+    for key, value in state["model"].items():
+        assert torch.equal(target["model"][key], value), key
