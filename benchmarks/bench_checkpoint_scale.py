@@ -2,7 +2,8 @@
 
 Builds the GPT of issue 11 (default: 16 layers, width 2048, 16 heads, vocabulary 8192, sequence 128, about
 840M parameters; ``--quick``: 2 layers, about 135M) on 2 gloo ranks with ``Accelerator`` (FULL_SHARD,
-``SHARDED_STATE_DICT``), takes one AdamW step so the optimizer state exists, and then, in this order:
+``SHARDED_STATE_DICT``; built on the meta device, each rank's shards then initialised in place), takes one
+AdamW step so the optimizer state exists, and then, in this order:
 
 1. ``dd``: the sequential write bandwidth of the file system under ``--workdir`` (two streams in parallel, as
    two ranks write, each ``conv=fdatasync`` and each ``oflag=direct``), and its read bandwidth after dropping the
@@ -169,7 +170,8 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
     cfg = GPTConfig(**cfg_args)
     torch.manual_seed(0)
     sampler.phase("build")
-    model = TinyGPT(cfg)
+    with torch.device("meta"):  # no rank ever holds the whole model: sharding allocates only the shards
+        model = TinyGPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=version,
@@ -181,6 +183,12 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
     accelerator = Accelerator(fsdp_plugin=plugin)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
+    model.to_empty(device="cpu")  # the shards get storage; the values do not matter here, only their size
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for param in model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.normal_(0.0, 0.02, generator=generator)
     x, y = make_batch(cfg, 2 * WORLD, seed=0)
     x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
     dist.barrier()
