@@ -1,11 +1,18 @@
-"""Benchmark: merge a ~300M-parameter fp32 checkpoint written by 2 ranks, ours vs Accelerate's merge_fsdp_weights.
+"""Benchmark: merge a sharded fp32 checkpoint written by 2 ranks, ours vs Accelerate's merge_fsdp_weights.
 
 Writes ``{workdir}/pytorch_model_fsdp_0`` in Accelerate's layout (``dcp.save({"model": sharded_sd})``, 2 gloo
-ranks, ``Shard(0)`` DTensors), then runs each merge in a fresh subprocess (alternating, ``--repeats`` times)
-and reports wall time and peak RSS (the child's own ``ru_maxrss``), the ratios ours/accelerate, and checks
-that both outputs hold the same tensors. Needs ``accelerate`` installed and ~4 GB free under ``--workdir``.
+ranks, ``Shard(0)`` DTensors, ``--params`` parameters), or takes an existing model folder (``--checkpoint``,
+e.g. the one ``bench_checkpoint_scale.py --keep`` leaves), then runs each merge in a fresh subprocess
+(alternating, ``--repeats`` times) and reports wall time and peak RSS (the child's own ``ru_maxrss``), the
+ratios ours/accelerate, and checks that both outputs hold the same tensors. ``--max-shard-size`` is passed to
+ours (Accelerate's has no such option: it writes one file). With ``--dd``, the time is also compared with
+reading and writing the same bytes at the ``dd`` bandwidth measured in the same run. With ``--gpt-layers``,
+our output is loaded into the GPT of ``bench_checkpoint_scale.py`` with ``load_checkpoint_in_model`` and
+compared with Accelerate's output (which torch's own DCP reader produced). Needs ``accelerate``.
 
     python benchmarks/bench_merge.py [--params 300e6] [--repeats 2] [--workdir /tmp/fullshard-bench]
+    flock /work/wt/heavy.lock python benchmarks/bench_merge.py --repeats 1 --dd --max-shard-size 1GB \
+        --checkpoint /work/scratch/ckscale/bench_checkpoint_scale/ours/pytorch_model_fsdp_0 --gpt-layers 16
 """
 
 from __future__ import annotations
@@ -44,10 +51,10 @@ def _write_rank(rank: int, world: int, folder: str, num_weights: int) -> None:
 _CHILD = r"""
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
-which, ckpt, out = sys.argv[1:4]
+which, ckpt, out, shard = sys.argv[1:5]
 if which == "ours":
     from fullshard.checkpoint.merge import merge_fsdp_weights
-    kwargs = {"show_progress": False}
+    kwargs = {"show_progress": False, "max_shard_size": shard if shard != "none" else None}
 else:
     from accelerate.utils import merge_fsdp_weights
     kwargs = {}
@@ -58,11 +65,11 @@ print(json.dumps({"merge_s": seconds, "peak_rss_mb": resource.getrusage(resource
 """
 
 
-def _run_child(which: str, ckpt: Path, out: Path) -> dict[str, float]:
+def _run_child(which: str, ckpt: Path, out: Path, shard: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, which, str(ckpt), str(out)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", _CHILD, which, str(ckpt), str(out), shard], env=env, capture_output=True, text=True
     )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -72,23 +79,68 @@ def _run_child(which: str, ckpt: Path, out: Path) -> dict[str, float]:
     return result
 
 
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    """Every tensor name in the safetensors output under ``folder`` (one file or shards), and its file."""
+    from safetensors import safe_open
+
+    where = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    return where
+
+
 def _same_tensors(a: Path, b: Path) -> bool:
+    """Both output folders hold the same names and bitwise equal tensors (read one tensor at a time)."""
     import torch
     from safetensors import safe_open
 
-    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
-        names = list(fa.keys())
-        if set(names) != set(fb.keys()):
-            return False
-        return all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in names)
+    in_a, in_b = _safetensors_files(a), _safetensors_files(b)
+    if set(in_a) != set(in_b):
+        return False
+    for name in in_a:
+        with safe_open(in_a[name], "pt") as fa, safe_open(in_b[name], "pt") as fb:
+            if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
+                return False
+    return True
+
+
+def _gpt_equals(out: Path, reference: Path, layers: int, width: int) -> bool:
+    """``load_checkpoint_in_model`` of ``out`` into the GPT gives every tensor of ``reference``, bitwise."""
+    import torch
+    from safetensors import safe_open
+
+    from fullshard import load_checkpoint_in_model
+    from fullshard.testing.models import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab_size=8192, block_size=128, n_layer=layers, n_head=16, n_embd=width)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    load_checkpoint_in_model(model, out, strict=True)
+    state = model.state_dict()
+    ref = _safetensors_files(reference)
+    if set(ref) != set(state):
+        return False
+    for name, file in ref.items():
+        with safe_open(file, "pt") as f:
+            if not torch.equal(f.get_tensor(name), state[name]):
+                return False
+    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=300e6, help="approximate parameter count")
+    parser.add_argument("--quick", action="store_true", help="100M parameters, one repeat")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each merge (alternating); best is reported")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed after)")
+    parser.add_argument("--checkpoint", default=None, help="merge this model folder instead of writing one")
+    parser.add_argument("--max-shard-size", default="none", help='ours only, e.g. "1GB" (default: one file)')
+    parser.add_argument("--dd", action="store_true", help="measure dd read/write bandwidth in the same run")
+    parser.add_argument("--gpt-layers", type=int, default=None, help="check our output in the GPT (width 2048)")
     args = parser.parse_args()
+    if args.quick:
+        args.params, args.repeats = 100e6, 1
 
     sys.path.insert(0, str(ROOT / "src"))
     from fullshard.testing import run_on_ranks
@@ -96,22 +148,35 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fullshard-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     num_weights = max(1, round(args.params / (SIDE * SIDE)))
-    ckpt = work / "pytorch_model_fsdp_0"
+    ckpt = Path(args.checkpoint) if args.checkpoint else work / "pytorch_model_fsdp_0"
     try:
-        t0 = time.perf_counter()
-        run_on_ranks(_write_rank, 2, str(ckpt), num_weights)
-        n = num_weights * SIDE * SIDE + SIDE
-        gib = sum(f.stat().st_size for f in ckpt.iterdir()) / 2**30
-        print(
-            f"checkpoint: {n / 1e6:.1f}M fp32 params in {num_weights} tensors of {SIDE}x{SIDE}, 2 ranks, "
-            f"{gib:.2f} GiB, written in {time.perf_counter() - t0:.1f}s"
-        )
+        print(f"load: {os.getloadavg()}")
+        if args.checkpoint is None:
+            t0 = time.perf_counter()
+            run_on_ranks(_write_rank, 2, str(ckpt), num_weights)
+            n = num_weights * SIDE * SIDE + SIDE
+            print(
+                f"checkpoint: {n / 1e6:.1f}M fp32 params in {num_weights} tensors of {SIDE}x{SIDE}, 2 ranks, "
+                f"written in {time.perf_counter() - t0:.1f}s"
+            )
+        size = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file())
+        print(f"checkpoint {ckpt}: {size / 1e9:.2f} GB")
+        dd = None
+        if args.dd:
+            from bench_checkpoint_scale import measure_dd
+
+            dd = measure_dd(work, size // 2)
+            print("dd (GB/s, 2 parallel streams):", {k: round(v, 2) for k, v in dd.items()})
         results: dict[str, list[dict[str, float]]] = {"ours": [], "accelerate": []}
         for _ in range(args.repeats):
             for which in results:
                 out = work / f"out_{which}"
                 shutil.rmtree(out, ignore_errors=True)
-                results[which].append(_run_child(which, ckpt, out))
+                if args.dd:  # a cold read: the checkpoint comes from the disk, for both
+                    from bench_checkpoint_scale import drop_caches
+
+                    drop_caches()
+                results[which].append(_run_child(which, ckpt, out, args.max_shard_size))
                 print(f"  {which:>10}: {json.dumps({k: round(v, 2) for k, v in results[which][-1].items()})}")
         best = {w: {k: min(r[k] for r in rs) for k in rs[0]} for w, rs in results.items()}
         for key in ("merge_s", "wall_s", "peak_rss_mb"):
@@ -120,8 +185,19 @@ def main() -> None:
                 f"{key:>12}: ours {best['ours'][key]:8.2f}  accelerate {best['accelerate'][key]:8.2f}  "
                 f"ratio ours/accelerate {ratio:.3f}"
             )
-        same = _same_tensors(work / "out_ours" / "model.safetensors", work / "out_accelerate" / "model.safetensors")
+        if dd is not None:
+            floor = size / (dd["read_buffered"] * 1e9) + size / (dd["write_fdatasync"] * 1e9)
+            for which in results:
+                ratio = best[which]["merge_s"] / floor
+                print(f"{which:>10}: {best[which]['merge_s']:.1f} s = {ratio:.2f}x the dd time to read and write "
+                      f"{size / 1e9:.2f} GB ({floor:.1f} s)")  # fmt: skip
+        outputs = {w: sorted(p.name for p in (work / f"out_{w}").iterdir()) for w in results}
+        print(f"output files: {outputs}")
+        same = _same_tensors(work / "out_ours", work / "out_accelerate")
         print(f"outputs hold identical tensors: {same}")
+        if args.gpt_layers:
+            ok = _gpt_equals(work / "out_ours", work / "out_accelerate", args.gpt_layers, 2048)
+            print(f"load_checkpoint_in_model(GPT, ours) equals Accelerate's merge, every tensor: {ok}")
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from fullshard.checkpoint.checksum import ChecksummingFileSystemWriter
 from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
@@ -179,9 +180,49 @@ def write_sharded(
     rank, _ = _rank_and_world(process_group)
     writer = ChecksummingFileSystemWriter(folder)
     with quiet_single_process_warning():
-        dcp.save(state, storage_writer=writer, process_group=process_group)
+        dcp.save(_without_views(state), storage_writer=writer, process_group=process_group)
     _verify_own_files(Path(folder), rank)
     return writer.records
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory under a tensor whose storage is exactly that memory (no copy), if it is a view.
+
+    [Note: saving views]
+    fullshard's sharded parameters are views of a unit's flat shard. ``torch.save`` writes a view's whole
+    storage, so DCP's writer clones every tensor whose storage is larger than the tensor before writing it:
+    a copy (page faults, zero-fill, memcpy) of every parameter during each save. A contiguous CPU view is
+    instead aliased by a tensor built over the same bytes (``torch.frombuffer``), whose storage is exactly its
+    bytes; DCP then writes it as it is. The alias lives only during the save.
+    """
+    if (
+        tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.untyped_storage().nbytes() == tensor.nbytes
+        or tensor.numel() == 0
+    ):
+        return tensor
+    raw = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+
+
+def _without_views(value: Any) -> Any:
+    """``value`` with every view tensor (or DTensor's local view) aliased by :func:`_own_storage`."""
+    if isinstance(value, dict):
+        return {key: _without_views(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_without_views(item) for item in value)
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        alias = _own_storage(local)
+        if alias is local:
+            return value
+        return DTensor.from_local(
+            alias, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    if isinstance(value, torch.Tensor):
+        return _own_storage(value)
+    return value
 
 
 def _verify_own_files(staging: Path, rank: int) -> None:

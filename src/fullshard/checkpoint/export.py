@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from fullshard.checkpoint.checksum import WriteBehind
 from fullshard.checkpoint.names import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -225,13 +226,17 @@ def write_safetensors(
         raise RuntimeError("write_safetensors: safetensors stores little-endian data; this host is big-endian.")
     specs = _file_order(specs)
     with open(path, "wb") as f:
-        f.write(safetensors_header(specs, metadata))
+        behind = WriteBehind(f)  # the disk writes while the next tensors are read: see [Note: write-behind]
+        written = f.write(safetensors_header(specs, metadata))
         for spec in specs:
             tensor = _fetch_checked(fetch, spec)
-            f.write(_raw_bytes(tensor))
+            written += f.write(_raw_bytes(tensor))
             del tensor
+            behind.advance(written)
             if on_tensor is not None:
                 on_tensor(spec)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before write_weights renames it into place
 
 
 def _write_bin(

@@ -16,6 +16,7 @@ Here ``.metadata`` goes through :class:`_MetadataUnpickler`, which only builds D
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -29,8 +30,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
+from fullshard.checkpoint.direct_read import ItemView, advise_sequential, locate, read_item_into
 from fullshard.checkpoint.manifest import FOLDER_MARKER, read_folder_marker
 from fullshard.checkpoint.names import DCP_METADATA_FILE, FSDP_MODEL_NAME
 
@@ -105,7 +108,8 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` that reads ``.metadata`` once, through the restricted unpickler, and caches it."""
+    """``FileSystemReader`` that reads ``.metadata`` once, through the restricted unpickler, and caches it, and
+    reads tensor items straight into their targets where it can (see [Note: direct tensor reads])."""
 
     def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
         super().__init__(path)
@@ -115,6 +119,36 @@ class SafeFileSystemReader(FileSystemReader):
         if self._metadata is None:
             self._metadata = read_metadata(self.path)
         return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for request in plan.items:
+            per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
+        rest: list[ReadItem] = []
+        for relative_path, requests in per_file.items():
+            with open(Path(self.path) / relative_path, "rb", buffering=0) as file:
+                advise_sequential(file)
+                requests.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one pass, front to back
+                rest += [r for r in requests if not self._read_direct(file, r, planner)]
+        if rest:  # non-tensor entries and layouts the direct path does not take: torch's own reader
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        done: Future[None] = Future()  # torch's future: DCP calls .wait() on it
+        done.set_result(None)
+        return done
+
+    def _read_direct(self, file: io.RawIOBase, request: ReadItem, planner: LoadPlanner) -> bool:
+        info = self.storage_data[request.storage_index]
+        if request.type != LoadItemType.TENSOR or info.transform_descriptors:
+            return False
+        stored = locate(ItemView(file, info.offset, info.length))
+        if stored is None:
+            return False
+        target = planner.resolve_tensor(request).detach()
+        offsets, lengths = tuple(request.storage_offsets), tuple(request.lengths)
+        if not read_item_into(file, info.offset, stored, offsets, lengths, target):
+            return False
+        planner.commit_tensor(request, target)
+        return True
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
