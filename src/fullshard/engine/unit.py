@@ -17,6 +17,7 @@ from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
+from fullshard.engine.simulate import simulating
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
@@ -73,9 +74,12 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module) -> t
                 device = torch.device("cuda", torch.cuda.current_device())
             return device
         raise TypeError(f"device_id={device_id!r} must be an int or a torch.device.")
-    for p in module.parameters():
+    params = list(module.parameters())
+    for p in params:
         if p.device.type not in ("cpu", "meta"):
             return p.device
+    if params and simulating() and all(p.is_meta for p in params):
+        return torch.device("meta")  # a planning run: nothing is allocated (see simulate.py)
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
