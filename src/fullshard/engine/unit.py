@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import owner_label, replacement_for
@@ -253,6 +254,7 @@ def build_unit(
     group = None
     if entries:
         precision = group_precision(config.casts, entries[0][2].dtype)
+        warn_if_slow_bf16(precision.param_dtype, device)
         group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload)
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)
