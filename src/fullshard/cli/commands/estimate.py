@@ -134,6 +134,7 @@ def _table(estimates: list[MemoryEstimate], title: str, budget: int | None) -> A
     caption = (
         f"{unit} per rank. state = params + grads + Adam; gath. = gathered units (peak); act. = activations; "
         f"buf = a unit's full gradient; peak adds the process baseline ({estimates[0].baseline / 2**30:.2f} GiB)"
+        + ("; c = kept on the CPU, not in peak" if any(e.cpu_offload for e in estimates) else "")
     )
     table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("strategy", no_wrap=True, min_width=18)
@@ -237,16 +238,17 @@ def estimate_command(
         raise click.ClickException(str(exc)) from None
     count = sum(p.numel() for p in model.parameters())
     units = sum(1 for m in model.modules() if type(m) in classes) + 1
-    title = (
-        f"{type(model).__name__}: {count:,} parameters in {units} units; {batch} x {seq} tokens per rank"
-        + (", activation checkpointing" if checkpointing else "")
+    title = f"{type(model).__name__}: {count:,} parameters in {units} units; {batch} x {seq} tokens per rank" + (
+        ", activation checkpointing" if checkpointing else ""
     )
     console = Console()
     console.print(_table(estimates, title, budget_bytes))
     if budget_bytes is not None:
         fitting = [f"{e.strategy.name.lstrip('_')} on {e.num_processes}" for e in estimates if e.peak <= budget_bytes]
         console.print(
-            f"Fits {budget} per rank: {', '.join(fitting)}." if fitting else f"Nothing fits {budget} per rank: "
+            f"Fits {budget} per rank: {', '.join(fitting)}."
+            if fitting
+            else f"Nothing fits {budget} per rank: "
             "add processes, --activation-checkpointing, a smaller --batch-size, or --cpu_offload (on GPUs)."
         )
 
