@@ -10,6 +10,12 @@ What a step holds at its peak, the end of forward / start of backward:
 - without activation checkpointing: everything saved, plus the logits' gradient (as large as the logits);
 - with activation checkpointing of every unit: each unit keeps only its input, the root keeps what it saves,
   and backward recomputes one unit at a time, so the largest unit's saved bytes come back once.
+
+On ``meta`` tensors ``scaled_dot_product_attention`` takes its math path, which keeps the whole
+(batch, heads, seq, seq) attention matrix; on real devices (CPU and GPU alike) it takes a fused kernel that
+keeps only the output and a log-sum-exp per row. The profile therefore routes unmasked attention to the CPU's
+fused kernel (``_scaled_dot_product_flash_attention_for_cpu``, which has a meta implementation), so that it
+counts what a real run keeps.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["ActivationProfile", "profile_activations"]
 
@@ -36,6 +44,22 @@ class ActivationProfile:
         if not checkpointing:
             return sum(self.per_unit) + self.root + self.output
         return sum(self.unit_inputs) + self.root + self.output + max(self.per_unit, default=0)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Meta-device attention as the fused kernels save it (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].is_meta:
+            q, k, v = args[:3]
+            rest = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), args[3:], strict=False), **kwargs)
+            if rest.get("attn_mask") is None and not rest.get("enable_gqa") and q.shape[-3] == k.shape[-3]:
+                fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+                return fused(
+                    q, k, v, rest.get("dropout_p", 0.0), rest.get("is_causal", False), scale=rest.get("scale")
+                )[0]
+        return func(*args, **kwargs)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -85,7 +109,7 @@ def profile_activations(
     handles += [m.register_forward_hook(post) for m in unit_modules]
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttention():
             out = _call(model, ids)
     finally:
         for h in handles:
