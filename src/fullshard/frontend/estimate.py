@@ -16,8 +16,19 @@ for what is left) sharded over ``S`` ranks, with ``s_i`` the padded shard size o
   gathered buffer is the shard itself.
 
 ``S`` is the world size (FULL_SHARD, SHARD_GRAD_OP), 1 (NO_SHARD) or the ranks per machine (hybrid).
-Activations and temporary communication buffers are not counted. With ``cpu_offload`` the parameters,
-gradients and optimizer states live in CPU memory: they are reported, but not in the device total.
+With ``cpu_offload`` the parameters, gradients and optimizer states live in CPU memory: they are reported,
+but not in the device total nor in the peak.
+
+The peak of a training step (``MemoryEstimate.peak``, what ``estimate-memory`` prints) is the larger of two
+moments; ``zero_grad()`` frees the sharded gradients between steps, and backward turns activations into
+gradients, so the sum of the two is linear through backward and its maximum is at one end:
+- backward's start: parameters + Adam states + every activation (:mod:`fullshard.frontend.activations`) +
+  the root and the last unit gathered with the next one prefetched (``units_in_flight``; every unit for
+  SHARD_GRAD_OP, which keeps them from forward to backward);
+- backward's end: parameters + gradients + Adam states + the root and one unit gathered + that unit's
+  full-size gradient twice (autograd's per-parameter gradients and the flat reduce-scatter input).
+Both add ``baseline``: the process's RSS besides tensors (interpreter, torch, the process group), measured.
+This is what the engine should hold; ``docs/benchmarks.md`` puts it beside measured peaks.
 """
 
 from __future__ import annotations
@@ -149,7 +160,9 @@ def estimate_memory(
     gathered = sum(unit_full) if keep_all else root + largest_block
     # The two fullest moments of a step (gradients are freed by zero_grad(), so they are absent at the first):
     # backward's start, every activation alive, and backward's end, every sharded gradient alive.
-    grad_buffer = largest_block if size > 1 else 0  # a unit's full-size gradient, before its reduce-scatter
+    # A unit's full-size gradient twice: autograd's per-parameter gradients and the flat reduce-scatter input
+    # they are copied into (with one rank there is no reduce-scatter, and the gradients land in the shard).
+    grad_buffer = 2 * largest_block if size > 1 else 0
     acts = activations.peak(checkpointing) if activations is not None else 0
     state = 0 if cpu_offload else params + optimizer
     grads = 0 if cpu_offload else params
