@@ -90,6 +90,38 @@ def measure(cfg: GPTConfig, world: int, strategy: str, batch: int, steps: int, a
     }
 
 
+def _config_of(row: dict) -> tuple[GPTConfig, int, int, str, bool]:
+    """(config, batch, world, strategy, AC) of a row of ours or of bench_scale.py's peaks.json."""
+    if "model_config" in row:  # benchmarks/bench_scale.py (branch scale)
+        c = row["model_config"]
+        cfg = GPTConfig(vocab_size=c["vocab_size"], block_size=c["block_size"], n_layer=c["n_layer"],
+                        n_head=c["n_head"], n_embd=c["n_embd"])  # fmt: skip
+        return cfg, c["local_batch"], row["world_size"], row["strategy"], row["activation_checkpointing"]
+    cfg = GPTConfig(vocab_size=row["vocab"], block_size=row["seq"], n_layer=row["layers"], n_head=row["heads"],
+                    n_embd=row["width"])  # fmt: skip
+    return cfg, row["batch"], row["world"], row["strategy"], row["activation_checkpointing"]
+
+
+def compare(paths: list[Path]) -> None:
+    """Measured peaks (JSON rows from here or from bench_scale.py) beside today's estimate."""
+    print(
+        f"{'model':>22} {'B':>2} {'N':>2} {'strategy':13} {'AC':>2} {'measured':>9} {'estimate':>9} {'error':>7}  source"
+    )
+    for path in paths:
+        for row in json.loads(path.read_text()):
+            cfg, batch, world, strategy, ac = _config_of(row)
+            with torch.device("meta"):
+                model = TinyGPT(cfg)
+            est = estimate_training(model, {Block}, world, ShardingStrategy[strategy], batch=batch,
+                                    seq=cfg.block_size, checkpointing=ac)  # fmt: skip
+            size = sum(p.numel() for p in model.parameters()) / 1e6
+            name = f"{cfg.n_layer}x{cfg.n_embd} v{cfg.vocab_size} ({size:.0f}M)"
+            peak = row.get("peak_bytes", row.get("peak_rss_bytes"))
+            print(f"{name:>22} {batch:>2} {world:>2} {strategy:13} {'y' if ac else 'n':>2} {peak / GIB:9.3f} "
+                  f"{est.peak / GIB:9.3f} {est.peak / peak - 1:+7.1%}  {path.name} {row.get('commit', '')}"
+                  )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
@@ -104,7 +136,12 @@ def main() -> None:
     parser.add_argument("--ac", action="store_true", help="activation checkpointing of every block")
     parser.add_argument("--glibc-default", action="store_true", help="leave MALLOC_MMAP_THRESHOLD_ unset")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--compare", type=Path, nargs="+", default=None,
+                        help="measure nothing: print these JSON files' peaks beside today's estimate")  # fmt: skip
     args = parser.parse_args()
+    if args.compare:
+        compare(args.compare)
+        return
     if not args.glibc_default:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the spawned ranks inherit it
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
