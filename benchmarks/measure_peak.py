@@ -104,9 +104,8 @@ def _config_of(row: dict) -> tuple[GPTConfig, int, int, str, bool]:
 
 def compare(paths: list[Path]) -> None:
     """Measured peaks (JSON rows from here or from bench_scale.py) beside today's estimate."""
-    print(
-        f"{'model':>22} {'B':>2} {'N':>2} {'strategy':13} {'AC':>2} {'measured':>9} {'estimate':>9} {'error':>7}  source"
-    )
+    header = f"{'model':>22} {'B':>2} {'N':>2} {'strategy':13} {'AC':>2} {'measured':>9} {'estimate':>9} {'error':>7}"
+    print(header + "  source")
     for path in paths:
         for row in json.loads(path.read_text()):
             cfg, batch, world, strategy, ac = _config_of(row)
