@@ -133,7 +133,7 @@ def _table(estimates: list[MemoryEstimate], title: str, budget: int | None) -> A
     scale, unit = _scale(estimates)
     caption = (
         f"{unit} per rank. state = params + grads + Adam; gath. = gathered units (peak); act. = activations; "
-        f"buf = a unit's full gradient; peak adds the process baseline ({estimates[0].baseline / 2**30:.2f} GiB)"
+        f"buf = a unit's full gradient x2; peak adds the process baseline ({estimates[0].baseline / 2**30:.2f} GiB)"
         + ("; c = kept on the CPU, not in peak" if any(e.cpu_offload for e in estimates) else "")
     )
     table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
