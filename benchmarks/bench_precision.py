@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fullshard import FSDP, MixedPrecision
 from fullshard.engine.cpu_bf16 import cpu_capabilities, has_native_bf16
-from fullshard.testing import run_on_ranks
+from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -106,7 +106,11 @@ def main() -> None:
         f"matmul {args.batch * cfg.block_size}x{args.width} @ {args.width}x{4 * args.width}: "
         f"fp32 {mm['fp32'] * 1e3:.2f} ms, bf16 {mm['bf16'] * 1e3:.2f} ms, bf16/fp32 = {mm['bf16'] / mm['fp32']:.2f}"
     )
-    results = run_on_ranks(_train, 2, cfg, args.steps, args.batch)
+    pool = WorkerPool(2, timeout_s=3600)  # bf16 steps on an AVX2-only CPU take minutes on a loaded machine
+    try:
+        results = pool.run(_train, cfg, args.steps, args.batch)
+    finally:
+        pool.close()
     fp32 = max(r["fp32"][0] for r in results)
     print(f"FSDP FULL_SHARD, 2 gloo ranks, GPT {args.layers}x{args.width}, batch {args.batch}x{cfg.block_size}/rank:")
     print(f"  {'policy':34} {'step ms':>9} {'vs fp32':>8} {'last loss':>10}")
