@@ -133,11 +133,12 @@ def _table(estimates: list[MemoryEstimate], title: str, budget: int | None) -> A
     scale, unit = _scale(estimates)
     caption = (
         f"{unit} per rank. state = params + grads + Adam; gath. = gathered units (peak); act. = activations; "
-        f"buf = a unit's full gradient x2; peak adds the process baseline ({estimates[0].baseline / 2**30:.2f} GiB)"
+        f"buf = a unit's full gradient x2; at = backward's start or end; peak adds the process baseline "
+        f"({estimates[0].baseline / 2**30:.2f} GiB)"
         + ("; c = kept on the CPU, not in peak" if any(e.cpu_offload for e in estimates) else "")
     )
-    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("strategy", no_wrap=True, min_width=18)
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("strategy", no_wrap=True)
     for column in ("N", "state", "gath.", "act.", "buf", "peak", "at"):
         table.add_column(column, justify="right" if column != "at" else "left", no_wrap=True)
     if budget is not None:
@@ -146,7 +147,7 @@ def _table(estimates: list[MemoryEstimate], title: str, budget: int | None) -> A
         state = (e.params + e.grads + e.optimizer) / scale
         sizes = [f"{state:.2f}" + ("c" if e.cpu_offload else "")]
         sizes += [f"{v / scale:.2f}" for v in (e.gathered, e.activations, e.grad_buffer, e.peak)]
-        row = [e.strategy.name.lstrip("_"), str(e.num_processes), *sizes, e.peak_phase.replace("backward ", "bw ")]
+        row = [e.strategy.name.lstrip("_"), str(e.num_processes), *sizes, e.peak_phase.replace("backward ", "")]
         if budget is not None:
             row.append("yes" if e.peak <= budget else "no")
         table.add_row(*row)
