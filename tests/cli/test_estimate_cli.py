@@ -41,13 +41,14 @@ def test_table_for_a_factory() -> None:
 
 def test_840m_gpt_from_its_config_in_80_columns() -> None:
     """The issue's model, never built: every strategy name whole, every line within 80 columns."""
-    code, out = run("fullshard.testing.models:gpt", *GPT_840M, "--batch-size", "2", "--num_processes", "1,2,4",
-                    columns=80)  # fmt: skip
+    code, out = run("fullshard.testing.models:gpt", *GPT_840M, "--batch-size", "2", "--num_processes", "1,2,4,1024",
+                    "--budget", "8GiB", columns=80)  # fmt: skip
     assert code == 0, out
     assert "TinyGPT: 839,520,273 parameters in 17 units; 2 x 128 tokens per rank" in " ".join(out.split())
     assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "…" not in out, "a cell was cut"
     table = rows(out)
-    assert set(table) == {(s, n) for s in STRATEGIES for n in (1, 2, 4)}, out
+    assert set(table) == {(s, n) for s in STRATEGIES for n in (1, 2, 4, 1024)}, out
     state, peak = float(table["FULL_SHARD", 2][0]), float(table["FULL_SHARD", 2][4])
     assert state == pytest.approx(16 * 839_520_273 / 2 / 2**30, rel=1e-3)  # 16 bytes per parameter over 2 ranks
     assert state < peak < state + 1.5
@@ -63,6 +64,7 @@ def test_budget_says_which_strategies_fit() -> None:
         assert cells[-1] == ("yes" if float(cells[4]) <= 8 else "no"), (strategy, n, cells)
     assert table["FULL_SHARD", 2][-1] == "yes" and table["NO_SHARD", 2][-1] == "no"
     assert table["SHARD_GRAD_OP", 2][-1] == "no", "all 16 blocks gathered at once: 3.1 GiB more"
+    assert "…" not in out
     summary = " ".join(out.split())
     assert "Fits 8GiB per rank: FULL_SHARD on 2, HYBRID_SHARD on 2, FULL_SHARD on 4," in summary
     code, out = run("fullshard.testing.models:gpt", *GPT_840M, "--num_processes", "2", "--budget", "1GiB")

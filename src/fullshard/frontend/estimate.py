@@ -207,6 +207,15 @@ def vocab_size_of(model: nn.Module) -> int | None:
     return getattr(config, "vocab_size", None)
 
 
+def profile_training(
+    model: nn.Module, unit_classes: set[type[nn.Module]], *, batch: int, seq: int
+) -> tuple[list[list[nn.Parameter]], ActivationProfile]:
+    """The units of the meta-device ``model`` and its activation profile for ``batch`` x ``seq`` tokens."""
+    policy = ModuleWrapPolicy(unit_classes) if unit_classes else None
+    modules = [p.module for p in plan_units(model, policy)]
+    return unit_parameters(model, unit_classes), profile_activations(model, modules, batch, seq, vocab_size_of(model))
+
+
 def estimate_training(
     model: nn.Module,
     unit_classes: set[type[nn.Module]],
@@ -220,10 +229,7 @@ def estimate_training(
     **options: object,
 ) -> MemoryEstimate:
     """Peak bytes per rank of training the meta-device ``model`` on ``batch`` sequences of ``seq`` tokens."""
-    policy = ModuleWrapPolicy(unit_classes) if unit_classes else None
-    modules = [p.module for p in plan_units(model, policy)]
-    profile = profile_activations(model, modules, batch, seq, vocab_size_of(model))
-    units = unit_parameters(model, unit_classes)
+    units, profile = profile_training(model, unit_classes, batch=batch, seq=seq)
     return estimate_memory(
         units, num_processes, strategy, activations=profile, checkpointing=checkpointing, baseline=baseline,
         **options,  # type: ignore[arg-type]

@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from fullshard.engine.api import ShardingStrategy
-from fullshard.frontend.estimate import PROCESS_BASELINE, MemoryEstimate, estimate_training, find_unit_classes
+from fullshard.frontend.estimate import (
+    PROCESS_BASELINE,
+    MemoryEstimate,
+    estimate_memory,
+    find_unit_classes,
+    profile_training,
+)
 
 __all__ = ["estimate_command", "load_model_spec", "parse_size"]
 
@@ -230,9 +236,10 @@ def estimate_command(
     options = {"mixed_precision": mixed_precision, "cpu_offload": cpu_offload, "num_machines": num_machines}
     try:
         classes = find_unit_classes(model, names)
+        units, profile = profile_training(model, classes, batch=batch, seq=seq)  # once: it runs a meta forward
         estimates = [
-            estimate_training(model, classes, n, _strategy(s), batch=batch, seq=seq, checkpointing=checkpointing,
-                              baseline=baseline_bytes, units_in_flight=1 if no_prefetch else 2, **options)
+            estimate_memory(units, n, _strategy(s), activations=profile, checkpointing=checkpointing,
+                            baseline=baseline_bytes, units_in_flight=1 if no_prefetch else 2, **options)
             for n in counts for s in strategies or _STRATEGIES
         ]  # fmt: skip
     except ValueError as exc:
