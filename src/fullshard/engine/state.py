@@ -42,6 +42,7 @@ from fullshard.engine.materialize import meta_parameter_names
 from fullshard.engine.mesh import global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
+from fullshard.engine.simulate import simulating
 from fullshard.engine.warn import warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
@@ -208,7 +209,8 @@ class UnitState:
             if state.group is not None:
                 state.group.rename(state.label)  # errors about its collectives name the path
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
-        _refuse_meta(states)
+        if not simulating():  # a planning run steps meta units on purpose (see simulate.py)
+            _refuse_meta(states)
         _check_same_units_on_all_ranks(states)
 
     def _group_state_changed(self, old: ShardState, new: ShardState) -> None:

@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.engine.agreement import require_agreement
+from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import Offload, ParamGroup
 from fullshard.engine.mesh import ShardGroup, global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
+from fullshard.engine.simulate import simulating
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
@@ -72,9 +74,12 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module) -> t
                 device = torch.device("cuda", torch.cuda.current_device())
             return device
         raise TypeError(f"device_id={device_id!r} must be an int or a torch.device.")
-    for p in module.parameters():
+    params = list(module.parameters())
+    for p in params:
         if p.device.type not in ("cpu", "meta"):
             return p.device
+    if params and simulating() and all(p.is_meta for p in params):
+        return torch.device("meta")  # a planning run: nothing is allocated (see simulate.py)
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -239,6 +244,7 @@ def build_unit(
     handles = []
     if entries:
         precision = group_precision(config.casts, entries[0][2].dtype)
+        warn_if_slow_bf16(precision.param_dtype, device)
         group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload)
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "GPTConfig", "TinyGPT", "make_batch"]
+__all__ = ["Block", "GPTConfig", "TinyGPT", "gpt", "make_batch"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,21 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt(**sizes: int | bool) -> TinyGPT:
+    """A :class:`TinyGPT` with the :class:`GPTConfig` fields ``sizes``, whose blocks are its units by default.
+
+    The factory behind ``fullshard estimate-memory fullshard.testing.models:gpt --model-arg n_layer=16 ...``;
+    ``_no_split_modules`` names ``Block`` on this instance only, as Hugging Face models do on their class.
+    """
+    unknown = sorted(set(sizes) - set(GPTConfig.__dataclass_fields__))
+    if unknown:
+        fields = list(GPTConfig.__dataclass_fields__)
+        raise TypeError(f"gpt(): unknown GPTConfig fields {unknown}; the fields are {fields}")
+    model = TinyGPT(GPTConfig(**sizes))  # type: ignore[arg-type]
+    model._no_split_modules = ["Block"]
+    return model
 
 
 def make_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

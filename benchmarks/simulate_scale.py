@@ -1,0 +1,139 @@
+"""Plan a 1,024-rank run on a laptop: fullshard's sharding and one step's collectives under a fake process group.
+
+    python benchmarks/simulate_scale.py [--quick] [--json OUT]
+
+For each model (the issue's 840M GPT and a 7B-class GPT: 32 layers, width 4096, 32 heads, vocabulary 32000)
+and each layout (1-D meshes of 8, 64 and 1,024 ranks; a hybrid 2-D mesh of 8 replicas x 128 shards), this
+process becomes rank 0 of torch's fake process group (``FakeStore`` + backend ``"fake"``: collectives return
+at once and move nothing), builds the model on the meta device, wraps every block and the root with
+``fully_shard`` (FULL_SHARD; the engine keeps meta units on meta under this backend, see
+``fullshard/engine/simulate.py``) and runs one forward and backward on meta token ids. Nothing is allocated.
+
+It reports, per rank: the bytes of parameter shards (x4 for params, grads and Adam's two moments: the
+model state), the largest gathered unit, the collectives the engine issued in the step and the bytes it
+recorded in ``COMM_STATS``; beside them the formulas (state 16 Psi / N; traffic 3 x 4 Psi (N-1)/N for FULL_SHARD,
+with the hybrid mesh's all-reduce of the shard across replicas) and ``estimate-memory``'s peak for the same
+configuration. ``--quick`` runs the small cases the test keeps (a tiny GPT, world 8 and a 2x4 mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fullshard import fully_shard
+from fullshard.engine.api import ShardingStrategy
+from fullshard.engine.collectives import COMM_STATS
+from fullshard.engine.state import unit_states_in
+from fullshard.frontend.estimate import estimate_training
+from fullshard.testing.models import Block, GPTConfig, TinyGPT
+
+MODELS = {
+    "GPT-840M": (GPTConfig(vocab_size=8192, block_size=128, n_layer=16, n_head=16, n_embd=2048), 2),
+    "GPT-7B": (GPTConfig(vocab_size=32000, block_size=2048, n_layer=32, n_head=32, n_embd=4096), 1),
+}
+LAYOUTS = [(8,), (64,), (1024,), (8, 128)]
+QUICK_MODELS = {"tiny": (GPTConfig(vocab_size=61, block_size=9, n_layer=3, n_head=3, n_embd=21), 2)}
+QUICK_LAYOUTS = [(8,), (2, 4)]
+
+
+@dataclass
+class Plan:
+    model: str
+    mesh: str
+    world: int
+    params: int  # Psi
+    state_bytes: int  # measured: 4 x this rank's padded parameter shards (params, grads, 2 Adam moments)
+    state_formula: float  # 16 Psi / shard size
+    largest_unit_bytes: int
+    calls: dict[str, int]
+    comm_bytes: dict[str, int]
+    comm_formula: dict[str, float]
+    estimate_peak: int
+    estimate_gathered: int
+    seconds: float
+
+
+def simulate(name: str, cfg: GPTConfig, batch: int, layout: tuple[int, ...]) -> Plan:
+    world = 1
+    for size in layout:
+        world *= size
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", layout) if len(layout) == 2 else None
+        with torch.device("meta"):
+            model = TinyGPT(cfg)
+        psi = sum(p.numel() for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        groups = [s.group for s in unit_states_in(model) if s.group is not None]
+        shard_bytes = sum(g.flat_shard.numel() * g.flat_shard.element_size() for g in groups)
+        largest = max(g.flat_full.numel() * g.flat_full.element_size() for g in groups)
+        ids = torch.zeros(batch, cfg.block_size, dtype=torch.long, device="meta")
+        COMM_STATS.reset()
+        model(ids, ids).backward()
+        calls, moved = dict(COMM_STATS.calls), dict(COMM_STATS.bytes)
+    finally:
+        dist.destroy_process_group()
+    shards = layout[-1]
+    replicas = world // shards
+    full = 4 * psi
+    formula = {
+        "all_gather": 2 * full * (shards - 1) / shards,
+        "reduce_scatter": full * (shards - 1) / shards,
+        "all_reduce": 2 * (full / shards) * (replicas - 1) / replicas,
+    }
+    strategy = ShardingStrategy.HYBRID_SHARD if len(layout) == 2 else ShardingStrategy.FULL_SHARD
+    with torch.device("meta"):
+        meta_model = TinyGPT(cfg)
+    est = estimate_training(meta_model, {Block}, world, strategy, batch=batch, seq=cfg.block_size,
+                            num_machines=replicas)  # fmt: skip
+    return Plan(
+        name, "x".join(map(str, layout)), world, psi, 4 * shard_bytes, 16 * psi / shards, largest, calls, moved,
+        formula, est.peak, est.gathered, time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def run(models: dict[str, tuple[GPTConfig, int]], layouts: list[tuple[int, ...]]) -> list[Plan]:
+    return [simulate(name, cfg, batch, layout) for name, (cfg, batch) in models.items() for layout in layouts]
+
+
+def report(plans: list[Plan]) -> None:
+    gib = 2**30
+    print(f"{'model':9} {'mesh':7} {'state GiB':>9} {'16Psi/N':>8} {'unit MiB':>8} {'AG/RS/AR calls':>14} "
+          f"{'comm GiB':>9} {'formula':>8} {'est. peak':>9}")  # fmt: skip
+    for p in plans:
+        calls = "/".join(str(p.calls[k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+        moved, formula = sum(p.comm_bytes.values()), sum(p.comm_formula.values())
+        print(f"{p.model:9} {p.mesh:7} {p.state_bytes / gib:9.3f} {p.state_formula / gib:8.3f} "
+              f"{p.largest_unit_bytes / 2**20:8.1f} {calls:>14} {moved / gib:9.2f} {formula / gib:8.2f} "
+              f"{p.estimate_peak / gib:9.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the test's small cases only")
+    parser.add_argument("--json", default=None, help="write the plans to this file")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warnings.simplefilter("ignore", FutureWarning)
+    plans = run(QUICK_MODELS, QUICK_LAYOUTS) if args.quick else run(MODELS, LAYOUTS)
+    report(plans)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(p) for p in plans], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
