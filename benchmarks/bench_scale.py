@@ -49,14 +49,14 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import scale_memory as mem  # noqa: E402
+import scale_memory as mem
 
-from fullshard import FullyShardedDataParallel as OurFSDP  # noqa: E402
-from fullshard import fully_shard as our_fully_shard  # noqa: E402
-from fullshard.engine.checkpointing import checkpoint_module  # noqa: E402
-from fullshard.testing import WorkerPool  # noqa: E402
-from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch  # noqa: E402
-from fullshard.wrap import ModuleWrapPolicy  # noqa: E402
+from fullshard import FullyShardedDataParallel as OurFSDP
+from fullshard import fully_shard as our_fully_shard
+from fullshard.engine.checkpointing import checkpoint_module
+from fullshard.testing import WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.wrap import ModuleWrapPolicy
 
 WORLD = 2
 GiB = 2**30
@@ -117,17 +117,32 @@ def parse_system(name: str) -> tuple[str, bool, bool]:
     sharded_acc = " sharded accumulation" in name
     base = name.replace(" +AC", "").replace(" sharded accumulation", "")
     if base not in WRAPS:
-        raise SystemExit(f"unknown system {name!r}: the base must be one of {list(WRAPS)}, then ' +AC' and/or "
-                         "' sharded accumulation'")
+        raise SystemExit(
+            f"unknown system {name!r}: the base must be one of {list(WRAPS)}, then ' +AC' and/or "
+            "' sharded accumulation'"
+        )
     return base, ac, sharded_acc
 
 
 # --- one system on one rank ------------------------------------------------------------------------------
 
 
-def train_rank(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int, accumulate: int,
-               as_limit: int | None) -> dict[str, Any]:
+def train_rank(
+    rank: int,
+    world: int,
+    name: str,
+    cfg: GPTConfig,
+    steps: int,
+    batch: int,
+    accumulate: int,
+    as_limit: int | None,
+    inflight: int | None = None,
+) -> dict[str, Any]:
     torch.set_num_threads(1)
+    if inflight is not None:
+        from fullshard.engine import state
+
+        state.MAX_REDUCTIONS_IN_FLIGHT = inflight
     if as_limit is not None:
         resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
     base, ac, sharded_acc = parse_system(name)
@@ -178,7 +193,7 @@ def train_rank(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
                 peaks.append(mem.peak_rss_bytes())
         samples = sampler.samples
     except (MemoryError, RuntimeError) as err:
-        if as_limit is None or "alloc" not in str(err).lower() and not isinstance(err, MemoryError):
+        if as_limit is None or ("alloc" not in str(err).lower() and not isinstance(err, MemoryError)):
             raise
         return {"fits": False, "phase": phase, "error": str(err).splitlines()[0][:200], "baseline": baseline}
     return {
@@ -205,12 +220,19 @@ def _thin(samples: list[tuple[float, int, str]], keep: int) -> list[tuple[float,
     return out
 
 
-def run_system(name: str, cfg: GPTConfig, steps: int, batch: int, accumulate: int,
-               as_limit: int | None = None) -> list[dict[str, Any]]:
+def run_system(
+    name: str,
+    cfg: GPTConfig,
+    steps: int,
+    batch: int,
+    accumulate: int,
+    as_limit: int | None = None,
+    inflight: int | None = None,
+) -> list[dict[str, Any]]:
     """``name`` on WORLD fresh ranks (a fresh allocator each time)."""
     pool = WorkerPool(WORLD, timeout_s=7200.0, grace_s=900.0)
     try:
-        return pool.run(train_rank, name, cfg, steps, batch, accumulate, as_limit)
+        return pool.run(train_rank, name, cfg, steps, batch, accumulate, as_limit, inflight)
     finally:
         pool.close()
 
@@ -260,11 +282,17 @@ def try_ddp(cfg: GPTConfig, batch: int, as_limit: int) -> dict[str, Any]:
 
 
 def machine() -> dict[str, str]:
-    flags = open("/proc/cpuinfo").read()
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
     model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), "?")
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f" {f}" in flags]
-    return {"cpu": model, "flags": " ".join(have), "load": os.getloadavg().__repr__(),
-            "torch": torch.__version__, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default")}
+    return {
+        "cpu": model,
+        "flags": " ".join(have),
+        "load": os.getloadavg().__repr__(),
+        "torch": torch.__version__,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "default"),
+    }
 
 
 def main() -> None:
@@ -279,9 +307,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no_sync before the last)")
     parser.add_argument("--systems", nargs="*", default=None)
-    parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True,
-                        help="attempt DDP under a per-rank address-space cap")
+    parser.add_argument(
+        "--ddp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="attempt DDP under a per-rank address-space cap",
+    )
     parser.add_argument("--ddp_cap_gib", type=float, default=None, help="default: half the machine's memory")
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        default=None,
+        help="fullshard's MAX_REDUCTIONS_IN_FLIGHT for this run (default: the engine's)",
+    )
     parser.add_argument("--out", default="/work/scratch/scale/bench_scale.json")
     parser.add_argument("--peaks", default="/work/scratch/scale/peaks.json")
     args = parser.parse_args()
@@ -289,11 +327,15 @@ def main() -> None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks: frees show in RSS
     if args.quick:
         args.layers, args.width, args.heads, args.vocab = 2, 256, 4, 1024
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width
+    )
     if args.accumulate > 1:
-        default = [f"{w}{s}" for w in ("fullshard FSDP", "fullshard fully_shard", "torch FSDP2")
-                   for s in ("", " sharded accumulation")]
+        default = [
+            f"{w}{s}"
+            for w in ("fullshard FSDP", "fullshard fully_shard", "torch FSDP2")
+            for s in ("", " sharded accumulation")
+        ]
     else:
         default = MAIN_SYSTEMS
     systems = args.systems or default
@@ -301,14 +343,24 @@ def main() -> None:
         parse_system(name)
     psi = param_count(cfg)
     info = machine()
-    print(f"model: {cfg} = {psi / 1e6:.0f}M parameters, {16 * psi / 1e9:.1f} GB fp32 state with AdamW; "
-          f"{WORLD} gloo ranks, local batch {args.batch}, accumulate {args.accumulate}")
+    print(
+        f"model: {cfg} = {psi / 1e6:.0f}M parameters, {16 * psi / 1e9:.1f} GB fp32 state with AdamW; "
+        f"{WORLD} gloo ranks, local batch {args.batch}, accumulate {args.accumulate}"
+    )
     print(f"machine: {info}")
-    results: dict[str, Any] = {"config": cfg.__dict__, "params": psi, "world": WORLD, "batch": args.batch,
-                               "accumulate": args.accumulate, "machine": info, "systems": {}}
+    results: dict[str, Any] = {
+        "config": cfg.__dict__,
+        "params": psi,
+        "world": WORLD,
+        "batch": args.batch,
+        "accumulate": args.accumulate,
+        "machine": info,
+        "inflight": args.inflight,
+        "systems": {},
+    }
     for name in systems:
         start_load = os.getloadavg()[0]
-        rows = run_system(name, cfg, args.steps, args.batch, args.accumulate)
+        rows = run_system(name, cfg, args.steps, args.batch, args.accumulate, inflight=args.inflight)
         _, ac, sharded_acc = parse_system(name)
         unsharded = args.accumulate > 1 and not sharded_acc
         floor = floor_parts(cfg, args.batch, ac, unsharded)
@@ -322,9 +374,11 @@ def main() -> None:
         outcome["cap_bytes"] = cap
         outcome["needs_bytes"] = 16 * psi
         results["ddp"] = outcome
-        print(f"torch DDP under RLIMIT_AS={cap / GiB:.1f} GiB per rank (needs {16 * psi / GiB:.1f} GiB of state "
-              f"per rank, {WORLD * 16 * psi / GiB:.1f} GiB for {WORLD}): "
-              + ("fits" if outcome["fits"] else f"does not fit ({outcome['error']})"))
+        print(
+            f"torch DDP under RLIMIT_AS={cap / GiB:.1f} GiB per rank (needs {16 * psi / GiB:.1f} GiB of state "
+            f"per rank, {WORLD * 16 * psi / GiB:.1f} GiB for {WORLD}): "
+            + ("fits" if outcome["fits"] else f"does not fit ({outcome['error']})")
+        )
         _save(args.out, results)
     _summary(results)
 
@@ -338,9 +392,12 @@ def _print_row(name: str, rows: list[dict[str, Any]], floor: dict[str, int], loa
     peak = max(r["peak"] for r in rows)
     step = statistics.median(max(r["step_s"][i] for r in rows) for i in range(1, len(rows[0]["step_s"])))
     total = sum(floor.values())
-    print(f"{name:42s} step {step:7.2f} s  peak/rank {peak / GiB:6.2f} GiB  floor {total / GiB:5.2f} GiB "
-          f"(x{peak / total:.2f}; +{rows[0]['baseline'] / GiB:.2f} interpreter)  "
-          f"losses {[round(v, 4) for v in rows[0]['losses']]}  load {load:.1f}", flush=True)
+    print(
+        f"{name:42s} step {step:7.2f} s  peak/rank {peak / GiB:6.2f} GiB  floor {total / GiB:5.2f} GiB "
+        f"(x{peak / total:.2f}; +{rows[0]['baseline'] / GiB:.2f} interpreter)  "
+        f"losses {[round(v, 4) for v in rows[0]['losses']]}  load {load:.1f}",
+        flush=True,
+    )
 
 
 def _summary(results: dict[str, Any]) -> None:
@@ -371,14 +428,18 @@ def _save(path: str, results: dict[str, Any]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _record_peaks(path: str, cfg: GPTConfig, name: str, rows: list[dict[str, Any]], floor: dict[str, int],
-                  args: argparse.Namespace) -> None:
+def _record_peaks(
+    path: str, cfg: GPTConfig, name: str, rows: list[dict[str, Any]], floor: dict[str, int], args: argparse.Namespace
+) -> None:
     """Merge this system's per-rank peaks into ``path`` (one entry per configuration, newest wins)."""
     base, ac, sharded_acc = parse_system(name)
     entry = {
         "model_config": {**cfg.__dict__, "params": param_count(cfg), "local_batch": args.batch},
-        "entry_point": {"fullshard FSDP": "FullyShardedDataParallel", "fullshard fully_shard": "fully_shard",
-                        "torch FSDP2": "torch.distributed.fsdp.fully_shard"}.get(base, base),
+        "entry_point": {
+            "fullshard FSDP": "FullyShardedDataParallel",
+            "fullshard fully_shard": "fully_shard",
+            "torch FSDP2": "torch.distributed.fsdp.fully_shard",
+        }.get(base, base),
         "system": name,
         "strategy": "FULL_SHARD",
         "world_size": WORLD,
@@ -391,12 +452,19 @@ def _record_peaks(path: str, cfg: GPTConfig, name: str, rows: list[dict[str, Any
         "floor_bytes": sum(floor.values()),
         "floor_parts": floor,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    entries = json.load(open(path)) if os.path.exists(path) else []
+    entries = []
+    if os.path.exists(path):
+        with open(path) as f:
+            entries = json.load(f)
     key = ("model_config", "system", "world_size", "accumulate")
     entries = [e for e in entries if tuple(e.get(k) for k in key) != tuple(entry[k] for k in key)]
     entries.append(entry)

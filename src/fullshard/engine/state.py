@@ -14,7 +14,8 @@
   final callback.
 - Unit post-backward (the unit's flat-gradient hook, see [Note: group buffers]): start the reduce-scatter
   asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
-  and with ``BACKWARD_POST`` prefetch the next unit. At most two reductions are left in flight.
+  and with ``BACKWARD_POST`` prefetch the next unit. At most ``MAX_REDUCTIONS_IN_FLIGHT`` reductions are
+  left in flight.
 - Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
   so that every rank issues the same collectives), wait for every reduction and land it in ``.grad``,
   free anything still gathered. So ``optimizer.step()`` right after ``backward()`` sees final gradients.
@@ -43,6 +44,12 @@ from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.warn import warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
+
+MAX_REDUCTIONS_IN_FLIGHT = 2
+"""Reductions a backward leaves running while the next units compute. Each holds the unit's unsharded
+gradient until it completes, and on gloo a reduce-scatter also holds a full-size copy of its input until
+its work object is dropped: a unit's parameter bytes x 2 per reduction in flight (see docs/benchmarks.md,
+"Training at scale")."""
 
 
 class TrainingState(enum.Enum):
@@ -330,7 +337,7 @@ class UnitState:
                 group.reduce_grads()
                 self.reduced = True
                 ctx.in_flight.append(group)
-                while len(ctx.in_flight) > 2:
+                while len(ctx.in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
                     ctx.in_flight.pop(0).finish_reduce()
             elif self.config.expose_unsynced_grads:
                 group.expose_unsharded_grads()
