@@ -84,7 +84,7 @@ class GroupPrecision:
 
 @dataclass
 class _PendingReduce:
-    works: list[dist.Work]
+    works: list[Any]  # dist.Work, or collectives' in-place stand-in (both have wait())
     output: torch.Tensor  # 1D, G_t, reduce dtype
     keep_alive: object  # the reduce-scatter inputs, until the works complete
     divided: bool
@@ -425,11 +425,12 @@ class ParamGroup:
         pg, works = self.shard_group.shard_pg, []
         if self.packed_grad_numel:
             packed_out = output.narrow(0, 0, self.packed_grad_numel)
-            works.append(reduce_scatter_flat(packed_out, rank_major.view(-1), pg, async_op=True))
+            works.append(reduce_scatter_flat(packed_out, rank_major.view(-1), pg, async_op=True, scratch_input=True))
         for sp in self.direct_grad_params:
             # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
             out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
-            works.append(reduce_scatter_flat(out, self._full_block(sp, grad), pg, async_op=True))
+            # The unsharded gradient is ours to clobber: on gloo that saves a full-size clone per reduction.
+            works.append(reduce_scatter_flat(out, self._full_block(sp, grad), pg, async_op=True, scratch_input=True))
         self._pending.append(_PendingReduce(works, output, (rank_major, grad), predivide))
 
     def _rank_major(self, grad: torch.Tensor, dtype: torch.dtype, params: list[ShardedParam]) -> torch.Tensor:
