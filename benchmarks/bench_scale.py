@@ -216,8 +216,10 @@ def _thin(samples: list[tuple[float, int, str]], keep: int) -> list[tuple[float,
     out = []
     for i in range(0, len(samples), window):
         chunk = samples[i : i + window]
+        # The first sample of each phase marks where it starts; the window's largest keeps the peak.
+        out.extend(s for j, s in enumerate(chunk) if i + j == 0 or s[2] != samples[i + j - 1][2])
         out.append(max(chunk, key=lambda s: s[1]))
-    return out
+    return sorted(set(out))
 
 
 def run_system(

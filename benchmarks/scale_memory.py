@@ -98,11 +98,14 @@ def label_phases(model: nn.Module, blocks: list[nn.Module], sampler: RssSampler)
         block.register_forward_pre_hook(pre(i))
         block.register_forward_hook(post(i))
 
-    def head_post(module: nn.Module, args: Any, output: Any) -> None:
-        sampler.set_phase("loss")
+    def model_pre(module: nn.Module, args: Any) -> None:
         in_backward["on"] = False
 
-    model.register_forward_hook(head_post)
+    def model_post(module: nn.Module, args: Any, output: Any) -> None:
+        sampler.set_phase("loss")
+
+    model.register_forward_pre_hook(model_pre)
+    model.register_forward_hook(model_post)
 
 
 def activation_bytes(block: nn.Module, x: torch.Tensor) -> int:
