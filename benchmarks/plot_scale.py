@@ -1,6 +1,6 @@
 """Pictures from ``bench_scale.py``'s JSON results (PNG, for docs/).
 
-    python benchmarks/plot_scale.py timeline RESULT.json docs/scale_memory_timeline.png [--step 1]
+    python benchmarks/plot_scale.py timeline RESULT.json [MORE.json ...] OUT.png [--labels before after ...]
     python benchmarks/plot_scale.py sweep RESULT1.json RESULT2.json ... docs/scale_sweep.png
 
 ``timeline``: rank 0's RSS over one training step (the second by default: the optimizer state exists),
@@ -26,8 +26,9 @@ COLORS = {"fullshard FSDP": "tab:blue", "fullshard fully_shard": "tab:cyan", "to
 
 
 def _color(name: str) -> str:
-    base = name.replace(" +AC", "").replace(" sharded accumulation", "")
-    return COLORS.get(base, "tab:gray")
+    if "before" in name:
+        return "tab:red"
+    return next((color for base, color in COLORS.items() if name.startswith(base)), "tab:gray")
 
 
 def _one_step(timeline: list[list[Any]], step: int) -> list[list[Any]]:
@@ -42,17 +43,18 @@ def timeline(result: dict[str, Any], out: str, step: int, rank: int) -> None:
     for name, res in result["systems"].items():
         row = res["ranks"][rank]
         samples = _one_step(row["timeline"], step)
-        t0 = samples[0][0]
-        xs = [s[0] - t0 for s in samples]
+        # Time as a fraction of the step: runs on a loaded machine differ in speed, not in shape.
+        t0, span = samples[0][0], max(samples[-1][0] - samples[0][0], 1e-9)
+        xs = [(s[0] - t0) / span for s in samples]
         ys = [s[1] / GiB for s in samples]
         style = "--" if "+AC" in name else "-"
         ax.plot(xs, ys, style, color=_color(name), lw=1.2, label=f"{name} (peak {row['peak'] / GiB:.2f} GiB)")
         for marker, label in (("backward", "backward"), ("optimizer step", "optimizer")):
             first = next((s for s in samples if s[2].startswith(marker)), None)
             if first is not None:
-                ax.axvline(first[0] - t0, color=_color(name), ls=":", lw=0.8)
+                ax.axvline((first[0] - t0) / span, color=_color(name), ls=":", lw=0.8)
                 ax.text(
-                    first[0] - t0,
+                    (first[0] - t0) / span,
                     ax.get_ylim()[0],
                     f" {label}",
                     color=_color(name),
@@ -71,9 +73,9 @@ def timeline(result: dict[str, Any], out: str, step: int, rank: int) -> None:
         f"RSS of rank {rank} over training step {step}: {result['params'] / 1e6:.0f}M-parameter GPT "
         f"({cfg['n_layer']}x{cfg['n_embd']}), fp32 AdamW, {result['world']} gloo ranks"
     )
-    ax.set_xlabel("seconds into the step")
+    ax.set_xlabel("fraction of the step (forward, backward, optimizer)")
     ax.set_ylabel("resident set size (GiB)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.text(
         0.01,
@@ -134,6 +136,9 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", help="result JSON file(s), then the output PNG")
     parser.add_argument("--step", type=int, default=1)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--labels", nargs="*", default=None, help="timeline: a suffix per input file, to draw several runs in one plot"
+    )
     args = parser.parse_args()
     *inputs, out = args.paths
     results = []
@@ -141,7 +146,11 @@ def main() -> None:
         with open(path) as f:
             results.append(json.load(f))
     if args.kind == "timeline":
-        timeline(results[0], out, args.step, args.rank)
+        merged = dict(results[0], systems={})
+        for i, result in enumerate(results):
+            suffix = f" ({args.labels[i]})" if args.labels and args.labels[i] else ""
+            merged["systems"].update({name + suffix: res for name, res in result["systems"].items()})
+        timeline(merged, out, args.step, args.rank)
     else:
         sweep(results, out)
 
