@@ -325,6 +325,12 @@ def main() -> None:
     parser.add_argument("--out", default="/work/scratch/scale/bench_scale.json")
     parser.add_argument("--peaks", default="/work/scratch/scale/peaks.json")
     args = parser.parse_args()
+    args.commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # inherited by the spawned ranks: frees show in RSS
     if args.quick:
@@ -454,12 +460,7 @@ def _record_peaks(
         "floor_bytes": sum(floor.values()),
         "floor_parts": floor,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip(),
+        "commit": args.commit,  # the worktree's HEAD when the run started (uncommitted edits not included)
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
