@@ -317,6 +317,9 @@ def main() -> None:
     )
     parser.add_argument("--ddp_cap_gib", type=float, default=None, help="default: half the machine's memory")
     parser.add_argument(
+        "--cap_all", action="store_true", help="run the sharded systems under the same address-space cap as DDP"
+    )
+    parser.add_argument(
         "--inflight",
         type=int,
         default=None,
@@ -366,9 +369,21 @@ def main() -> None:
         "inflight": args.inflight,
         "systems": {},
     }
+    cap = int((args.ddp_cap_gib * GiB) if args.ddp_cap_gib else _mem_total() / WORLD)
     for name in systems:
         start_load = os.getloadavg()[0]
-        rows = run_system(name, cfg, args.steps, args.batch, args.accumulate, inflight=args.inflight)
+        rows = run_system(
+            name,
+            cfg,
+            args.steps,
+            args.batch,
+            args.accumulate,
+            as_limit=cap if args.cap_all else None,
+            inflight=args.inflight,
+        )
+        if not all(r["fits"] for r in rows):
+            print(f"{name}: does not fit under RLIMIT_AS={cap / GiB:.1f} GiB: {[r.get('error') for r in rows]}")
+            continue
         _, ac, sharded_acc = parse_system(name)
         unsharded = args.accumulate > 1 and not sharded_acc
         floor = floor_parts(cfg, args.batch, ac, unsharded)
@@ -377,7 +392,6 @@ def main() -> None:
         _save(args.out, results)
         _record_peaks(args.peaks, cfg, name, rows, floor, args)
     if args.ddp and args.accumulate == 1:
-        cap = int((args.ddp_cap_gib * GiB) if args.ddp_cap_gib else _mem_total() / WORLD)
         outcome = try_ddp(cfg, args.batch, cap)
         outcome["cap_bytes"] = cap
         outcome["needs_bytes"] = 16 * psi
