@@ -32,8 +32,11 @@ def _color(name: str) -> str:
 
 
 def _one_step(timeline: list[list[Any]], step: int) -> list[list[Any]]:
-    start = next(i for i, s in enumerate(timeline) if s[2] == f"step {step} start")
-    end = next(i for i, s in enumerate(timeline) if s[2] == f"step {step} end")
+    """Samples from ``step``'s start marker to its end marker (or the end: older results may lack it)."""
+    start = next((i for i, s in enumerate(timeline) if s[2] == f"step {step} start"), None)
+    if start is None:  # fall back to the sample after the previous step's zero_grad
+        start = max((i for i, s in enumerate(timeline) if s[2] == "zero_grad"), default=0)
+    end = next((i for i, s in enumerate(timeline) if i > start and s[2] == f"step {step} end"), len(timeline) - 1)
     return timeline[start : end + 1]
 
 
