@@ -100,9 +100,20 @@ def all_gather_flat(
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool
-) -> dist.Work | None:
-    """``output`` (1D) receives the sum over ranks of this rank's chunk of ``full`` (1D, ``n`` chunks)."""
+    output: torch.Tensor,
+    full: torch.Tensor,
+    pg: dist.ProcessGroup | None,
+    *,
+    async_op: bool,
+    scratch_input: bool = False,
+) -> dist.Work | _ChunkOfAllReduce | None:
+    """``output`` (1D) receives the sum over ranks of this rank's chunk of ``full`` (1D, ``n`` chunks).
+
+    ``scratch_input``: the caller gives ``full`` up (its contents are undefined afterwards). On gloo, whose
+    reduce-scatter clones its input, all-reduces the clone and copies one chunk out, ``full`` is then
+    all-reduced in place instead: the same bytes on the wire and the same sums bit for bit, without the
+    full-size clone that would otherwise live as long as the returned work (see :class:`_ChunkOfAllReduce`).
+    """
     n = _size(pg)
     if n == 1:
         output.copy_(full)
@@ -110,7 +121,33 @@ def reduce_scatter_flat(
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
     if p2p.use_p2p("reduce_scatter", pg, full):
         return p2p.reduce_scatter(output, full, pg, async_op=async_op)
+    if scratch_input and dist.get_backend(pg) == "gloo":
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        pending = _ChunkOfAllReduce(work, full, output, dist.get_rank(pg), n)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+
+
+class _ChunkOfAllReduce:
+    """A reduce-scatter done as an in-place all-reduce: ``wait()`` waits, then copies this rank's chunk.
+
+    Invariant: ``output`` holds the reduced chunk once ``wait()`` returns; the full buffer is released then.
+    """
+
+    def __init__(self, work: dist.Work, full: torch.Tensor, output: torch.Tensor, rank: int, n: int) -> None:
+        self._work: dist.Work | None = work
+        self._full: torch.Tensor | None = full
+        self._output, self._rank, self._n = output, rank, n
+
+    def wait(self) -> bool:
+        if self._work is not None and self._full is not None:
+            self._work.wait()
+            self._output.copy_(self._full.view(self._n, -1)[self._rank])
+            self._work, self._full = None, None
+        return True
 
 
 def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool) -> dist.Work | None:
@@ -265,12 +302,15 @@ def foreach_reduce(
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
     pg, works = shard_group.shard_pg, []
     packed_numel = _numel(packed)
+    # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
+    # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
     if packed_numel:
-        works.append(reduce_scatter_flat(output.narrow(0, 0, packed_numel), ordered.view(-1), pg, async_op=True))
+        packed_out = output.narrow(0, 0, packed_numel)
+        works.append(reduce_scatter_flat(packed_out, ordered.view(-1), pg, async_op=True, scratch_input=True))
     for sp in direct:
         # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
         out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
-        works.append(reduce_scatter_flat(out, full_block(grad, sp, world), pg, async_op=True))
+        works.append(reduce_scatter_flat(out, full_block(grad, sp, world), pg, async_op=True, scratch_input=True))
     return PendingReduce(works, output, (ordered, grad), after)
 
 

@@ -14,7 +14,8 @@
   final callback.
 - Unit post-backward (the unit's flat-gradient hook, see [Note: group buffers]): start the reduce-scatter
   asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
-  and with ``BACKWARD_POST`` prefetch the next unit. At most two reductions are left in flight.
+  and with ``BACKWARD_POST`` prefetch the next unit. At most ``_reductions_in_flight()`` reductions are
+  left in flight (none on gloo).
 - Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
   so that every rank issues the same collectives), wait for every reduction and land it in ``.grad``,
   free anything still gathered. So ``optimizer.step()`` right after ``backward()`` sees final gradients.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
@@ -46,6 +48,22 @@ from fullshard.engine.simulate import simulating
 from fullshard.engine.warn import warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
+
+MAX_REDUCTIONS_IN_FLIGHT: int | None = None
+"""Reductions a backward leaves running while the next units compute (``None``: by backend, see
+:func:`_reductions_in_flight`). Each holds the unit's unsharded gradient (a unit's parameter bytes) until it
+completes, on top of the two units gathered at that moment and the gradient being computed."""
+
+
+def _reductions_in_flight(group: ParamGroup) -> int:
+    """0 on gloo: its all-reduce runs on the same CPU cores as the backward, so overlapping buys little, and
+    waiting at each unit's post-backward keeps the peak at torch FSDP2's (which reduces synchronously on
+    CPU); 1 elsewhere (NCCL reduces on its own stream while the next unit computes). Measured in
+    docs/benchmarks.md, "Training at scale"."""
+    if MAX_REDUCTIONS_IN_FLIGHT is not None:
+        return MAX_REDUCTIONS_IN_FLIGHT
+    pg = group.shard_group.shard_pg or group.shard_group.replicate_pg
+    return 0 if pg is not None and dist.get_backend(pg) == "gloo" else 1
 
 
 class TrainingState(enum.Enum):
@@ -126,10 +144,9 @@ class BackwardPass:
             self.in_backward = True
             Variable._execution_engine.queue_callback(final_callback)
 
-    def reducing(self, group: ParamGroup) -> None:
-        """``group`` started reducing: finish the oldest while more than two are in flight."""
-        self.in_flight.append(group)
-        while len(self.in_flight) > 2:
+    def settle(self, limit: int) -> None:
+        """Finish the oldest reductions until at most ``limit`` are left in flight."""
+        while len(self.in_flight) > limit:
             self.in_flight.pop(0).finish_reduce()
 
     def end(self) -> None:
@@ -352,10 +369,12 @@ class UnitState:
             if self.requires_gradient_sync:
                 group.reduce_grads()
                 self.reduced = True
-                ctx.backward.reducing(group)
+                ctx.backward.in_flight.append(group)
             elif self.config.expose_unsynced_grads:
                 group.expose_unsharded_grads()
+            # Free the gathered parameters before blocking on older reductions: they are not needed any more.
             group.reshard()
+            ctx.backward.settle(_reductions_in_flight(group))
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
                 _prefetch_backward(ctx, self)
 
