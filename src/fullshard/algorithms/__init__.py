@@ -1,5 +1,6 @@
 """Algorithms built on the engine's public API, kept outside it as torch keeps them outside FSDP.
 
-``comm_hooks`` (DDP-style communication hooks for ``register_comm_hook``) and ``grad_scaler``
-(``ShardedGradScaler``) import the engine; the engine never imports this package.
+``comm_hooks`` (DDP-style communication hooks for ``register_comm_hook``), ``grad_scaler``
+(``ShardedGradScaler``) and ``optim_init`` (an optimizer's state created before its first step) import the
+engine or only torch; the engine never imports this package.
 """

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.api import FullStateDictConfig, StateDictType
 from fullshard.engine.full_load import load_full_state_dict
-from fullshard.engine.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.optim_state import optim_state_dict, optim_state_dict_to_load, scatter_full_optim_state_dict
 from fullshard.engine.state_dict import state_dict_type
 from fullshard.frontend.optim import AcceleratedOptimizer
@@ -85,7 +85,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state a fresh optimizer lacks (zeros, parameters unchanged), as a template to load into.
 
     Steps the wrapped optimizer, never :class:`AcceleratedOptimizer` (whose ``step`` does nothing on an
-    accumulation step). See [Note: loading into a fresh optimizer] in ``engine/optim_init.py``.
+    accumulation step). See [Note: loading into a fresh optimizer] in ``algorithms/optim_init.py``.
     """
     inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
     engine_init_optimizer_state(inner)
