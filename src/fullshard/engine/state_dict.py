@@ -89,11 +89,6 @@ _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCo
 }
 
 
-def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
-    model_cfg, optim_cfg = _CONFIGS[state_dict_type]
-    return StateDictSettings(state_dict_type, model_cfg(), optim_cfg())
-
-
 @dataclass
 class _DictUnit:
     """State-dict bookkeeping of one unit module; see [Note: state dict hooks]."""
@@ -143,7 +138,8 @@ def install_state_dict_hooks(
     module: nn.Module, state: UnitState, *, default_type: StateDictType, segment: str, where: str
 ) -> None:
     """Attach the hooks of [Note: state dict hooks] to the unit ``module``; ``default_type`` is in force until set."""
-    unit = _DictUnit(state, default_settings(default_type), segment, where)
+    model_cfg, optim_cfg = _CONFIGS[default_type]
+    unit = _DictUnit(state, StateDictSettings(default_type, model_cfg(), optim_cfg()), segment, where)
     unit.record_buffer_dtypes()
     _UNITS[module] = unit
     module.register_state_dict_post_hook(_post_state_dict)
