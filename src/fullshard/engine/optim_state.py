@@ -38,7 +38,6 @@ from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
-from fullshard.engine.state import unit_states_in
 from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
 
 __all__ = [
@@ -69,13 +68,7 @@ class _Param:
 
 def model_params(model: nn.Module) -> list[_Param]:
     """``model``'s parameters in ``model.parameters()`` order (tied ones once), sharded ones as stepped on."""
-    owners = {
-        (id(holder), name): (state.group, sp)
-        for state in unit_states_in(model)
-        if state.group is not None
-        for sp in state.group.params
-        for holder, name in sp.registrations
-    }
+    owners = sd.sharded_registrations(model)
     seen: set[int] = set()
     out = []
     for path, module in model.named_modules():
