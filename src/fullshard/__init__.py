@@ -3,6 +3,7 @@
 This module re-exports the public surface; it holds no logic.
 """
 
+from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.engine.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -25,7 +26,6 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
-from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.big_modeling import init_empty_weights

@@ -1,6 +1,6 @@
 """``fullshard.comm_hooks``: communication hooks for ``FullyShardedDataParallel.register_comm_hook``."""
 
-from fullshard.engine.comm_hooks import (
+from fullshard.algorithms.comm_hooks import (
     DefaultState,
     LowPrecisionState,
     allreduce_hook,

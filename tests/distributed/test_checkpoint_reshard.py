@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FSDP, FullStateDictConfig, OptimStateKeyType, StateDictType
+from fullshard.algorithms.optim_init import init_optimizer_state
 from fullshard.checkpoint import load_sharded, model_folder_name, optimizer_folder_name, save_sharded
-from fullshard.engine.optim_init import init_optimizer_state
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks

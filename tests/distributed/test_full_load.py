@@ -1,4 +1,4 @@
-"""engine.full_load: a full state dict that only rank 0 holds loads into either entry point's shards, bitwise.
+"""algorithms.full_load: a full state dict that only rank 0 holds loads into either entry point's shards, bitwise.
 
 Set up: TinyGPT with tied embedding/head, a buffer and (FSDP) an ignored module, built with other values.
 Run: rank 0 passes the reference model's state_dict(), rank 1 passes None.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fullshard import FSDP, fully_shard
-from fullshard.engine.full_load import load_full_state_dict
+from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.frontend.model_state import full_model_state_dict
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT

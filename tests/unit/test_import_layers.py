@@ -1,4 +1,4 @@
-"""The package never imports a peer, and its layers import one way: engine <- checkpoint <- frontend <- cli."""
+"""The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ FORBIDDEN = ("torch.distributed.fsdp", "torch.distributed._composable", "acceler
 # Which top-level subpackages each layer may import from (besides itself).
 ALLOWED = {
     "engine": set(),
+    "algorithms": {"engine"},
     "checkpoint": {"engine"},
-    "frontend": {"engine", "checkpoint"},
-    "cli": {"frontend", "checkpoint", "engine"},
+    "frontend": {"engine", "algorithms", "checkpoint"},
+    "cli": {"frontend", "checkpoint", "algorithms", "engine"},
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fullshard.engine.optim_init import init_optimizer_state
+from fullshard.algorithms.optim_init import init_optimizer_state
 
 
 def _model() -> nn.Module:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -211,10 +210,3 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
-
-
-def describe(obj: Any) -> str:
-    """A short, stable text for ``obj`` for use in error messages."""
-    if isinstance(obj, enum.Enum):
-        return f"{type(obj).__name__}.{obj.name}"
-    return repr(obj)

@@ -7,6 +7,7 @@ accepted where torch's and Accelerate's configs use them (``sharding_strategy: 1
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import TypeVar
 
@@ -28,9 +29,8 @@ def coerce_enum(value: object, enum_cls: type[E], *, arg: str, allow_int: bool =
         if key in enum_cls.__members__:
             return enum_cls[key]
     if allow_int and isinstance(value, int) and not isinstance(value, bool):
-        for member in enum_cls:
-            if member.value == value:
-                return member
+        with contextlib.suppress(ValueError):  # no member has this value
+            return enum_cls(value)
     choices = ", ".join(enum_cls.__members__)
     raise ValueError(f"{arg}={value!r} is not a {enum_cls.__name__}; expected one of: {choices}.")
 

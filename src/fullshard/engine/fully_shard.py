@@ -9,6 +9,7 @@ each block first, then the root.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -101,15 +102,11 @@ class FSDPModule:
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
 
 
-_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-    return _CLASSES[cls]
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
 
 
 def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offload | None:
@@ -129,13 +126,9 @@ def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offl
     return Offload(pin_memory=bool(policy.pin_memory))
 
 
-_DEFAULT_MESHES: dict[str, DeviceMesh] = {}
-
-
-def _default_mesh(device: torch.device) -> DeviceMesh:
-    if device.type not in _DEFAULT_MESHES:
-        _DEFAULT_MESHES[device.type] = init_device_mesh(device.type, (dist.get_world_size(),))
-    return _DEFAULT_MESHES[device.type]
+@functools.cache
+def _default_mesh(device_type: str) -> DeviceMesh:
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def fully_shard(
@@ -169,7 +162,7 @@ def fully_shard(
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
     require_process_group("fully_shard")
     device = resolve_device(None, module)
-    mesh = mesh if mesh is not None else _default_mesh(device)
+    mesh = mesh if mesh is not None else _default_mesh(device.type)
     shard_group = shard_group_from_mesh(mesh, device)
     config = UnitConfig(
         reshard_after_forward=reshard_after_forward,

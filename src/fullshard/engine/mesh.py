@@ -74,19 +74,10 @@ class ShardGroup:
 
     def dtensor(self, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
         """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``."""
-        size = torch.Size(shape)
+        stride = torch.empty(shape, device="meta").stride()  # contiguous strides; allocates nothing
         return DTensor.from_local(
-            local, self.get_mesh(), self.placements(), run_check=False, shape=size, stride=_contiguous_stride(size)
+            local, self.get_mesh(), self.placements(), run_check=False, shape=torch.Size(shape), stride=stride
         )
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (sizes of 0 count as 1, as ``torch.empty`` does)."""
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def global_rank() -> int:

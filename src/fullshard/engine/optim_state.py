@@ -38,7 +38,6 @@ from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
-from fullshard.engine.state import unit_states_in
 from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
 
 __all__ = [
@@ -69,13 +68,7 @@ class _Param:
 
 def model_params(model: nn.Module) -> list[_Param]:
     """``model``'s parameters in ``model.parameters()`` order (tied ones once), sharded ones as stepped on."""
-    owners = {
-        (id(holder), name): (state.group, sp)
-        for state in unit_states_in(model)
-        if state.group is not None
-        for sp in state.group.params
-        for holder, name in sp.registrations
-    }
+    owners = sd.sharded_registrations(model)
     seen: set[int] = set()
     out = []
     for path, module in model.named_modules():
@@ -198,7 +191,7 @@ def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tu
 def _elementwise_names(members: list[_Param], states: dict[str, dict[str, Any]]) -> list[str]:
     names: dict[str, None] = {}
     for p in members:
-        names.update((n, None) for n, v in states[p.fqn].items() if _is_elementwise(v) or _is_spec(v))
+        names.update((n, None) for n, v in states[p.fqn].items() if _is_elementwise(v) or isinstance(v, StateSpec))
     return list(names)
 
 
@@ -423,21 +416,14 @@ class StateSpec:
     dtype: torch.dtype
 
 
-def _is_spec(value: Any) -> bool:
-    return isinstance(value, StateSpec)
-
-
-def _skeleton(osd: OsdT) -> OsdT:
-    state = {
-        fqn: {n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
-        for fqn, s in osd["state"].items()
-    }
-    return {"state": state, "param_groups": osd["param_groups"]}
-
-
 def _skeleton_or_error(full: Any) -> OsdT | str:
+    """``full`` with per-element states replaced by :class:`StateSpec`, or the error every rank raises."""
     if isinstance(full, dict) and isinstance(full.get("state"), dict) and "param_groups" in full:
-        return _skeleton(full)
+        state = {
+            fqn: {n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
+            for fqn, s in full["state"].items()
+        }
+        return {"state": state, "param_groups": full["param_groups"]}
     return (
         f"scatter_full_optim_state_dict(full_optim_state_dict={type(full).__name__}): rank 0 must pass the full "
         "optimizer state dict (from full_optim_state_dict(), with 'state' and 'param_groups'); other ranks may "
@@ -450,7 +436,7 @@ def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
         p = params[fqn]
         want = p.sp.shape if p.sp is not None else tuple(p.param.shape)
         for name, value in state.items():
-            if _is_spec(value) and value.shape != want:
+            if isinstance(value, StateSpec) and value.shape != want:
                 raise ValueError(
                     f"scatter_full_optim_state_dict: optimizer state {name!r} of {fqn!r} has shape {value.shape} "
                     f"but the parameter has shape {want}. Load a state dict saved from this architecture."
@@ -496,14 +482,14 @@ def scatter_states(
     for unit, members in _by_unit(params, specs):
         column = [ranks[position[id(unit)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
-            holders = [p for p in members if _is_spec(specs[p.fqn].get(name))]
+            holders = [p for p in members if isinstance(specs[p.fqn].get(name), StateSpec)]
             dtype = specs[holders[0].fqn][name].dtype
             flat = _scatter_unit(unit, holders, name, full_states, column, pg, src, dtype)
             for p in holders:
                 out[p.fqn][name] = p.sp.local_view(flat).to(specs[p.fqn][name].dtype, copy=True)  # type: ignore[union-attr]
     for p in params:
         for name, value in out.get(p.fqn, {}).items():
-            if _is_spec(value):  # a parameter outside any unit: whole on every rank
+            if isinstance(value, StateSpec):  # a parameter outside any unit: whole on every rank
                 tensor = (
                     full_states[p.fqn][name] if full_states is not None else torch.empty(value.shape, dtype=value.dtype)
                 )

@@ -113,20 +113,19 @@ def set_owner(param: nn.Parameter, label: str) -> None:
     setattr(param, _OWNER_ATTR, label)
 
 
+def _retired_entry(original: torch.Tensor) -> tuple[Any, nn.Parameter | None, int | None]:
+    entry = _REPLACEMENTS.get(id(original))
+    return entry if entry is not None and entry[0]() is original else (None, None, None)
+
+
 def replacement_for(original: torch.Tensor) -> nn.Parameter | None:
     """The sharded parameter that replaced ``original`` when its module was sharded, if any."""
-    entry = _REPLACEMENTS.get(id(original))
-    if entry is None or entry[0]() is not original:
-        return None
-    return entry[1]
+    return _retired_entry(original)[1]
 
 
 def retired_data_ptr(original: torch.Tensor) -> int | None:
     """``original.data_ptr()`` as it was before sharding freed it (``None`` if ``original`` was not retired)."""
-    entry = _REPLACEMENTS.get(id(original))
-    if entry is None or entry[0]() is not original:
-        return None
-    return entry[2]
+    return _retired_entry(original)[2]
 
 
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()

@@ -77,6 +77,7 @@ __all__ = [
     "rows_of",
     "set_state_dict_type",
     "sharded_dtensor",
+    "sharded_registrations",
     "state_dict_type",
 ]
 
@@ -87,11 +88,6 @@ _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictCo
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
-
-
-def default_settings(state_dict_type: StateDictType) -> StateDictSettings:
-    model_cfg, optim_cfg = _CONFIGS[state_dict_type]
-    return StateDictSettings(state_dict_type, model_cfg(), optim_cfg())
 
 
 @dataclass
@@ -143,7 +139,8 @@ def install_state_dict_hooks(
     module: nn.Module, state: UnitState, *, default_type: StateDictType, segment: str, where: str
 ) -> None:
     """Attach the hooks of [Note: state dict hooks] to the unit ``module``; ``default_type`` is in force until set."""
-    unit = _DictUnit(state, default_settings(default_type), segment, where)
+    model_cfg, optim_cfg = _CONFIGS[default_type]
+    unit = _DictUnit(state, StateDictSettings(default_type, model_cfg(), optim_cfg()), segment, where)
     unit.record_buffer_dtypes()
     _UNITS[module] = unit
     module.register_state_dict_post_hook(_post_state_dict)
@@ -332,22 +329,16 @@ def _save_local(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix:
 
 def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
     """Replace the leading ``raw`` of keys by ``clean``, keeping the order (and the ``_metadata`` keys)."""
-    if any(k.startswith(raw) for k in destination):
-        items = list(destination.items())
-        destination.clear()
+    for mapping in (destination, getattr(destination, "_metadata", None)):
+        if mapping is None or not any(k == raw[:-1] or k.startswith(raw) for k in mapping):
+            continue
+        items = list(mapping.items())
+        mapping.clear()
         for key, value in items:
-            destination[clean + key[len(raw) :] if key.startswith(raw) else key] = value
-    metadata = getattr(destination, "_metadata", None)
-    if metadata is not None and any(k == raw[:-1] or k.startswith(raw) for k in metadata):
-        items = list(metadata.items())
-        metadata.clear()
-        for key, value in items:
-            if key == raw[:-1]:
-                metadata[clean[:-1]] = value
-            elif key.startswith(raw):
-                metadata[clean + key[len(raw) :]] = value
-            elif key not in metadata:
-                metadata[key] = value
+            if key == raw[:-1] or key.startswith(raw):  # the wrapper's own metadata key, or a key below it
+                mapping[clean + key[len(raw) :] if key.startswith(raw) else clean[:-1]] = value
+            else:
+                mapping.setdefault(key, value)  # a renamed key keeps its place
 
 
 # --- load ---------------------------------------------------------------------------------------------
@@ -426,12 +417,19 @@ class Expected:
     whole: dict[str, torch.Tensor]  # the tensors no unit shards (persistent buffers, parameters outside units)
 
 
+def sharded_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ParamGroup, ShardedParam]]:
+    """``(id(holder module), attribute)`` -> (group, sharded parameter) for every unit in ``module``."""
+    return {
+        (id(holder), name): (state.group, sp)
+        for state in unit_states_in(module)
+        if state.group is not None
+        for sp in state.group.params
+        for holder, name in sp.registrations
+    }
+
+
 def expected_entries(module: nn.Module) -> Expected:
-    sharded: dict[tuple[int, str], ShardedParam] = {}
-    for state in unit_states_in(module):
-        for sp in [] if state.group is None else state.group.params:
-            for holder, name in sp.registrations:
-                sharded[(id(holder), name)] = sp
+    sharded = {key: sp for key, (_, sp) in sharded_registrations(module).items()}
     shapes: dict[str, tuple[int, ...] | None] = {}
     whole: dict[str, torch.Tensor] = {}
     keys_of: dict[int, set[str]] = {}

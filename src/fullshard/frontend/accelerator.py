@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
+from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
-from fullshard.engine.grad_scaler import ShardedGradScaler
 from fullshard.frontend import env, model_state, ops, preemption, runtime, state_io, training
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config

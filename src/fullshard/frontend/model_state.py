@@ -8,7 +8,7 @@ the unwrapped model's names (parameter names for the optimizer, as torch's ``get
 writes them), so a checkpoint of either entry point, or of torch's FSDP, loads into the other.
 
 Full state dicts are gathered to rank 0 (``full_model_state_dict``, ``full_optim_state``) and loaded from rank
-0 through the engine's one rank-0 → shards path (``engine/full_load.py`` and
+0 through the one rank-0 → shards path (``algorithms/full_load.py`` and
 ``scatter_full_optim_state_dict``): the other ranks only ever receive their own rows.
 """
 
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.full_load import load_full_state_dict
+from fullshard.algorithms.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.api import FullStateDictConfig, StateDictType
-from fullshard.engine.full_load import load_full_state_dict
-from fullshard.engine.optim_init import init_optimizer_state as engine_init_optimizer_state
 from fullshard.engine.optim_state import optim_state_dict, optim_state_dict_to_load, scatter_full_optim_state_dict
 from fullshard.engine.state_dict import state_dict_type
 from fullshard.frontend.optim import AcceleratedOptimizer
@@ -85,7 +85,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the state a fresh optimizer lacks (zeros, parameters unchanged), as a template to load into.
 
     Steps the wrapped optimizer, never :class:`AcceleratedOptimizer` (whose ``step`` does nothing on an
-    accumulation step). See [Note: loading into a fresh optimizer] in ``engine/optim_init.py``.
+    accumulation step). See [Note: loading into a fresh optimizer] in ``algorithms/optim_init.py``.
     """
     inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
     engine_init_optimizer_state(inner)

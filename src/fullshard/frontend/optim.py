@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fullshard.engine.grad_scaler import ShardedGradScaler
+from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.frontend.data import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.engine.agreement import first_difference, require_agreement
-from fullshard.engine.full_load import load_full_state_dict
 from fullshard.engine.param import replacement_for, retired_data_ptr
 from fullshard.engine.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine.state import unit_state
@@ -261,7 +261,7 @@ def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
 def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
     """Load a full state dict held by rank 0 into the sharded ``model`` in place; other ranks pass ``{}``.
 
-    The engine's rank-0 → shards path (``engine/full_load.py``): rank 0 raises first, on every rank, naming keys
+    The one rank-0 → shards path (``algorithms/full_load.py``): rank 0 raises first, on every rank, naming keys
     that are missing or differ in shape (keys the model lacks are ignored); then every rank receives its rows.
     """
     del accelerator  # Accelerate's signature; the model carries its meshes

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.comm_hooks import LowPrecisionState, bf16_compress_hook, fp16_compress_hook
 from fullshard.engine.api import ShardingStrategy
-from fullshard.engine.comm_hooks import LowPrecisionState, bf16_compress_hook, fp16_compress_hook
 from fullshard.engine.wrapper import FullyShardedDataParallel
 from fullshard.frontend.handlers.base import KwargsHandler
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fullshard.engine.grad_scaler import ShardedGradScaler
+from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.frontend.handlers.base import KwargsHandler
 
 __all__ = ["GradScalerKwargs", "GradientAccumulationPlugin", "build_scaler", "resolve_accumulation"]
