@@ -16,10 +16,10 @@ AdamW step so the optimizer state exists, and then, in this order:
 
 Peak RSS per rank is sampled every 2 ms in each phase (``MALLOC_MMAP_THRESHOLD_=131072`` so freed buffers leave
 the RSS), and compared with the training step's. Needs root (for drop_caches) and about 2.5x the checkpoint
-size free under ``--workdir``; deletes what it wrote. Run the full size under the machine's heavy-job lock::
+size free under ``--workdir``; deletes what it wrote. Run the full size alone on the machine (it needs about 16 GB)::
 
-    python benchmarks/bench_checkpoint_scale.py --quick --workdir /work/scratch/ckscale
-    flock /work/wt/heavy.lock python benchmarks/bench_checkpoint_scale.py --workdir /work/scratch/ckscale
+    python benchmarks/bench_checkpoint_scale.py --quick --workdir /tmp/fullshard-bench/ckscale
+    python benchmarks/bench_checkpoint_scale.py --workdir /tmp/fullshard-bench/ckscale
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--fsdp-version", type=int, default=2, choices=[1, 2])
-    parser.add_argument("--workdir", default="/work/scratch/ckscale")
+    parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckscale")
     parser.add_argument("--dd-gb", type=float, default=2.0, help="GB each of the 2 dd streams writes and reads")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (e.g. for bench_merge_scale)")
     args = parser.parse_args()

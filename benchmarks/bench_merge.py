@@ -11,8 +11,8 @@ our output is loaded into the GPT of ``bench_checkpoint_scale.py`` with ``load_c
 compared with Accelerate's output (which torch's own DCP reader produced). Needs ``accelerate``.
 
     python benchmarks/bench_merge.py [--params 300e6] [--repeats 2] [--workdir /tmp/fullshard-bench]
-    flock /work/wt/heavy.lock python benchmarks/bench_merge.py --repeats 1 --dd --max-shard-size 1GB \
-        --checkpoint /work/scratch/ckscale/bench_checkpoint_scale/ours/pytorch_model_fsdp_0 --gpt-layers 16
+    python benchmarks/bench_merge.py --repeats 1 --dd --max-shard-size 1GB \
+        --checkpoint /tmp/fullshard-bench/ckscale/bench_checkpoint_scale/ours/pytorch_model_fsdp_0 --gpt-layers 16
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train a GPT that DDP cannot hold on this machine, under fullshard and torch's FSDP2, on 2 gloo ranks.
 
-    MALLOC_MMAP_THRESHOLD_=131072 flock /work/wt/heavy.lock python benchmarks/bench_scale.py
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_scale.py
     python benchmarks/bench_scale.py --quick                   # a small model, to check the script
     python benchmarks/bench_scale.py --layers 4 --width 1024   # the size sweep (a row per size)
     python benchmarks/bench_scale.py --accumulate 4            # no_sync gradient accumulation memory
@@ -25,8 +25,8 @@ With ``--accumulate K`` each step is K micro-batches; the first K-1 run without 
 accumulation", which reduce-scatters every micro-batch into the sharded gradient (memory 1/N, K times the
 reduce-scatter traffic).
 
-Results go to ``--out`` (JSON, default /work/scratch/scale/bench_scale.json) for ``plot_scale.py``, and
-per-rank peaks are merged into ``--peaks`` (default /work/scratch/scale/peaks.json).
+Results go to ``--out`` (JSON, default /tmp/fullshard-bench/scale/bench_scale.json) for ``plot_scale.py``, and
+per-rank peaks are merged into ``--peaks`` (default /tmp/fullshard-bench/scale/peaks.json).
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ def main() -> None:
         default=None,
         help="fullshard's MAX_REDUCTIONS_IN_FLIGHT for this run (default: the engine's)",
     )
-    parser.add_argument("--out", default="/work/scratch/scale/bench_scale.json")
-    parser.add_argument("--peaks", default="/work/scratch/scale/peaks.json")
+    parser.add_argument("--out", default="/tmp/fullshard-bench/scale/bench_scale.json")
+    parser.add_argument("--peaks", default="/tmp/fullshard-bench/scale/peaks.json")
     args = parser.parse_args()
     args.commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
