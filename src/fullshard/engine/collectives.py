@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.engine import collective_check, p2p, trace
-from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.mesh import ShardGroup, is_gloo
 from fullshard.engine.param import ShardedParam
 
 __all__ = [
@@ -121,7 +121,7 @@ def reduce_scatter_flat(
     COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
     if p2p.use_p2p("reduce_scatter", pg, full):
         return p2p.reduce_scatter(output, full, pg, async_op=async_op)
-    if scratch_input and dist.get_backend(pg) == "gloo":
+    if scratch_input and is_gloo(pg):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         pending = _ChunkOfAllReduce(work, full, output, dist.get_rank(pg), n)
         if not async_op:

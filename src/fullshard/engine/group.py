@@ -60,7 +60,7 @@ from fullshard.engine.collectives import (
 )
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
-from fullshard.engine.mesh import ShardGroup, global_rank
+from fullshard.engine.mesh import ShardGroup, global_rank, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
 from fullshard.engine.precision import GroupPrecision
 
@@ -451,5 +451,4 @@ DIRECT_MIN_BYTES = 4 * 2**20
 def _gathers_directly(shard_group: ShardGroup) -> bool:
     """Direct per-parameter collectives pay off on gloo (CPU), where the copy-out is dear and each call
     cheap relative to megabytes; on NCCL one flat collective per unit stays best."""
-    pg = shard_group.shard_pg
-    return pg is not None and dist.get_backend(pg) == "gloo"
+    return is_gloo(shard_group.shard_pg)

@@ -16,6 +16,7 @@ Gradients are averaged over ``data_parallel_size = shard_size * replicate_size``
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,26 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from fullshard.engine.api import ShardingStrategy
 
-__all__ = ["ShardGroup", "build_shard_group", "global_rank", "require_process_group", "shard_group_from_mesh"]
+__all__ = [
+    "ShardGroup",
+    "build_shard_group",
+    "global_rank",
+    "is_gloo",
+    "require_process_group",
+    "shard_group_from_mesh",
+]
+
+_IS_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+
+
+def is_gloo(pg: dist.ProcessGroup | None) -> bool:
+    """``pg`` is a gloo group (cached: asked on the hot path, once per collective or post-backward)."""
+    if pg is None:
+        return False
+    if pg not in _IS_GLOO:
+        _IS_GLOO[pg] = dist.get_backend(pg) == "gloo"
+    return _IS_GLOO[pg]
+
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 

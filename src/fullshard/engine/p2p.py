@@ -28,12 +28,13 @@ its pending reductions and gathers).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fullshard.engine.mesh import is_gloo
 
 __all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "all_gather", "reduce_scatter", "use_p2p"]
 __all__ += ["pairwise_all_gather", "pairwise_reduce_scatter"]
@@ -57,8 +58,6 @@ P2P_MIN_BYTES: dict[tuple[str, int], int] = {
 # Below gloo's collective slots (those carry a prefix in the top byte); one tag per kind, so that an
 # all-gather and a reduce-scatter in flight together never take each other's messages.
 REDUCE_SCATTER_TAG, ALL_GATHER_TAG = 0x5EA1, 0x5EA2
-
-_is_gloo: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
 
 
 class P2PWork:
@@ -130,11 +129,7 @@ def _forced() -> bool | None:
 
 def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool:
     """Whether the ``kind`` collective of ``full`` (the unsharded buffer) over ``pg`` goes point-to-point."""
-    if pg is None or full.device.type != "cpu":
-        return False
-    if pg not in _is_gloo:
-        _is_gloo[pg] = dist.get_backend(pg) == "gloo"
-    if not _is_gloo[pg]:
+    if pg is None or full.device.type != "cpu" or not is_gloo(pg):
         return False
     forced = _forced()
     if forced is not None:

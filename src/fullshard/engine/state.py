@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
@@ -41,7 +40,7 @@ from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
-from fullshard.engine.mesh import global_rank
+from fullshard.engine.mesh import global_rank, is_gloo
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.simulate import simulating
@@ -63,7 +62,7 @@ def _reductions_in_flight(group: ParamGroup) -> int:
     if MAX_REDUCTIONS_IN_FLIGHT is not None:
         return MAX_REDUCTIONS_IN_FLIGHT
     pg = group.shard_group.shard_pg or group.shard_group.replicate_pg
-    return 0 if pg is not None and dist.get_backend(pg) == "gloo" else 1
+    return 0 if is_gloo(pg) else 1
 
 
 class TrainingState(enum.Enum):
