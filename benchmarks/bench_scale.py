@@ -53,7 +53,7 @@ import scale_memory as mem
 
 from fullshard import FullyShardedDataParallel as OurFSDP
 from fullshard import fully_shard as our_fully_shard
-from fullshard.engine.checkpointing import checkpoint_module
+from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy

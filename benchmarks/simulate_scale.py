@@ -6,8 +6,8 @@ For each model (the issue's 840M GPT and a 7B-class GPT: 32 layers, width 4096, 
 and each layout (1-D meshes of 8, 64 and 1,024 ranks; a hybrid 2-D mesh of 8 replicas x 128 shards), this
 process becomes rank 0 of torch's fake process group (``FakeStore`` + backend ``"fake"``: collectives return
 at once and move nothing), builds the model on the meta device, wraps every block and the root with
-``fully_shard`` (FULL_SHARD; the engine keeps meta units on meta under this backend, see
-``fullshard/engine/simulate.py``) and runs one forward and backward on meta token ids. Nothing is allocated.
+``fully_shard`` (FULL_SHARD; the engine keeps meta units on meta under this backend, see ``simulating`` in
+``fullshard/engine/mesh.py``) and runs one forward and backward on meta token ids. Nothing is allocated.
 
 It reports, per rank: the bytes of parameter shards (x4 for params, grads and Adam's two moments: the
 model state), the largest gathered unit, the collectives the engine issued in the step and the bytes it

@@ -3,6 +3,7 @@
 This module re-exports the public surface; it holds no logic.
 """
 
+from fullshard.algorithms.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.engine.api import (
     BackwardPrefetch,
@@ -24,7 +25,6 @@ from fullshard.engine.api import (
     StateDictSettings,
     StateDictType,
 )
-from fullshard.engine.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator

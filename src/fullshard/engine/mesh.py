@@ -33,6 +33,7 @@ __all__ = [
     "is_gloo",
     "require_process_group",
     "shard_group_from_mesh",
+    "simulating",
 ]
 
 _IS_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
@@ -103,6 +104,18 @@ class ShardGroup:
 def global_rank() -> int:
     """This process's rank in the default group (0 without one): the rank messages and rank-0 choices use."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def simulating() -> bool:
+    """True when the default process group is torch's fake backend (nothing is sent, nothing is received).
+
+    A planning run: a model built on ``meta`` is wrapped, sharded and stepped with every unit left on ``meta``
+    (shards, gathered buffers and gradients have shapes and dtypes, no storage) while the engine issues its real
+    collective schedule and records its bytes in ``COMM_STATS``. Only two engine decisions change
+    (``resolve_device`` picks ``meta`` for an all-meta module, and the first forward does not refuse meta
+    parameters); everything else runs as on real ranks. ``benchmarks/simulate_scale.py`` drives it.
+    """
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def require_process_group(where: str) -> None:

@@ -40,10 +40,9 @@ from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
-from fullshard.engine.mesh import global_rank, is_gloo
+from fullshard.engine.mesh import global_rank, is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
-from fullshard.engine.simulate import simulating
 from fullshard.engine.warn import warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
@@ -225,7 +224,7 @@ class UnitState:
             if state.group is not None:
                 state.group.rename(state.label)  # errors about its collectives name the path
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
-        if not simulating():  # a planning run steps meta units on purpose (see simulate.py)
+        if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
         _check_same_units_on_all_ranks(states)
 

@@ -15,11 +15,10 @@ from torch import nn
 from fullshard.engine.agreement import require_agreement
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import Offload, ParamGroup
-from fullshard.engine.mesh import ShardGroup, global_rank
+from fullshard.engine.mesh import ShardGroup, global_rank, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
-from fullshard.engine.simulate import simulating
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
@@ -79,7 +78,7 @@ def resolve_device(device_id: int | torch.device | None, module: nn.Module) -> t
         if p.device.type not in ("cpu", "meta"):
             return p.device
     if params and simulating() and all(p.is_meta for p in params):
-        return torch.device("meta")  # a planning run: nothing is allocated (see simulate.py)
+        return torch.device("meta")  # a planning run: nothing is allocated (see mesh.simulating)
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.param import replacement_for, retired_data_ptr
@@ -143,9 +144,12 @@ def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
 
 
 def _apply(model: nn.Module, plan: ShardingPlan) -> nn.Module:
-    """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), then shard it."""
+    """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), checkpoint the
+    plan's blocks, then shard it."""
     if plan.init.sync_module_states and dist.get_world_size() > 1:
         _check_before_sync(model, plan.init.param_init_fn)
+    for block in plan.checkpointed:
+        checkpoint_module(block)
     return apply_plan(model, plan)
 
 
