@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fullshard.engine.agreement import RanksDisagreeError, first_difference, require_agreement
+from fullshard.ranks import RanksDisagreeError, first_difference, require_agreement
 from fullshard.testing import WorkerPool
 
 

@@ -1,4 +1,5 @@
-"""The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli."""
+"""The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli,
+and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fullshard"
 FORBIDDEN = ("torch.distributed.fsdp", "torch.distributed._composable", "accelerate", "deepspeed", "fairscale")
-# Which top-level subpackages each layer may import from (besides itself).
+# Torch-only modules every layer may import; they import nothing of fullshard.
+NEUTRAL = {"ranks"}
+# Which top-level subpackages each layer may import from (besides itself and NEUTRAL).
 ALLOWED = {
     "engine": set(),
     "algorithms": {"engine"},
-    "checkpoint": {"engine"},
+    "checkpoint": set(),  # torch only, as the engine (docs/design.md)
     "frontend": {"engine", "algorithms", "checkpoint"},
     "cli": {"frontend", "checkpoint", "algorithms", "engine"},
 }
@@ -50,8 +53,14 @@ def test_layers_import_one_way(path: Path) -> None:
     if layer not in ALLOWED:
         return
     used = {n.split(".")[1] for n in _imports(path) if n.startswith("fullshard.") and len(n.split(".")) > 1}
-    wrong = used - ALLOWED[layer] - {layer}
+    wrong = used - ALLOWED[layer] - {layer} - NEUTRAL
     assert not wrong, f"{path} (layer {layer!r}) imports from {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("name", sorted(NEUTRAL))
+def test_neutral_modules_import_no_layer(name: str) -> None:
+    used = [n for n in _imports(SRC / f"{name}.py") if n.startswith("fullshard")]
+    assert not used, f"fullshard/{name}.py must import torch only, but imports {used}"
 
 
 def test_checker_catches_a_peer_import(tmp_path: Path) -> None:

@@ -14,13 +14,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["describe_error", "gather_errors", "rank_and_world", "run_everywhere"]
+from fullshard.ranks import gather_from_ranks
 
-
-def rank_and_world(process_group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+__all__ = ["describe_error", "gather_errors", "run_everywhere"]
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -58,12 +54,8 @@ def describe_error(exc: BaseException) -> str:
 
 def gather_errors(error: BaseException | None, process_group: dist.ProcessGroup | None = None) -> dict[int, str]:
     """Every rank's failure (rank -> one-line description); empty when all succeeded. A collective."""
-    _, world = rank_and_world(process_group)
     mine = None if error is None else describe_error(error)
-    if world == 1:
-        return {} if mine is None else {0: mine}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=process_group)
+    everyone = gather_from_ranks(mine, process_group)
     return {r: msg for r, msg in enumerate(everyone) if msg is not None}
 
 

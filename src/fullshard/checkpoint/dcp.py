@@ -51,16 +51,11 @@ from fullshard.checkpoint.reader import (
     resolve_checkpoint_dir,
 )
 from fullshard.checkpoint.transaction import fsync_dir
+from fullshard.ranks import rank_and_world
 
 __all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
 
 _LEAF_TYPES = (torch.Tensor, int, float, bool, str, bytes, type(None))
-
-
-def _rank_and_world(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
 def _check_value(value: Any, where: str, caller: str) -> None:
@@ -106,7 +101,7 @@ def _check_dir_arg(checkpoint_dir: object, caller: str) -> Path:
 
 def _failed_ranks(error: BaseException | None, process_group: dist.ProcessGroup | None) -> list[int]:
     """Ranks whose ``error`` is set (a collective when there is more than one rank: every rank must call it)."""
-    _, world = _rank_and_world(process_group)
+    _, world = rank_and_world(process_group)
     if world == 1:
         return [0] if error is not None else []
     # An all-gather of flags rather than a barrier: a rank that failed still answers, so no peer waits forever.
@@ -119,7 +114,7 @@ def _agree(error: BaseException | None, process_group: dist.ProcessGroup | None,
     """Raise on every rank if ``error`` is set on any rank (a collective: every rank must call it)."""
     bad = _failed_ranks(error, process_group)
     if bad:
-        rank = _rank_and_world(process_group)[0]
+        rank = rank_and_world(process_group)[0]
         local = f" This rank ({rank}) failed with {type(error).__name__}: {error}" if error is not None else ""
         raise RuntimeError(f"{what} failed on rank(s) {bad}.{hint}{local}") from error
 
@@ -135,7 +130,7 @@ def save_sharded(
     """
     _check_state(state, "save_sharded")
     path = _check_dir_arg(checkpoint_dir, "save_sharded")
-    rank, world = _rank_and_world(process_group)
+    rank, world = rank_and_world(process_group)
     staging = path.with_name(path.name + INCOMPLETE_SUFFIX)
     where = f"save_sharded(checkpoint_dir='{path}')"
     keep = f" The checkpoint at '{path}' is unchanged; the partial save is in '{staging}'."
@@ -177,7 +172,7 @@ def write_sharded(
     while the files are written. DCP raises on every rank if any rank failed to write.
     """
     _check_state(state, "write_sharded")
-    rank, _ = _rank_and_world(process_group)
+    rank, _ = rank_and_world(process_group)
     writer = ChecksummingFileSystemWriter(folder)
     with quiet_single_process_warning():
         dcp.save(_without_views(state), storage_writer=writer, process_group=process_group)

@@ -36,7 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fullshard.checkpoint.checksum import file_checksum
-from fullshard.checkpoint.collective import rank_and_world, run_everywhere
+from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.manifest import (
     CHECKPOINT_MANIFEST,
     FOLDER_MARKER,
@@ -46,6 +46,7 @@ from fullshard.checkpoint.manifest import (
     FileRecord,
     write_json_durably,
 )
+from fullshard.ranks import rank_and_world
 
 __all__ = ["PREVIOUS_SUFFIX", "STAGING_TAG", "SaveTransaction", "fsync_dir", "previous_folder", "staging_folder"]
 

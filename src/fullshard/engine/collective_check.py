@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from fullshard.engine.mesh import global_rank
+from fullshard.ranks import gather_from_ranks, global_rank
 
 __all__ = ["DesyncError", "collective", "debug_enabled", "note_forward", "waiting"]
 
@@ -102,9 +102,8 @@ def _named(where: str) -> Iterator[None]:
 
 
 def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
-    everyone: list[str | None] = [None] * dist.get_world_size(pg)
     try:
-        dist.all_gather_object(everyone, where, group=pg)
+        everyone = gather_from_ranks(where, pg)
     except RuntimeError as exc:
         raise DesyncError(
             f"[rank {global_rank()}] FULLSHARD_DEBUG: about to run {where}, but the other ranks did not reach "

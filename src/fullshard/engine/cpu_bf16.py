@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fullshard.engine.warn import warn_rank0
+from fullshard.ranks import warn_rank0
 
 __all__ = ["cpu_capabilities", "has_native_bf16", "warn_if_slow_bf16"]
 

@@ -27,7 +27,7 @@ from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
 from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
-from fullshard.engine.warn import warn_rank0
+from fullshard.ranks import warn_rank0
 
 __all__ = ["FSDPModule", "fully_shard"]
 

@@ -60,9 +60,10 @@ from fullshard.engine.collectives import (
 )
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
-from fullshard.engine.mesh import ShardGroup, global_rank, is_gloo
+from fullshard.engine.mesh import ShardGroup, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
 from fullshard.engine.precision import GroupPrecision
+from fullshard.ranks import global_rank
 
 __all__ = ["Offload", "ParamGroup", "ShardState"]
 

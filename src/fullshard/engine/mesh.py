@@ -29,7 +29,6 @@ from fullshard.engine.api import ShardingStrategy
 __all__ = [
     "ShardGroup",
     "build_shard_group",
-    "global_rank",
     "is_gloo",
     "require_process_group",
     "shard_group_from_mesh",
@@ -99,11 +98,6 @@ class ShardGroup:
         return DTensor.from_local(
             local, self.get_mesh(), self.placements(), run_check=False, shape=torch.Size(shape), stride=stride
         )
-
-
-def global_rank() -> int:
-    """This process's rank in the default group (0 without one): the rank messages and rank-0 choices use."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def simulating() -> bool:

@@ -31,14 +31,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import state_dict as sd
-from fullshard.engine.agreement import gather_from_ranks
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.mesh import global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
 from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
+from fullshard.ranks import gather_from_ranks, global_rank
 
 __all__ = [
     "flatten_sharded_optim_state_dict",

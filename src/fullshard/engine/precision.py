@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fullshard.engine.api import MixedPrecision, MixedPrecisionPolicy
-from fullshard.engine.warn import warn_rank0
+from fullshard.ranks import warn_rank0
 
 __all__ = [
     "Casts",

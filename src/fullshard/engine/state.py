@@ -36,14 +36,13 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, trace
-from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.materialize import meta_parameter_names
-from fullshard.engine.mesh import global_rank, is_gloo, simulating
+from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
-from fullshard.engine.warn import warn_rank0
+from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
 

@@ -62,10 +62,10 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.mesh import global_rank
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
+from fullshard.ranks import global_rank
 
 __all__ = [
     "FLAT_PARAM",

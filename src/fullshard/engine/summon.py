@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.mesh import global_rank
 from fullshard.engine.state import TrainingState, UnitState, unit_state, unit_states_in
+from fullshard.ranks import global_rank
 
 __all__ = ["summon_full_params", "summoned_states"]
 

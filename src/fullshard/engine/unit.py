@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.agreement import require_agreement
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import Offload, ParamGroup
-from fullshard.engine.mesh import ShardGroup, global_rank, simulating
+from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
+from fullshard.ranks import global_rank, require_agreement
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
 

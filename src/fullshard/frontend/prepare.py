@@ -30,13 +30,13 @@ from torch import nn
 
 from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.algorithms.full_load import load_full_state_dict
-from fullshard.engine.agreement import first_difference, require_agreement
 from fullshard.engine.param import replacement_for, retired_data_ptr
 from fullshard.engine.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine.state import unit_state
 from fullshard.engine.unit import InitOptions
 from fullshard.frontend import env
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.ranks import first_difference, require_agreement
 
 __all__ = [
     "disable_fsdp_ram_efficient_loading",

@@ -60,11 +60,11 @@ from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, l
 from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
 from fullshard.checkpoint.verify import CheckpointDamagedError, check_parts, verify_checkpoint
-from fullshard.engine.agreement import gather_from_ranks
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
+from fullshard.ranks import gather_from_ranks
 
 __all__ = ["TrainingObjects", "load_state", "load_state_as_configured", "save_state", "save_state_as_configured"]
 

@@ -1,4 +1,9 @@
-"""Checking that every rank holds the same value, before work that would hang or diverge if they did not.
+"""Which rank this process is, and what the ranks agree on: torch-only helpers that every layer may import.
+
+The engine, ``checkpoint/`` and the front end all ask the same questions of ``torch.distributed``: this
+process's rank (0 without a process group), every rank's value of something, and "do all ranks agree?"
+before work that would hang or diverge if they did not. This module answers them once. It imports torch
+only, so ``checkpoint/`` (which must not import the engine) and the engine share it.
 
 [Note: rank agreement]
 Each check is one ``all_gather_object`` of (this rank's value, this rank's problem). Every rank then sees
@@ -9,12 +14,41 @@ one rank, nothing is communicated and every check passes (a problem is still rai
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RanksDisagreeError", "first_difference", "gather_from_ranks", "require_agreement"]
+__all__ = [
+    "RanksDisagreeError",
+    "first_difference",
+    "gather_from_ranks",
+    "global_rank",
+    "rank_and_world",
+    "require_agreement",
+    "warn_rank0",
+]
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without one): the rank messages and rank-0 choices use."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank_and_world(process_group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This process's rank in ``process_group`` and its size: ``(0, 1)`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def warn_rank0(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn(message)`` on rank 0 (or without a process group), so that N ranks do not print the same
+    line N times; a no-op on other ranks."""
+    if global_rank() != 0:
+        return
+    warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 class RanksDisagreeError(ValueError, RuntimeError):
@@ -27,7 +61,7 @@ class RanksDisagreeError(ValueError, RuntimeError):
 
 def gather_from_ranks(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``value``, in rank order; a collective over ``group`` (just ``[value]`` with one rank)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if rank_and_world(group)[1] == 1:
         return [value]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
