@@ -19,7 +19,7 @@ import torch.distributed as dist
 from benchmarks.bench_collectives import ring_reduce_scatter
 
 from fullshard.engine import p2p
-from fullshard.engine.collectives import all_gather_flat, reduce_scatter_flat
+from fullshard.engine.collectives import COMM_STATS, all_gather_flat, reduce_scatter_flat
 from fullshard.testing import WorkerPool
 from fullshard.testing.parity import RunResult, TrainSpec, reference_run
 from tests.distributed.test_parity import assert_parity, run, wrap_fsdp
@@ -161,6 +161,56 @@ def _uneven(rank: int, world: int) -> str:
 def test_uneven_input_refused(pool2: WorkerPool) -> None:
     for message in pool2.run(_uneven):
         assert message.startswith("pairwise_reduce_scatter:") and "full (7,)" in message and "2 x" in message
+
+
+# --- bytes recorded per path -----------------------------------------------------------------------------
+
+
+def _recorded_bytes(rank: int, world: int) -> dict[str, list[float]]:
+    """COMM_STATS after one collective of a 4 KB full buffer, by path: ``[bytes recorded, calls]``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers backend "fake")
+
+    fake = dist.new_group(list(range(world)), backend="fake")  # stands for NCCL: a native ring reduce-scatter
+    full, out, shard = torch.ones(world * 256), torch.empty(256), torch.ones(256)
+    seen: dict[str, list[float]] = {}
+    old = os.environ.pop(p2p.ENV_VAR, None)
+    try:
+        for setting, pg, name in [("0", dist.group.WORLD, "gloo"), ("1", dist.group.WORLD, "p2p"), ("0", fake, "ring")]:
+            os.environ[p2p.ENV_VAR] = setting
+            for scratch in (False, True):
+                COMM_STATS.reset()
+                reduce_scatter_flat(out, full.clone(), pg, async_op=False, scratch_input=scratch)
+                seen[f"{name} reduce_scatter scratch={scratch}"] = [
+                    COMM_STATS.bytes["reduce_scatter"],
+                    COMM_STATS.calls["reduce_scatter"],
+                ]
+            COMM_STATS.reset()
+            all_gather_flat(full, shard, pg, async_op=False)
+            seen[f"{name} all_gather"] = [COMM_STATS.bytes["all_gather"], COMM_STATS.calls["all_gather"]]
+    finally:
+        os.environ.pop(p2p.ENV_VAR, None)
+        if old is not None:
+            os.environ[p2p.ENV_VAR] = old
+    return seen
+
+
+def test_comm_stats_record_what_each_path_moves(pool2: WorkerPool) -> None:
+    ring = 4 * 512 * (2 - 1) / 2  # B (n-1)/n for a 4 KB (fp32, 2 x 256) full buffer on 2 ranks
+    for seen in pool2.run(_recorded_bytes):
+        assert seen == {
+            # gloo has no reduce-scatter: its own and the in-place path all-reduce all of the input, twice the bytes
+            "gloo reduce_scatter scratch=False": [2 * ring, 1],
+            "gloo reduce_scatter scratch=True": [2 * ring, 1],
+            "gloo all_gather": [ring, 1],
+            # the pairwise exchange sends each peer its chunk: B (n-1)/n, as a ring
+            "p2p reduce_scatter scratch=False": [ring, 1],
+            "p2p reduce_scatter scratch=True": [ring, 1],
+            "p2p all_gather": [ring, 1],
+            # any other backend (NCCL) runs its native ring collectives
+            "ring reduce_scatter scratch=False": [ring, 1],
+            "ring reduce_scatter scratch=True": [ring, 1],
+            "ring all_gather": [ring, 1],
+        }
 
 
 # --- training through the engine --------------------------------------------------------------------------

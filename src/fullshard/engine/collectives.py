@@ -7,10 +7,12 @@ direct gathers and the copy-out (see [Note: packed and direct parameters] in ``g
 copy-in, reduce-scatter or all-reduce, communication hook, hybrid all-reduce and gradient division.
 
 Every flat function skips the collective when its group has one rank (the result is the input) and records
-the bytes this rank sends and receives over the wire in :data:`COMM_STATS`, so that benchmarks can put the
-measured traffic next to the theoretical figure. For a group of ``n`` ranks and an unsharded size of ``B``
-bytes, ring algorithms move ``B * (n - 1) / n`` for an all-gather or a reduce-scatter and twice that for
-an all-reduce; that is what is recorded.
+in :data:`COMM_STATS` the bytes this rank sends (and as many receives) by the path that actually runs, so that
+benchmarks can put the measured traffic next to the theoretical figure. For a group of ``n`` ranks and an
+unsharded size of ``B`` bytes: an all-gather moves ``B (n-1)/n`` (a ring, and equally our pairwise exchange in
+``p2p.py``); a reduce-scatter moves ``B (n-1)/n`` on NCCL's ring and on the pairwise exchange, but ``2 B
+(n-1)/n`` on gloo's own path, which has no reduce-scatter and all-reduces the whole input instead (see
+``p2p.py``); an all-reduce moves ``2 B (n-1)/n``.
 """
 
 from __future__ import annotations
@@ -111,16 +113,20 @@ def reduce_scatter_flat(
 
     ``scratch_input``: the caller gives ``full`` up (its contents are undefined afterwards). On gloo, whose
     reduce-scatter clones its input, all-reduces the clone and copies one chunk out, ``full`` is then
-    all-reduced in place instead: the same bytes on the wire and the same sums bit for bit, without the
-    full-size clone that would otherwise live as long as the returned work (see :class:`_ChunkOfAllReduce`).
+    all-reduced in place instead: the same bytes on the wire as gloo's own (an all-reduce's) and the same sums
+    bit for bit, without the full-size clone that would otherwise live as long as the returned work (see
+    :class:`_ChunkOfAllReduce`).
     """
     n = _size(pg)
     if n == 1:
         output.copy_(full)
         return None
-    COMM_STATS.add("reduce_scatter", full.numel() * full.element_size() * (n - 1) / n)
+    ring_bytes = full.numel() * full.element_size() * (n - 1) / n
     if p2p.use_p2p("reduce_scatter", pg, full):
+        COMM_STATS.add("reduce_scatter", ring_bytes)
         return p2p.reduce_scatter(output, full, pg, async_op=async_op)
+    # gloo's reduce_scatter_tensor and the in-place path below are both an all-reduce of all of ``full``.
+    COMM_STATS.add("reduce_scatter", 2 * ring_bytes if is_gloo(pg) else ring_bytes)
     if scratch_input and is_gloo(pg):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         pending = _ChunkOfAllReduce(work, full, output, dist.get_rank(pg), n)
