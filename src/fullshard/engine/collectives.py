@@ -89,7 +89,7 @@ def _size(pg: dist.ProcessGroup | None) -> int:
 
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool
-) -> dist.Work | None:
+) -> dist.Work | p2p.P2PWork | None:
     """``output`` (1D, ``n * shard.numel()``) receives every rank's ``shard`` (1D) in rank order."""
     n = _size(pg)
     if n == 1:
@@ -97,7 +97,7 @@ def all_gather_flat(
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
     if p2p.use_p2p("all_gather", pg, output):
-        return p2p.all_gather(output, shard, pg, async_op=async_op)
+        return _returned(p2p.pairwise_all_gather(output, shard, pg), async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
@@ -108,7 +108,7 @@ def reduce_scatter_flat(
     *,
     async_op: bool,
     scratch_input: bool = False,
-) -> dist.Work | _ChunkOfAllReduce | None:
+) -> dist.Work | p2p.P2PWork | _ChunkOfAllReduce | None:
     """``output`` (1D) receives the sum over ranks of this rank's chunk of ``full`` (1D, ``n`` chunks).
 
     ``scratch_input``: the caller gives ``full`` up (its contents are undefined afterwards). On gloo, whose
@@ -124,17 +124,21 @@ def reduce_scatter_flat(
     ring_bytes = full.numel() * full.element_size() * (n - 1) / n
     if p2p.use_p2p("reduce_scatter", pg, full):
         COMM_STATS.add("reduce_scatter", ring_bytes)
-        return p2p.reduce_scatter(output, full, pg, async_op=async_op)
+        return _returned(p2p.pairwise_reduce_scatter(output, full, pg), async_op)
     # gloo's reduce_scatter_tensor and the in-place path below are both an all-reduce of all of ``full``.
     COMM_STATS.add("reduce_scatter", 2 * ring_bytes if is_gloo(pg) else ring_bytes)
     if scratch_input and is_gloo(pg):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        pending = _ChunkOfAllReduce(work, full, output, dist.get_rank(pg), n)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return _returned(_ChunkOfAllReduce(work, full, output, dist.get_rank(pg), n), async_op)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=pg, async_op=async_op)
+
+
+def _returned(work: p2p.P2PWork | _ChunkOfAllReduce, async_op: bool) -> p2p.P2PWork | _ChunkOfAllReduce | None:
+    """As torch's collectives: the handle when asynchronous, else done before returning."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 class _ChunkOfAllReduce:

@@ -169,10 +169,9 @@ class ParamGroup:
         return flat
 
     def _fill_shard(self, originals: list[nn.Parameter]) -> None:
-        with torch.no_grad():
-            for sp, original in zip(self.params, originals):
-                sp.local_view(self.flat_shard).copy_(sp.rows_of(original.detach()).to(self.storage_device))
-                sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
+        self.write_back(originals)
+        for sp in self.params:
+            sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
 
     def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:  # plain, or a DTensor
         return self.shard_group.dtensor(local, sp.shape) if self.use_dtensor else local

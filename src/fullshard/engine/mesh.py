@@ -5,7 +5,7 @@ A :class:`ShardGroup` is the engine's view of the process topology for one unit:
 - ``shard_pg``: the ranks that split parameters between them (``None`` when nothing is sharded, as in
   NO_SHARD: every rank then holds everything and ``shard_size == 1``);
 - ``replicate_pg``: the ranks that hold identical shards and all-reduce gradients (``None`` for FULL_SHARD
-  and SHARD_GRAD_OP over the whole world);
+  and SHARD_GRAD_OP over the whole world, and whenever it would have one rank);
 - ``mesh``: the ``DeviceMesh`` the sharded parameters are ``DTensor``s over, for ``fully_shard`` and for
   sharded state dicts (dims ``(shard,)`` or ``(replicate, shard)``). :meth:`ShardGroup.placements` and
   :meth:`ShardGroup.dtensor` are the one place a sharded tensor's ``DTensor`` form is decided.
@@ -58,6 +58,10 @@ class ShardGroup:
     replicate_pg: dist.ProcessGroup | None
     device: torch.device
     mesh: DeviceMesh | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicate_pg is not None and dist.get_world_size(self.replicate_pg) == 1:
+            object.__setattr__(self, "replicate_pg", None)  # one replica: nothing to all-reduce across
 
     @property
     def shard_size(self) -> int:
@@ -189,7 +193,7 @@ def build_shard_group(
         else:
             pg = process_group or dist.group.WORLD
             shard_pg, replicate_pg = _hybrid_groups(pg, _auto_shard_size(dist.get_world_size(pg)))
-        return ShardGroup(shard_pg, replicate_pg if dist.get_world_size(replicate_pg) > 1 else None, device)
+        return ShardGroup(shard_pg, replicate_pg, device)
     if isinstance(process_group, tuple):
         raise ValueError(
             f"process_group is a tuple, which only HYBRID_SHARD and _HYBRID_SHARD_ZERO2 take; got "
@@ -197,7 +201,7 @@ def build_shard_group(
         )
     pg = process_group or dist.group.WORLD
     if strategy is ShardingStrategy.NO_SHARD:
-        return ShardGroup(None, pg if dist.get_world_size(pg) > 1 else None, device)
+        return ShardGroup(None, pg, device)
     return ShardGroup(pg, None, device)
 
 
@@ -211,10 +215,7 @@ def shard_group_from_mesh(mesh: DeviceMesh, device: torch.device, *, hybrid: boo
             )
         return ShardGroup(mesh.get_group(0), None, device, mesh)
     if mesh.ndim == 2:
-        replicate_pg = mesh.get_group(0)
-        return ShardGroup(
-            mesh.get_group(1), replicate_pg if dist.get_world_size(replicate_pg) > 1 else None, device, mesh
-        )
+        return ShardGroup(mesh.get_group(1), mesh.get_group(0), device, mesh)
     raise ValueError(f"device_mesh has {mesh.ndim} dimensions; fullshard takes a 1-D or a 2-D mesh.")
 
 

@@ -214,13 +214,21 @@ def _full_states(
 def full_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
+    optim_input: Any = None,
+    rank0_only: bool = True,
+    group: dist.ProcessGroup | None = None,
     *,
     optim_state_dict: OsdT | None = None,
-    rank0_only: bool = True,
     offload_to_cpu: bool = True,
-    group: dist.ProcessGroup | None = None,
 ) -> OsdT:
-    """The full optimizer state dict keyed by FQNs (see the module note); ``{}`` on ranks > 0 if ``rank0_only``."""
+    """The full optimizer state dict keyed by FQNs (see the module note); ``{}`` on ranks > 0 if ``rank0_only``.
+
+    ``optim_input`` (deprecated by torch) is refused: the parameters and their order are read from ``optim``."""
+    if optim_input is not None:
+        raise ValueError(
+            "FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported (torch deprecated "
+            "it): the parameters and their order are read from `optim`. Drop optim_input."
+        )
     rows, states, groups = _named_state(model, optim, optim_state_dict, "full_optim_state_dict")
     keep = not rank0_only or dist.get_rank(group) == 0
     full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu)
@@ -233,11 +241,11 @@ def full_optim_state_dict(
 def sharded_optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
+    group: dist.ProcessGroup | None = None,
     *,
     optim_state_dict: OsdT | None = None,
     offload_to_cpu: bool = False,
     as_dtensor: bool = True,
-    group: dist.ProcessGroup | None = None,
 ) -> OsdT:
     """Keyed by FQNs, per-element states as DTensors of the full shape, or with ``as_dtensor=False`` as this
     rank's plain local tensors (the local form). No communication, so ``group`` must span the world (or be
@@ -307,16 +315,18 @@ def _check_names(states: dict[Any, Any], params: dict[str, _Param], caller: str)
 def _loadable(
     osd: OsdT,
     model: nn.Module,
-    rows: list[list[_Param]] | None,
-    convert: Callable[[_Param, str, Any], Any],
-    *,
-    named: bool = False,
+    optim: torch.optim.Optimizer | None,
+    optim_input: Iterable[Any] | None,
     caller: str,
+    convert: Callable[[_Param, str, Any], Any] = _to_local_state,
+    named: bool = False,
 ) -> OsdT:
     """Build what ``optim.load_state_dict`` takes from an FQN-keyed ``osd``; see the module note.
 
-    ``rows`` are the optimizer's parameter groups; None takes the groups of ``osd`` in their order.
+    The optimizer's parameter groups come from ``optim``, else ``optim_input``; without either, from the groups
+    of ``osd`` in their order. ``convert(param, name, value)`` makes each saved value this rank's.
     """
+    rows = _target_rows(model, optim, optim_input, caller)
     params = {p.fqn: p for p in model_params(model)}
     states, saved_groups = osd["state"], osd["param_groups"]
     _check_names(states, params, caller)
@@ -362,9 +372,7 @@ def optim_state_dict_to_load(
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
         result = scatter_full_optim_state_dict(optim_state_dict, model, optim=optim, group=group)
     else:
-        caller = "optim_state_dict_to_load"
-        rows = _optim_rows(model, optim, caller)
-        result = _loadable(optim_state_dict, model, rows, _to_local_state, named=is_named_optimizer, caller=caller)
+        result = _loadable(optim_state_dict, model, optim, None, "optim_state_dict_to_load", named=is_named_optimizer)
     if load_directly:
         optim.load_state_dict(result)
     return result
@@ -380,16 +388,14 @@ def shard_full_optim_state_dict(
 
     Without ``optim`` (or ``optim_input``) the optimizer is assumed to have the dict's param groups, in order.
     """
-    rows = _target_rows(model, optim, optim_input, "shard_full_optim_state_dict")
-    return _loadable(full_optim_state_dict, model, rows, _to_local_state, caller="shard_full_optim_state_dict")
+    return _loadable(full_optim_state_dict, model, optim, optim_input, "shard_full_optim_state_dict")
 
 
 def flatten_sharded_optim_state_dict(
     sharded_optim_state_dict: OsdT, model: nn.Module, optim: torch.optim.Optimizer
 ) -> OsdT:
     """This rank's part of a sharded FQN-keyed dict (DTensors), loadable by ``optim``."""
-    rows = _optim_rows(model, optim, "flatten_sharded_optim_state_dict")
-    return _loadable(sharded_optim_state_dict, model, rows, _to_local_state, caller="flatten_sharded_optim_state_dict")
+    return _loadable(sharded_optim_state_dict, model, optim, None, "flatten_sharded_optim_state_dict")
 
 
 def optim_state_dict(
@@ -524,14 +530,13 @@ def scatter_full_optim_state_dict(
     _check_spec_shapes(skeleton, by_fqn)
     full_states = full_optim_state_dict["state"] if is_src else None  # type: ignore[index]
     local = {"state": scatter_states(params, skeleton, full_states, pg, src), "param_groups": skeleton["param_groups"]}
-    rows = _target_rows(model, optim, optim_input, "scatter_full_optim_state_dict")
 
     def wrap(p: _Param, name: str, value: Any) -> Any:
         if p.unit is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value.clone() if isinstance(value, torch.Tensor) else value
         return _like_param(p, value)
 
-    return _loadable(local, model, rows, wrap, caller="scatter_full_optim_state_dict")
+    return _loadable(local, model, optim, optim_input, "scatter_full_optim_state_dict", wrap)
 
 
 # --- rekey --------------------------------------------------------------------------------------------

@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from fullshard.engine.mesh import is_gloo
 
-__all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "all_gather", "reduce_scatter", "use_p2p"]
-__all__ += ["pairwise_all_gather", "pairwise_reduce_scatter"]
+__all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "pairwise_all_gather", "pairwise_reduce_scatter", "use_p2p"]
 
 ENV_VAR = "FULLSHARD_GLOO_P2P"
 
@@ -136,21 +135,3 @@ def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool
         return forced
     measured = [size for k, size in P2P_MIN_BYTES if k == kind and size <= pg.size()]
     return bool(measured) and full.numel() * full.element_size() >= P2P_MIN_BYTES[(kind, max(measured))]
-
-
-def _returned(work: P2PWork, async_op: bool) -> P2PWork | None:
-    """As torch's collectives: the handle when asynchronous, else done before returning."""
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool
-) -> P2PWork | None:
-    return _returned(pairwise_reduce_scatter(output, full, pg), async_op)
-
-
-def all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool) -> P2PWork | None:
-    return _returned(pairwise_all_gather(output, shard, pg), async_op)

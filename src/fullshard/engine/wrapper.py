@@ -238,33 +238,8 @@ class FullyShardedDataParallel(nn.Module):
     state_dict_type = staticmethod(sd.state_dict_type)
     optim_state_dict = staticmethod(optim_state.optim_state_dict)
     optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
-
-    @staticmethod
-    def full_optim_state_dict(
-        model: nn.Module,
-        optim: torch.optim.Optimizer,
-        optim_input: Any = None,
-        rank0_only: bool = True,
-        group: dist.ProcessGroup | None = None,
-    ) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter names (``{}`` on ranks > 0 with ``rank0_only``).
-
-        ``optim_input`` (deprecated by torch) is refused: the parameter order is read from ``optim``."""
-        if optim_input is not None:
-            raise ValueError(
-                "FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported (torch deprecated "
-                "it): the parameters and their order are read from `optim`. Drop optim_input."
-            )
-        return optim_state.full_optim_state_dict(model, optim, rank0_only=rank0_only, group=group)
-
-    @staticmethod
-    def sharded_optim_state_dict(
-        model: nn.Module, optim: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
-    ) -> dict[str, Any]:
-        """The optimizer state keyed by parameter names, per-element states as DTensors (``group``: None or
-        one spanning the world)."""
-        return optim_state.sharded_optim_state_dict(model, optim, group=group)
-
+    full_optim_state_dict = staticmethod(optim_state.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(optim_state.sharded_optim_state_dict)
     shard_full_optim_state_dict = staticmethod(optim_state.shard_full_optim_state_dict)
     scatter_full_optim_state_dict = staticmethod(optim_state.scatter_full_optim_state_dict)
     flatten_sharded_optim_state_dict = staticmethod(optim_state.flatten_sharded_optim_state_dict)
