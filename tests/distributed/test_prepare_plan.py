@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin
-from fullshard.engine import plan as engine_plan
+from fullshard.algorithms import plan as sharding_plan
 from fullshard.engine import wrapper
 from fullshard.engine.state import unit_states_in
 from fullshard.frontend import prepare
@@ -25,7 +25,7 @@ from tests.distributed.test_accelerator import CFG, plugin
 
 def prepare_counting(rank: int, world: int, version: int) -> dict[str, Any]:
     calls: Counter[str] = Counter()
-    plans: list[engine_plan.ShardingPlan] = []
+    plans: list[sharding_plan.ShardingPlan] = []
     saved: list[tuple[Any, str, Any]] = []
 
     def count(owner: Any, name: str, label: str, when: Any = lambda *a, **k: True) -> None:
@@ -40,7 +40,7 @@ def prepare_counting(rank: int, world: int, version: int) -> dict[str, Any]:
 
     for method in ("set_auto_wrap_policy", "resolve_ignored_modules", "fsdp_kwargs", "fully_shard_kwargs"):
         count(FullyShardedDataParallelPlugin, method, method)
-    for module in (wrapper, engine_plan):  # the policy walks the tree (plan_units with a policy)
+    for module in (wrapper, sharding_plan):  # the policy walks the tree (plan_units with a policy)
         count(module, "plan_units", "policy walks", when=lambda root, policy, **kw: policy is not None)
     count(prepare, "apply_plan", "apply_plan", when=lambda model, received: plans.append(received) is None)
     try:

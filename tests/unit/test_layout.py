@@ -22,7 +22,7 @@ def test_layout_matches_torch_chunk(shape: tuple[int, ...], world: int) -> None:
         gathered.append(layout.local_rows)
     assert sum(gathered) == (shape[0] if shape else 1)
     layout0 = ShardLayout(shape, world, 0)
-    assert layout0.padded_full_shape[0] == world * layout0.rows_per_rank >= layout0.dim0
+    assert world * layout0.rows_per_rank >= layout0.dim0  # the gathered padded rows cover the parameter
 
 
 def test_layout_rejects_bad_rank() -> None:

@@ -2,7 +2,7 @@
 
 ``comm_hooks`` (DDP-style communication hooks for ``register_comm_hook``), ``grad_scaler``
 (``ShardedGradScaler``), ``full_load`` (a full state dict on rank 0 into the shards), ``optim_init``
-(an optimizer's state created before its first step) and ``checkpointing`` (activation checkpointing, as
-torch keeps it in ``torch.distributed.algorithms``) import the engine or only torch; the engine never
-imports this package.
+(an optimizer's state created before its first step), ``checkpointing`` (activation checkpointing, as
+torch keeps it in ``torch.distributed.algorithms``) and ``plan`` (a model's sharding resolved once, then applied
+through the two entry points) import the engine or only torch; the engine never imports this package.
 """

@@ -71,11 +71,6 @@ class ShardLayout:
     def numel(self) -> int:
         return self.dim0 * self.row_numel
 
-    @property
-    def padded_full_shape(self) -> tuple[int, ...]:
-        """Shape of the all-gathered padded parameter: ``(world * rows_per_rank, *rest)``."""
-        return (self.world * self.rows_per_rank, *self.shape[1:]) if self.shape else (self.world,)
-
     def for_rank(self, rank: int) -> ShardLayout:
         return ShardLayout(self.shape, self.world, rank)
 

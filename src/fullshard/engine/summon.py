@@ -81,10 +81,7 @@ def summon_full_params(
     show = not rank0_only or global_rank() == 0
     summoned: list[tuple[ParamGroup, list[nn.Parameter]]] = []
     try:
-        for state in states:
-            group = state.group
-            if group is None:
-                continue
+        for group in [s.group for s in states if s.group is not None]:  # all of them; repeated for the types
             summoned.append((group, _summon_group(group, show, offload_to_cpu, with_grads)))
         yield
     finally:

@@ -3,11 +3,11 @@
 Also Accelerate's FSDP2 helpers under their names (``fsdp2_prepare_model``, ``fsdp2_prepare_auto_wrap_policy``,
 ``fsdp2_load_full_state_dict``, ``fsdp2_switch_optimizer_parameters``) and the RAM-efficient-loading switches.
 
-The plugin is resolved once, into the engine's ``ShardingPlan`` (:func:`resolve_plan`), and the engine shards
-by that plan alone (``engine/plan.py``), one unit at a time: mixed precision, CPU offload, ``param_init_fn`` and
+The plugin is resolved once, into a ``ShardingPlan`` (:func:`resolve_plan`), and the engine shards by that plan
+alone (``algorithms/plan.py``), one unit at a time: mixed precision, CPU offload, ``param_init_fn`` and
 ``sync_module_states`` go to ``FullyShardedDataParallel`` and to ``fully_shard`` (which takes the last two as
 fullshard's extensions of torch's signature; see [Note: RAM-efficient loading]). Activation checkpointing is
-the engine's ``checkpoint_module`` on the blocks the auto-wrap policy selects.
+``algorithms/checkpointing.checkpoint_module`` on the blocks the auto-wrap policy selects.
 
 [Note: RAM-efficient loading]
 With ``cpu_ram_efficient_loading`` (which forces ``sync_module_states``) only rank 0 reads the pretrained
@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.algorithms.full_load import load_full_state_dict
+from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine.param import replacement_for, retired_data_ptr
-from fullshard.engine.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine.state import unit_state
 from fullshard.engine.unit import InitOptions
 from fullshard.frontend import env
@@ -94,7 +93,7 @@ def fsdp2_prepare_auto_wrap_policy(
 
 
 def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, device: torch.device | None) -> ShardingPlan:
-    """The plugin's settings for ``model``, resolved once into the engine's :class:`ShardingPlan`.
+    """The plugin's settings for ``model``, resolved once into a :class:`ShardingPlan`.
 
     Binds a name-based auto-wrap policy to ``model``'s classes (as Accelerate's ``set_auto_wrap_policy`` does, on
     the plugin), finds the ignored modules, and applies the policy once. ``device`` is the compute device (given
@@ -144,12 +143,9 @@ def _plugin_of(accelerator: Any, where: str) -> FullyShardedDataParallelPlugin:
 
 
 def _apply(model: nn.Module, plan: ShardingPlan) -> nn.Module:
-    """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), checkpoint the
-    plan's blocks, then shard it."""
+    """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), then shard it."""
     if plan.init.sync_module_states and dist.get_world_size() > 1:
         _check_before_sync(model, plan.init.param_init_fn)
-    for block in plan.checkpointed:
-        checkpoint_module(block)
     return apply_plan(model, plan)
 
 

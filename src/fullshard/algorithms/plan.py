@@ -3,10 +3,10 @@
 A front end (the Accelerate-style plugin) resolves its settings into a :class:`ShardingPlan` with
 :func:`plan_sharding`: the auto-wrap policy is applied to the model once (the blocks that become units, innermost
 first), the ignored modules are found once, and precision, offload and initialisation are fixed. :func:`apply_plan`
-then shards the model by the plan alone: nested ``FullyShardedDataParallel`` wrappers and the root wrapper
-(``version=1``), or ``fully_shard`` on each block and the root (``version=2``). Nothing in the plan is looked up
-again, and nothing calls back into the front end. The plan names the blocks to checkpoint; applying activation
-checkpointing is an algorithm on top of the engine (``fullshard.algorithms.checkpointing``), left to the caller.
+then shards the model by the plan alone: activation checkpointing of the policy's blocks (``checkpointing.py``),
+then nested ``FullyShardedDataParallel`` wrappers and the root wrapper (``version=1``), or ``fully_shard`` on each
+block and the root (``version=2``). Nothing in the plan is looked up again, and nothing calls back into the front
+end. Built on the engine's public entry points only, so it lives beside the engine, not in it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.engine.api import MixedPrecision, MixedPrecisionPolicy
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.state import unit_state
@@ -32,7 +33,7 @@ class ShardingPlan:
     """Everything :func:`apply_plan` needs to shard one model; built by :func:`plan_sharding`.
 
     ``units`` are the submodules that become units of their own, innermost first (the root is always one);
-    ``checkpointed`` the blocks whose activations the caller recomputes in backward (the policy's own picks).
+    ``checkpointed`` the blocks whose activations are recomputed in backward (the policy's own picks).
     ``options`` are the remaining keyword arguments of the entry point: ``FullyShardedDataParallel``'s
     (strategy, prefetch, ``limit_all_gathers``, ``use_orig_params``, ``device_id``) for ``version=1``,
     ``fully_shard``'s ``reshard_after_forward`` for ``version=2``.
@@ -84,6 +85,8 @@ def plan_sharding(
 def apply_plan(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     """Shard ``model`` as ``plan`` says; returns the sharded model (the root wrapper for ``version=1``,
     ``model`` itself, changed in place, for ``version=2``)."""
+    for block in plan.checkpointed:
+        checkpoint_module(block)
     if plan.version == 2:
         ignored_params = {p for m in plan.ignored_modules for p in m.parameters()}
         kwargs: dict[str, Any] = {
