@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fullshard.ranks import gather_from_ranks, global_rank, rank_and_world
+
 __all__ = [
     "broadcast",
     "broadcast_object_list",
@@ -34,16 +36,12 @@ __all__ = [
 
 
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank_and_world()[1]
 
 
 def is_main_process() -> bool:
     """Whether this is rank 0 (or the only process)."""
-    return _rank() == 0
+    return global_rank() == 0
 
 
 def recursively_apply(
@@ -144,11 +142,7 @@ def gather(tensor: Any) -> Any:
 
 def gather_object(object: Any) -> list[Any]:
     """Every rank's items (``object`` must be a list or another iterable), concatenated in rank order."""
-    if _world() == 1:
-        return list(object)
-    gathered: list[Any] = [None] * _world()
-    dist.all_gather_object(gathered, object)
-    return [item for part in gathered for item in part]
+    return [item for part in gather_from_ranks(list(object)) for item in part]
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
@@ -217,7 +211,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     also asks torch for deterministic algorithms.
     """
     if device_specific:
-        seed += _rank()
+        seed += global_rank()
     random.seed(seed)
     try:
         import numpy as np
@@ -243,7 +237,7 @@ def save(
 
     ``safe_serialization`` writes safetensors (``obj`` must be a flat dict of tensors), else ``torch.save``.
     """
-    local_main = int(os.environ.get("LOCAL_RANK", _rank())) == 0
+    local_main = int(os.environ.get("LOCAL_RANK", global_rank())) == 0
     if not (local_main if save_on_each_node else is_main_process()):
         return
     if safe_serialization:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fullshard.frontend import ops
+from fullshard.ranks import rank_and_world
 
 __all__ = ["only_on", "split_between_processes", "split_bounds"]
 
@@ -77,7 +77,7 @@ def split_between_processes(inputs: Any, apply_padding: bool = False) -> Iterato
     """Yield this process's contiguous part of ``inputs`` (see :func:`split_bounds`); a dict is split value by
     value. ``apply_padding`` repeats the last item so that every process gets the same count (drop the repeats
     after a ``gather``). The input is never modified."""
-    world, rank = ops._world(), ops._rank()
+    rank, world = rank_and_world()
     if world == 1:
         yield inputs
         return
