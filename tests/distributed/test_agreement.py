@@ -1,4 +1,4 @@
-"""engine.agreement: every rank raises the same error, naming the rank that failed or disagrees, and its value."""
+"""fullshard.ranks: every rank raises the same error, naming the rank that failed or disagrees, and its value."""
 
 from __future__ import annotations
 
