@@ -51,7 +51,7 @@ from fullshard.checkpoint.reader import (
     resolve_checkpoint_dir,
 )
 from fullshard.checkpoint.transaction import fsync_dir
-from fullshard.ranks import rank_and_world
+from fullshard.ranks import gather_from_ranks, rank_and_world
 
 __all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
 
@@ -137,10 +137,7 @@ def save_sharded(
     pg = process_group
     _run_step(lambda: _prepare_staging(staging) if rank == 0 else None, pg, f"{where}: preparing the staging folder")
     records = _run_step(lambda: write_sharded(state, staging, process_group=pg), pg, f"{where}: writing shards", keep)
-    everyone: list[Any] = [records]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, records, group=pg)
+    everyone = gather_from_ranks(records, pg)
     files = {name: record for ranks_files in everyone for name, record in ranks_files.items()}
     _run_step(lambda: _commit(staging, path, world, files) if rank == 0 else None, pg, f"{where}: committing", keep)
     return path

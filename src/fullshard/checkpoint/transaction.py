@@ -46,7 +46,7 @@ from fullshard.checkpoint.manifest import (
     FileRecord,
     write_json_durably,
 )
-from fullshard.ranks import rank_and_world
+from fullshard.ranks import gather_from_ranks, rank_and_world
 
 __all__ = ["PREVIOUS_SUFFIX", "STAGING_TAG", "SaveTransaction", "fsync_dir", "previous_folder", "staging_folder"]
 
@@ -118,12 +118,8 @@ class SaveTransaction:
 
     def commit(self) -> Path:
         """Write the markers and the manifest, then rename the staging folder into place (a collective)."""
-        everyone: list[Any] = [self.records]
-        if self.world > 1:
-            everyone = [None] * self.world
-            dist.all_gather_object(everyone, self.records, group=self.process_group)
         merged: dict[str, FileRecord] = {}
-        for records in everyone:
+        for records in gather_from_ranks(self.records, self.process_group):
             merged.update(records)
         self.step("committing", lambda: self._commit(merged) if self.rank == 0 else None)
         return self.target
