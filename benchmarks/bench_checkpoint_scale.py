@@ -154,6 +154,11 @@ def _zero(tensors: list[Any]) -> None:
             (t.to_local() if hasattr(t, "to_local") else t).zero_()
 
 
+def _materialize(module: Any) -> None:
+    """``param_init_fn`` of FSDP (version 1): storage for this module's own meta tensors (values are set later)."""
+    module.to_empty(device="cpu", recurse=False)
+
+
 def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version: int, out: str) -> None:
     warnings.simplefilter("ignore")
     import torch
@@ -175,15 +180,23 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
     n_params = sum(p.numel() for p in model.parameters())
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=version,
+        # FSDP (version 1) materialises each unit as it wraps it, like torch's FSDP1; fully_shard's shards get
+        # storage from model.to_empty below. Values do not matter here, only their size.
+        param_init_fn=_materialize if version == 1 else None,
         sharding_strategy="FULL_SHARD",
         state_dict_type="SHARDED_STATE_DICT",
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["Block"],
     )
     accelerator = Accelerator(fsdp_plugin=plugin)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.to_empty(device="cpu")  # the shards get storage; the values do not matter here, only their size
+    if version == 1:  # the FSDP1 way: the optimizer is built on the wrapped (materialised) parameters
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    if version == 2:
+        model.to_empty(device="cpu")  # the shards get storage; the values do not matter here, only their size
     generator = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for param in model.parameters():
