@@ -323,6 +323,8 @@ def report(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, float],
     print(f"dd (mean of before/after, {WORLD} parallel streams, GB/s): {rates}")
     train_peak = max(r["peaks"]["train"] for r in ranks)
     print(f"training step {max(r['train_s'] for r in ranks):.1f} s, peak RSS per rank {train_peak / gib:.2f} GiB")
+    phases = {k: max(r["peaks"][k] for r in ranks) / gib for k in ranks[0]["peaks"]}
+    print("peak RSS per rank by phase (GiB):", {k: round(v, 2) for k, v in phases.items()})
     header = f"{'phase':<11} {'time s':>7} {'GB/s':>6} {'vs dd':>6} {'peak RSS GiB':>13} {'x train':>8}  correct"
     print(header)
     for phase, key, ref in (
