@@ -229,6 +229,11 @@ def _rank(
         dist.barrier()
         times[name] = time.perf_counter() - t
         sampler.phase("idle")
+        folder = work / ("ours" if name in ("save_state", "load_state") else "torch")
+        gb = folder_bytes(folder) / 1e9 if rank == 0 else 0.0
+        # As it happens, so that a later phase that fails (e.g. out of memory) does not take these figures along.
+        print(f"rank {rank}: {name} {times[name]:.2f} s ({gb:.2f} GB), peak RSS {sampler.peaks[name] / 2**30:.2f} "
+              f"GiB, training peak {sampler.peaks['train'] / 2**30:.2f} GiB", flush=True)  # fmt: skip
 
     def torch_save() -> None:
         msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
