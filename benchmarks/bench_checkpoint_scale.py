@@ -154,7 +154,14 @@ def _zero(tensors: list[Any]) -> None:
             (t.to_local() if hasattr(t, "to_local") else t).zero_()
 
 
-def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version: int, out: str) -> None:
+def _materialize(module: Any) -> None:
+    """``param_init_fn`` of FSDP (version 1): storage for this module's own meta tensors (values are set later)."""
+    module.to_empty(device="cpu", recurse=False)
+
+
+def _rank(
+    rank: int, store: str, cfg_args: dict[str, int], workdir: str, version: int, out: str, with_torch: bool = True
+) -> None:
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
@@ -175,15 +182,23 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
     n_params = sum(p.numel() for p in model.parameters())
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=version,
+        # FSDP (version 1) materialises each unit as it wraps it, like torch's FSDP1; fully_shard's shards get
+        # storage from model.to_empty below. Values do not matter here, only their size.
+        param_init_fn=_materialize if version == 1 else None,
         sharding_strategy="FULL_SHARD",
         state_dict_type="SHARDED_STATE_DICT",
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["Block"],
     )
     accelerator = Accelerator(fsdp_plugin=plugin)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.to_empty(device="cpu")  # the shards get storage; the values do not matter here, only their size
+    if version == 1:  # the FSDP1 way: the optimizer is built on the wrapped (materialised) parameters
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    if version == 2:
+        model.to_empty(device="cpu")  # the shards get storage; the values do not matter here, only their size
     generator = torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for param in model.parameters():
@@ -214,6 +229,11 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
         dist.barrier()
         times[name] = time.perf_counter() - t
         sampler.phase("idle")
+        folder = work / ("ours" if name in ("save_state", "load_state") else "torch")
+        gb = folder_bytes(folder) / 1e9 if rank == 0 else 0.0
+        # As it happens, so that a later phase that fails (e.g. out of memory) does not take these figures along.
+        print(f"rank {rank}: {name} {times[name]:.2f} s ({gb:.2f} GB), peak RSS {sampler.peaks[name] / 2**30:.2f} "
+              f"GiB, training peak {sampler.peaks['train'] / 2**30:.2f} GiB", flush=True)  # fmt: skip
 
     def torch_save() -> None:
         msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
@@ -232,9 +252,11 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
         model_state.load_optim_state(model, optimizer, plugin, osd["optimizer"])
 
     saves = [("save_state", lambda: accelerator.save_state(work / "ours")), ("dcp.save", torch_save)]
+    loads = [("load_state", lambda: accelerator.load_state(work / "ours")), ("dcp.load", torch_load)]
+    if not with_torch:  # fullshard's phases only (torch's dcp.load of a large state may not fit beside them)
+        saves, loads = saves[:1], loads[:1]
     for name, fn in saves:
         timed(name, fn)
-    loads = [("load_state", lambda: accelerator.load_state(work / "ours")), ("dcp.load", torch_load)]
     correct = {}
     for name, fn in loads:
         _zero(tensors)
@@ -248,7 +270,7 @@ def _rank(rank: int, store: str, cfg_args: dict[str, int], workdir: str, version
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, result)
     if rank == 0:
-        sizes = {"ours": folder_bytes(work / "ours"), "torch": folder_bytes(work / "torch")}
+        sizes = {"ours": folder_bytes(work / "ours"), "torch": folder_bytes(work / "torch") if with_torch else 0}
         Path(out).write_text(json.dumps({"ranks": everyone, "sizes": sizes, "params": n_params}))
     dist.barrier()
     dist.destroy_process_group()
@@ -268,6 +290,7 @@ def main() -> None:
     parser.add_argument("--fsdp-version", type=int, default=2, choices=[1, 2])
     parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckscale")
     parser.add_argument("--dd-gb", type=float, default=2.0, help="GB each of the 2 dd streams writes and reads")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch's dcp.save / dcp.load phases")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (e.g. for bench_merge_scale)")
     args = parser.parse_args()
     layers = args.layers or (2 if args.quick else 16)
@@ -286,7 +309,7 @@ def main() -> None:
         print("dd before (GB/s):", {k: round(v, 2) for k, v in dd_before.items()})
         with tempfile.TemporaryDirectory() as tmp:
             store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-            mp.spawn(_rank, args=(store, cfg, str(work), args.fsdp_version, out), nprocs=WORLD)
+            mp.spawn(_rank, args=(store, cfg, str(work), args.fsdp_version, out, not args.no_torch), nprocs=WORLD)
             result = json.loads(Path(out).read_text())
         dd_after = measure_dd(work, stream)
         print("dd after  (GB/s):", {k: round(v, 2) for k, v in dd_after.items()})
@@ -310,6 +333,8 @@ def report(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, float],
     print(f"dd (mean of before/after, {WORLD} parallel streams, GB/s): {rates}")
     train_peak = max(r["peaks"]["train"] for r in ranks)
     print(f"training step {max(r['train_s'] for r in ranks):.1f} s, peak RSS per rank {train_peak / gib:.2f} GiB")
+    phases = {k: max(r["peaks"][k] for r in ranks) / gib for k in ranks[0]["peaks"]}
+    print("peak RSS per rank by phase (GiB):", {k: round(v, 2) for k, v in phases.items()})
     header = f"{'phase':<11} {'time s':>7} {'GB/s':>6} {'vs dd':>6} {'peak RSS GiB':>13} {'x train':>8}  correct"
     print(header)
     for phase, key, ref in (
@@ -318,6 +343,8 @@ def report(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, float],
         ("load_state", "ours", "read_buffered"),
         ("dcp.load", "torch", "read_buffered"),
     ):
+        if phase not in ranks[0]["times"]:
+            continue
         seconds = max(r["times"][phase] for r in ranks)
         peak = max(r["peaks"][phase] for r in ranks)
         rate = size[key] / seconds / 1e9
