@@ -21,6 +21,7 @@ Parameters outside any unit (ignored ones) are whole on every rank and pass thro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -272,16 +273,18 @@ def sharded_optim_state_dict(
 # --- loadable -----------------------------------------------------------------------------------------
 
 
-def _like_param(p: _Param, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` (this rank's) as a fresh tensor on the parameter's device, a DTensor where the parameter is one."""
-    rows = rows.to(local_tensor(p.param).device, copy=True)
+def _like_param(p: _Param, rows: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``rows`` (this rank's) on the parameter's device (a fresh tensor if ``copy``), a DTensor where the
+    parameter is one."""
+    rows = rows.to(local_tensor(p.param).device, copy=copy)
     if isinstance(p.param, DTensor) and p.unit is not None and p.sp is not None:
         return sharded_dtensor(p.unit, p.sp, rows)
     return rows
 
 
-def _to_local_state(p: _Param, name: str, value: Any) -> Any:
-    """One saved state value (full, DTensor, or this rank's local rows) as the optimizer must hold it."""
+def _to_local_state(p: _Param, name: str, value: Any, copy: bool = True) -> Any:
+    """One saved state value (full, DTensor, or this rank's local rows) as the optimizer must hold it; without
+    ``copy``, this rank's rows are handed over as they are where they already are a tensor of their own."""
     if not isinstance(value, torch.Tensor):
         return value
     if p.unit is None or p.sp is None or not _is_elementwise(value):
@@ -293,7 +296,7 @@ def _to_local_state(p: _Param, name: str, value: Any) -> Any:
         rows = value  # already this rank's rows (a local optimizer state dict)
     else:
         rows = sd.rows_of(p.unit, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")
-    return _like_param(p, rows)
+    return _like_param(p, rows, copy)
 
 
 def _check_names(states: dict[Any, Any], params: dict[str, _Param], caller: str) -> None:
@@ -362,17 +365,24 @@ def optim_state_dict_to_load(
     is_named_optimizer: bool = False,
     load_directly: bool = False,
     group: dist.ProcessGroup | None = None,
+    *,
+    copy: bool = True,
 ) -> OsdT:
     """What ``optim.load_state_dict`` takes, from a full, sharded or local FQN-keyed dict.
 
     Under FULL_STATE_DICT with ``rank0_only`` only rank 0 needs to hold the dict: it is scattered.
+    ``copy=False``: the caller gives ``optim_state_dict`` up, and this rank's rows in it become the optimizer's
+    state without a copy (a checkpoint loaded in place into :func:`optim_state_dict`'s own tensors then costs
+    no memory; with copies it would hold the Adam state twice).
     """
     settings = get_state_dict_type(model)
     rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT and rank0_only:
         result = scatter_full_optim_state_dict(optim_state_dict, model, optim=optim, group=group)
     else:
-        result = _loadable(optim_state_dict, model, optim, None, "optim_state_dict_to_load", named=is_named_optimizer)
+        convert = functools.partial(_to_local_state, copy=copy)
+        caller = "optim_state_dict_to_load"
+        result = _loadable(optim_state_dict, model, optim, None, caller, convert, named=is_named_optimizer)
     if load_directly:
         optim.load_state_dict(result)
     return result
