@@ -42,7 +42,11 @@ class PeakMemory:
         gc.collect()
         backend = self._backend()
         if backend is None:
-            tracemalloc.start()
+            # Tracing runs from before the process group's threads exist (see main); here only its peak is reset.
+            # Starting and stopping tracemalloc while other threads run crashed a rank once (SIGSEGV in a native
+            # thread, CPython 3.11.7): tracemalloc's switch is not safe against threads that allocate meanwhile.
+            tracemalloc.reset_peak()
+            self.begin = tracemalloc.get_traced_memory()[0]
         else:
             backend.reset_peak_memory_stats()
             self.begin = backend.memory_allocated()
@@ -52,8 +56,7 @@ class PeakMemory:
         backend = self._backend()
         if backend is None:
             _, peak = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
-            self.peak_mb = peak / 2**20
+            self.peak_mb = (peak - self.begin) / 2**20
         else:
             self.peak_mb = (backend.max_memory_allocated() - self.begin) / 2**20
 
@@ -65,6 +68,7 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=4)
     args = parser.parse_args()
 
+    tracemalloc.start()  # on CPU, PeakMemory reads its peaks; started before any thread of the process group
     accelerator = Accelerator()
     sharded = accelerator.distributed_type == DistributedType.FSDP
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
