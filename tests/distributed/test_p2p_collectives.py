@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -125,8 +126,7 @@ def test_one_rank_group(pool2: WorkerPool) -> None:
 def _policy(rank: int, world: int) -> dict[str, object]:
     pg, full = dist.group.WORLD, torch.zeros(world * 4)
     seen: dict[str, object] = {}
-    old = os.environ.pop(p2p.ENV_VAR, None)
-    try:
+    with mock.patch.dict(os.environ):  # the worker's environment is restored on the way out
         for value in ("0", "1", "auto"):
             os.environ[p2p.ENV_VAR] = value
             seen[value] = p2p.use_p2p("reduce_scatter", pg, full)
@@ -136,10 +136,6 @@ def _policy(rank: int, world: int) -> dict[str, object]:
             reduce_scatter_flat(torch.empty(4), full, pg, async_op=False)
         except ValueError as err:
             seen["bad"] = str(err)
-    finally:
-        os.environ.pop(p2p.ENV_VAR, None)
-        if old is not None:
-            os.environ[p2p.ENV_VAR] = old
     return seen
 
 
@@ -173,8 +169,7 @@ def _recorded_bytes(rank: int, world: int) -> dict[str, list[float]]:
     fake = dist.new_group(list(range(world)), backend="fake")  # stands for NCCL: a native ring reduce-scatter
     full, out, shard = torch.ones(world * 256), torch.empty(256), torch.ones(256)
     seen: dict[str, list[float]] = {}
-    old = os.environ.pop(p2p.ENV_VAR, None)
-    try:
+    with mock.patch.dict(os.environ):
         for setting, pg, name in [("0", dist.group.WORLD, "gloo"), ("1", dist.group.WORLD, "p2p"), ("0", fake, "ring")]:
             os.environ[p2p.ENV_VAR] = setting
             for scratch in (False, True):
@@ -187,10 +182,6 @@ def _recorded_bytes(rank: int, world: int) -> dict[str, list[float]]:
             COMM_STATS.reset()
             all_gather_flat(full, shard, pg, async_op=False)
             seen[f"{name} all_gather"] = [COMM_STATS.bytes["all_gather"], COMM_STATS.calls["all_gather"]]
-    finally:
-        os.environ.pop(p2p.ENV_VAR, None)
-        if old is not None:
-            os.environ[p2p.ENV_VAR] = old
     return seen
 
 
@@ -217,11 +208,8 @@ def test_comm_stats_record_what_each_path_moves(pool2: WorkerPool) -> None:
 
 
 def _run_with(rank: int, world: int, setting: str, spec: TrainSpec, shard: functools.partial) -> RunResult:
-    os.environ[p2p.ENV_VAR] = setting
-    try:
+    with mock.patch.dict(os.environ, {p2p.ENV_VAR: setting}):
         return run(rank, world, spec, shard)
-    finally:
-        os.environ.pop(p2p.ENV_VAR, None)
 
 
 SPEC = TrainSpec()
