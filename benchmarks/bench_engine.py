@@ -23,12 +23,15 @@ and compute (the rest of the step).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -191,51 +194,98 @@ BF16_SYSTEMS = {name for name in SYSTEMS if "bf16" in name}
 THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 
-def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
+def _p2p_setting(name: str) -> str:
+    """FULLSHARD_GLOO_P2P for ``name``: gloo's collectives for the GLOO_NATIVE rows, else the engine's choice."""
     from fullshard.engine.p2p import ENV_VAR
 
-    before = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = "0" if name.endswith(GLOO_NATIVE) else (before or "auto")
-    try:
-        return _bench_steps(rank, world, name, cfg, steps, batch)
-    finally:
-        os.environ.pop(ENV_VAR)
-        if before is not None:
-            os.environ[ENV_VAR] = before
+    return "0" if name.endswith(GLOO_NATIVE) else (os.environ.get(ENV_VAR) or "auto")
 
 
-def _bench_steps(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = TinyGPT(cfg)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    model = SYSTEMS[name][0](model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    per = batch // world
-    times, comm, waits = [], [], []
-    for step in range(steps):
-        x, y = make_batch(cfg, batch, seed=step)
+@contextlib.contextmanager
+def _collectives_of(name: str) -> Iterator[None]:
+    from fullshard.engine.p2p import ENV_VAR
+
+    with mock.patch.dict(os.environ, {ENV_VAR: _p2p_setting(name)}):
+        yield
+
+
+class Runner:
+    """One system built on this rank: its model, optimizer and per-step measurements.
+
+    ``step`` times one training step (forward, backward, optimizer) after a barrier, and records the process's
+    CPU time over it (every thread: the training thread, gloo's, the kernel's work for its sockets) and its
+    minor page faults (fresh memory the allocator had to map and the kernel to zero).
+    """
+
+    def __init__(self, name: str, cfg: GPTConfig) -> None:
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        self.name, self.cfg = name, cfg
+        self.model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        with _collectives_of(name):
+            self.model = SYSTEMS[name][0](model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.faults: list[int] = []
+        self.comm: list[float] = []
+        self.waits: list[float] = []
+
+    def step(self, rank: int, world: int, batch: int, seed: int) -> None:
+        per = batch // world
+        x, y = make_batch(self.cfg, batch, seed=seed)
         x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        dist.barrier()
-        counter = CollectiveBytes(world)
-        COMM_STATS.reset()
-        start = time.perf_counter()
-        with counter:
-            loss = model(x, y)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - start)
-        comm.append(counter.bytes)
-        waits.append(COMM_STATS.wait_s["all_gather"])
-    warm = max(2, steps // 4)
-    return {
-        "step_s": statistics.median(times[warm:]),
-        "times": times[warm:],
-        "state_bytes": _state_bytes(model, opt),
-        "model_bytes": model_bytes,
-        "comm_bytes": statistics.median(comm[warm:]),
-        "ag_wait_s": statistics.median(waits[warm:]),
-    }
+        with _collectives_of(self.name):
+            dist.barrier()
+            counter = CollectiveBytes(world)
+            COMM_STATS.reset()
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
+            with counter:
+                loss = self.model(x, y)
+                loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+            self.times.append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+        self.faults.append(after.ru_minflt - usage.ru_minflt)
+        self.comm.append(counter.bytes)
+        self.waits.append(COMM_STATS.wait_s["all_gather"])
+
+    def result(self, warm: int) -> dict[str, Any]:
+        return {
+            "step_s": statistics.median(self.times[warm:]),
+            "times": self.times[warm:],
+            "cpu_s": statistics.median(self.cpu[warm:]),
+            "faults": statistics.median(self.faults[warm:]),
+            "state_bytes": _state_bytes(self.model, self.opt),
+            "model_bytes": self.model_bytes,
+            "comm_bytes": statistics.median(self.comm[warm:]),
+            "ag_wait_s": statistics.median(self.waits[warm:]),
+        }
+
+
+def _warm(steps: int) -> int:
+    return max(2, steps // 4)
+
+
+def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, batch: int) -> dict[str, Any]:
+    runner = Runner(name, cfg)
+    for step in range(steps):
+        runner.step(rank, world, batch, seed=step)
+    return runner.result(_warm(steps))
+
+
+def _bench_interleaved(rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int) -> dict:
+    """Every system built side by side on each rank; each step runs all of them on the same batch, in an order
+    reversed on every other step, so a drift of the machine's speed falls on all of them alike."""
+    torch.set_num_threads(1)
+    runners = [Runner(name, cfg) for name in names]
+    for step in range(steps):
+        for runner in runners if step % 2 == 0 else runners[::-1]:
+            runner.step(rank, world, batch, seed=step)
+    return {runner.name: runner.result(_warm(steps)) for runner in runners}
 
 
 def _bench_all(
@@ -339,6 +389,11 @@ def main() -> None:
     parser.add_argument("--systems", nargs="*", default=list(SYSTEMS))
     parser.add_argument("--passes", type=int, default=1, help="run the systems this many times, interleaved")
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every system side by side and alternate them step by step (ratios paired per step)",
+    )
+    parser.add_argument(
         "--direct_min_mb",
         type=float,
         default=None,
@@ -361,24 +416,39 @@ def main() -> None:
     # A medium model with several passes outlasts the default timeouts on a busy machine (gloo too: pg timeout).
     pool = WorkerPool(WORLD, timeout_s=3 * 3600, grace_s=600)
     try:
-        results = pool.run(_bench_all, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes)
+        if args.interleave:
+            if args.passes != 1 or args.direct_min_mb is not None:
+                raise SystemExit("--interleave runs one pass with the engine's layout: drop --passes/--direct_min_mb")
+            results = pool.run(_bench_interleaved, args.systems, cfg, args.steps, args.batch)
+        else:
+            results = pool.run(_bench_all, args.systems, cfg, args.steps, args.batch, args.direct_min_mb, args.passes)
     finally:
         pool.close()
     print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    report(results, args.systems)
+    report(results, args.systems, paired=args.interleave)
 
 
-def report(results: list[dict[str, Any]], names: list[str]) -> None:
+def _ratio(results: list[dict[str, Any]], name: str, reference: str, paired: bool) -> float:
+    """``name``'s step time over ``reference``'s: the slowest rank sets each one's pace. Paired (interleaved
+    runs): the median over steps of the ratio within each step; otherwise the ratio of the medians."""
+    if not paired:
+        return max(r[name]["step_s"] for r in results) / max(r[reference]["step_s"] for r in results)
+    pace = [max(times) for times in zip(*(r[name]["times"] for r in results))]
+    ref = [max(times) for times in zip(*(r[reference]["times"] for r in results))]
+    return statistics.median(a / b for a, b in zip(pace, ref))
+
+
+def report(results: list[dict[str, Any]], names: list[str], paired: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
     baseline = "torch FSDP2 fully_shard"
-    table = Table(title=f"{WORLD} gloo CPU ranks; medians; bytes per rank")
-    columns = ("system", "step ms", "vs FSDP2", "state MB", "state / (model-state/N)", "comm MB/step", "theory MB")
-    for col in (*columns, "AG wait ms"):
+    how = "interleaved step by step, ratios paired per step" if paired else "ratios of medians"
+    table = Table(title=f"{WORLD} gloo CPU ranks; medians ({how}); bytes, CPU time and page faults per rank")
+    columns = ("system", "step ms", "vs FSDP2", "vs DDP", "CPU ms", "faults", "state MB", "state / (model-state/N)")
+    for col in (*columns, "comm MB/step", "theory MB", "AG wait ms"):
         table.add_column(col, justify="right")
-    base = max(r[baseline]["step_s"] for r in results) if baseline in names else None
-    bf16_base = max(r["torch FSDP2 bf16"]["step_s"] for r in results) if "torch FSDP2 bf16" in names else None
+    ddp_name = "torch DDP"
     for name in names:
         step = max(r[name]["step_s"] for r in results)  # the slowest rank sets the pace
         state = max(r[name]["state_bytes"] for r in results)
@@ -389,12 +459,15 @@ def report(results: list[dict[str, Any]], names: list[str]) -> None:
         comm = max(r[name]["comm_bytes"] for r in results)
         compute_bytes = model_bytes / 2 if name in BF16_SYSTEMS else model_bytes
         theory = THEORY_FACTOR[strategy] * compute_bytes * (WORLD - 1) / WORLD
-        reference = bf16_base if name in BF16_SYSTEMS else base
+        reference = "torch FSDP2 bf16" if name in BF16_SYSTEMS else baseline
         wait = max(r[name]["ag_wait_s"] for r in results) if name.startswith("fullshard") else None
         table.add_row(
             name,
             f"{step * 1e3:.1f}",
-            f"{step / reference:.2f}" if reference else "-",
+            f"{_ratio(results, name, reference, paired):.2f}" if reference in names else "-",
+            f"{_ratio(results, name, ddp_name, paired):.2f}" if ddp_name in names else "-",
+            f"{max(r[name]['cpu_s'] for r in results) * 1e3:.0f}",
+            f"{max(r[name]['faults'] for r in results):.0f}",
             f"{state / 1e6:.2f}",
             f"{state / ideal:.3f}",
             f"{comm / 1e6:.2f}",
