@@ -154,6 +154,67 @@ def test_forward_order_is_recorded_and_rate_limited(pool2: WorkerPool) -> None:
     assert got["max"] == 2  # the current unit and one prefetched, never more
 
 
+def _spare_handoffs(rank: int, world: int, prefetch: str | None, entry: str) -> dict[str, object]:
+    from fullshard.engine import spare as spare_module
+
+    taken: list[bool] = []
+    original_take = spare_module.SpareStorage.take
+
+    def counting_take(self: spare_module.SpareStorage, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        taken.append(original_take(self, storage, nbytes))
+        return taken[-1]
+
+    def build(use_spare: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(n_layer=4))
+        model = wrap_prefetch(model, prefetch, False) if entry == "FSDP" else fully_shard_blocks(model)
+        if not use_spare:
+            model(*make_batch(model.cfg, 2, 0))  # lazy init, then take the spare away from every group
+            for state in unit_state(model).ctx.states:
+                state.group.spare = None
+            model.zero_grad(set_to_none=True)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    runs, held_after = {}, []
+    for use_spare in (True, False):
+        model, opt = build(use_spare)
+        losses = []
+        spare_module.SpareStorage.take = counting_take  # type: ignore[method-assign]
+        try:
+            for step in range(3):
+                taken.clear()
+                loss = model(*make_batch(model.cfg, 2, step))
+                if use_spare:
+                    held_after.append(unit_state(model).ctx.spare.nbytes)  # end of forward
+                loss.backward()
+                if use_spare:
+                    held_after.append(unit_state(model).ctx.spare.nbytes)  # end of backward
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            spare_module.SpareStorage.take = original_take  # type: ignore[method-assign]
+        runs[use_spare] = (losses, [p.detach().clone() for p in model.parameters()], sum(taken))
+    same = runs[True][0] == runs[False][0] and all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    return {"handoffs": runs[True][2], "held_after": held_after, "bitwise_equal": same}
+
+
+@pytest.mark.parametrize(
+    ("prefetch", "entry", "handoffs"),
+    [("BACKWARD_PRE", "FSDP", 5), (None, "FSDP", 6), ("BACKWARD_PRE", "fully_shard", 5)],
+)
+def test_freed_gathers_are_handed_to_the_next_unit(
+    pool2: WorkerPool, prefetch: str | None, entry: str, handoffs: int
+) -> None:
+    # Four equal blocks, in the last step: blocks 1-3 take the memory of blocks 0-2 in forward. In backward
+    # (the end of forward dropped the spare) block 3 gathers afresh, and so does block 2 when it is prefetched
+    # with it; each later block takes the memory of the block that finished two (prefetch) or one before.
+    for got in pool2.run(_spare_handoffs, prefetch, entry):
+        assert got["handoffs"] == handoffs
+        assert got["held_after"] == [0] * 6  # nothing kept across the end of forward or of backward
+        assert got["bitwise_equal"]  # the same losses and parameters as freeing and allocating
+
+
 def _hooks_removed(rank: int, world: int) -> tuple[int, int, int, int]:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fully_shard(model[0])

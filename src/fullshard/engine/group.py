@@ -63,6 +63,7 @@ from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
 from fullshard.engine.precision import GroupPrecision
+from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
 __all__ = ["Offload", "ParamGroup", "ShardState"]
@@ -155,6 +156,7 @@ class ParamGroup:
         self._pending: list[PendingReduce] = []
         self._unsharded_version = -1
         self._full_version = 0  # flat_full's version counter when a direct gather was issued
+        self.spare: SpareStorage | None = None  # shared by the units of one root (see spare.py)
         for sp, (_, _, original) in zip(self.params, entries):
             retire(original, sp.sharded_param)
             set_owner(sp.sharded_param, label)
@@ -294,11 +296,15 @@ class ParamGroup:
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the gathered parameters (``flat_full``)."""
+        return self.flat_full.numel() * self.flat_full.element_size()
+
     def _allocate_full(self) -> None:
-        full = self.flat_full
-        storage = full.untyped_storage()
-        nbytes = full.numel() * full.element_size()
-        if storage.size() != nbytes:
+        storage = self.flat_full.untyped_storage()
+        nbytes = self.full_nbytes
+        if storage.size() != nbytes and not (self.spare is not None and self.spare.take(storage, nbytes)):
             storage.resize_(nbytes)
 
     def _register_full_views(self) -> None:
@@ -325,10 +331,13 @@ class ParamGroup:
             sp.register_sharded()
         self.full_views_registered = False
 
-    def reshard(self) -> None:
+    def reshard(self, keep_spare: bool = False) -> None:
         """Register the sharded parameters again and free the full ones.
 
-        Postcondition: state is ``SHARDED``; only ``flat_shard`` (and gradients) hold memory.
+        ``keep_spare``: the next unit to gather gathers as many bytes; move the memory to :attr:`spare` for
+        it instead of freeing it (see ``spare.py``).
+
+        Postcondition: state is ``SHARDED``; ``flat_shard`` (and gradients) hold this group's memory.
         """
         if self.state is ShardState.SHARDED:
             return
@@ -337,7 +346,11 @@ class ParamGroup:
         with trace.phase(trace.RESHARD):
             self.expose_sharded()
             if not self.alias_full:
-                self.flat_full.untyped_storage().resize_(0)
+                storage = self.flat_full.untyped_storage()
+                if keep_spare and self.spare is not None:
+                    self.spare.keep(storage)
+                else:
+                    storage.resize_(0)
             self.state = ShardState.SHARDED
 
     # --- gradients ----------------------------------------------------------------------------------

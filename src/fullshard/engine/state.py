@@ -42,6 +42,7 @@ from fullshard.engine.materialize import meta_parameter_names
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
+from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
@@ -159,6 +160,7 @@ class RootContext:
     states: list[UnitState]
     order: ForwardOrder = field(default_factory=ForwardOrder)
     backward: BackwardPass = field(default_factory=BackwardPass)
+    spare: SpareStorage = field(default_factory=SpareStorage)  # a freed unit's memory, for the next gather
     gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
     max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
 
@@ -222,6 +224,7 @@ class UnitState:
             state._cast_buffers()
             if state.group is not None:
                 state.group.rename(state.label)  # errors about its collectives name the path
+                state.group.spare = ctx.spare
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
@@ -314,7 +317,7 @@ class UnitState:
             if self.group is not None:
                 no_backward = not torch.is_grad_enabled()
                 if no_backward or (self.config.reshard_after_forward and not self.is_root):
-                    self.group.reshard()
+                    self.group.reshard(keep_spare=_next_gather_fits(ctx, self, 1))
                 else:
                     # Kept gathered for backward, but parameters() must yield the leaves the optimizer steps on
                     # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
@@ -323,6 +326,7 @@ class UnitState:
                 if not ctx.order.frozen:
                     ctx.order.freeze()
                 _reshard_leftovers(ctx)
+                ctx.spare.drop()
                 if collective_check.debug_enabled():
                     _check_same_order_on_all_ranks(ctx.order.this_iteration)
             self.training_state = TrainingState.IDLE
@@ -370,7 +374,7 @@ class UnitState:
             elif self.config.expose_unsynced_grads:
                 group.expose_unsharded_grads()
             # Free the gathered parameters before blocking on older reductions: they are not needed any more.
-            group.reshard()
+            group.reshard(keep_spare=_next_gather_fits(ctx, self, -1))
             ctx.backward.settle(_reductions_in_flight(group))
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
                 _prefetch_backward(ctx, self)
@@ -393,10 +397,25 @@ class UnitState:
                         state.group.reshard()
             finally:
                 ctx.backward.end()
+                ctx.spare.drop()
                 for state in ctx.states:
                     state.training_state = TrainingState.IDLE
                     state.ran_forward = False
                     state.reduced = False
+
+
+def _next_gather_fits(ctx: RootContext, state: UnitState, step: int) -> bool:
+    """Whether the next unit to gather after ``state`` (the first still-sharded one in the recorded order, 1 in
+    forward, -1 in backward) gathers as many bytes on the same device: ``state`` then keeps its freed
+    memory for it (see ``spare.py``). Not before the order is recorded, nor when this iteration departs from it."""
+    if state.group is None or not ctx.order.frozen or ctx.order.changed:
+        return False
+    nearest = ctx.order.next(state, step)
+    if nearest is not None and nearest.group is not None and nearest.group.state is not ShardState.SHARDED:
+        nearest = ctx.order.next(nearest, step)  # gathered already (prefetched, or the root): the one after
+    other = nearest.group if nearest is not None else None
+    mine = (state.group.full_nbytes, state.group.device)
+    return other is not None and other.state is ShardState.SHARDED and (other.full_nbytes, other.device) == mine
 
 
 def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
