@@ -465,7 +465,7 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
             name,
             f"{step * 1e3:.1f}",
             f"{_ratio(results, name, reference, paired):.2f}" if reference in names else "-",
-            f"{_ratio(results, name, ddp_name, paired):.2f}" if ddp_name in names else "-",
+            f"{_ratio(results, name, ddp_name, paired):.2f}" if ddp_name in names and name not in BF16_SYSTEMS else "-",
             f"{max(r[name]['cpu_s'] for r in results) * 1e3:.0f}",
             f"{max(r[name]['faults'] for r in results):.0f}",
             f"{state / 1e6:.2f}",
@@ -476,7 +476,7 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
         )
     console = Console(width=160)
     console.print(table)
-    console.print("bf16 rows are compared with torch FSDP2 bf16; the others with torch FSDP2 in fp32.")
+    console.print("bf16 rows are compared with torch FSDP2 bf16 (and not with DDP, in fp32); the others in fp32.")
     for name in names:
         native = name + GLOO_NATIVE
         if native in names:

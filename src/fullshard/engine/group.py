@@ -297,8 +297,7 @@ class ParamGroup:
         self.state = ShardState.UNSHARDED
 
     @property
-    def full_nbytes(self) -> int:
-        """Bytes of the gathered parameters (``flat_full``)."""
+    def full_nbytes(self) -> int:  # of the gathered parameters, flat_full
         return self.flat_full.numel() * self.flat_full.element_size()
 
     def _allocate_full(self) -> None:
@@ -334,8 +333,7 @@ class ParamGroup:
     def reshard(self, keep_spare: bool = False) -> None:
         """Register the sharded parameters again and free the full ones.
 
-        ``keep_spare``: the next unit to gather gathers as many bytes; move the memory to :attr:`spare` for
-        it instead of freeing it (see ``spare.py``).
+        ``keep_spare``: the next unit to gather needs as many bytes: move the memory to it (see ``spare.py``).
 
         Postcondition: state is ``SHARDED``; ``flat_shard`` (and gradients) hold this group's memory.
         """

@@ -9,8 +9,9 @@ if so the memory moves here, and that gather takes it. Memory moves between ``Un
 swapping their data pointers: ``flat_full`` keeps its storage object, which autograd's saved views refer to.
 
 Invariants: at most one buffer, held only from one unit's reshard to the next gather, which takes or drops
-it; the engine drops it at the end of forward and of backward. Peak memory is unchanged: the buffer is held
-just where it would have been freed and allocated again moments later.
+it; dropped at the end of forward and of backward, so the peak is unchanged. On CUDA the next gather's writes
+are stream-ordered after the last reads of the previous owner (NCCL's stream waits on the current one), as
+in the caching allocator's own reuse.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class SpareStorage:
         self._held: torch.UntypedStorage | None = None
 
     @property
-    def nbytes(self) -> int:
+    def nbytes(self) -> int:  # held
         return 0 if self._held is None else self._held.nbytes()
 
     def keep(self, storage: torch.UntypedStorage) -> None:
