@@ -4,15 +4,14 @@ torch's gloo backend (2.13) has no reduce-scatter: ``reduce_scatter_tensor`` clo
 the whole clone and copies this rank's chunk out, ``2 B (n-1)/n`` bytes per rank over ``2 (n-1)`` rounds for
 a ``B``-byte input; ``all_gather_into_tensor`` gathers into a temporary and copies. The pairwise versions
 here post every transfer at once with ``ProcessGroup.send`` / ``recv`` (asynchronous in gloo: its I/O thread
-moves the bytes while the caller computes): ``B (n-1)/n`` bytes, one round. ``wait()`` on the returned handle
-waits for the transfers and, for a reduce-scatter, adds the ``n`` contributions in rank order
-``((c0 + c1) + c2) + ...``, each add rounded to the dtype as gloo's are. The all-gather receives in place.
+moves the bytes while the caller computes): ``B (n-1)/n`` bytes, one round. ``wait()`` waits for them and, for a
+reduce-scatter, adds the contributions in rank order ``((c0 + c1) + c2) + ...`` (on 2 ranks the peer's chunk is
+received into the output and this rank's added). The all-gather receives in place.
 
-Which one runs: :func:`use_p2p`, asked by ``engine/collectives.py`` before each collective. Only gloo groups
-on CPU tensors are ever routed here (NCCL and the rest keep their own collectives), from the crossovers in
-:data:`P2P_MIN_BYTES` measured by ``benchmarks/bench_collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's
-collectives, ``1`` the point-to-point ones, ``auto`` (or unset) the measured choice; other values are
-refused by name at the first collective.
+Which one runs: :func:`use_p2p`, asked by ``engine/collectives.py`` before each collective; only gloo groups on
+CPU tensors come here (NCCL and the rest keep their own), from the crossovers in :data:`P2P_MIN_BYTES` measured
+by ``benchmarks/bench_collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's collectives, ``1`` the
+point-to-point ones, ``auto`` (or unset) the measured choice; other values are refused by name.
 
 Numerics: on 2 ranks the sum is one addition, which commutes, so results are bitwise gloo's. On 3 or more,
 gloo adds in its own order (measured on 4 ranks, where its segments line up with the chunks: rank ``r``'s
@@ -20,9 +19,8 @@ chunk is ``((c[r+2] + c[r+3]) + c[r+1]) + c[r]``), so sums can differ in the las
 of single-process training or of DDP's bucketed all-reduce. All-gathers are always bitwise.
 
 Invariants: ranks call these in the same order with the same sizes, as for any collective; messages between
-two ranks on one tag match first-in first-out, so several calls may be in flight at once. A reduce-scatter's
-input and an all-gather's output stay alive and untouched until ``wait()`` returns (the engine holds them in
-its pending reductions and gathers).
+two ranks on one tag match first-in first-out, so several calls may be in flight at once. Inputs and outputs
+stay alive and untouched until ``wait()`` returns (the engine holds them in its pending reductions and gathers).
 """
 
 from __future__ import annotations
@@ -91,6 +89,10 @@ def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.P
     """``output`` becomes the rank-order sum over ranks of chunk ``rank`` of ``full`` (``n`` equal chunks)."""
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
+    if n == 2:  # the peer's chunk lands in output and ours is added: one addition, which commutes; no buffer
+        peer = 1 - rank
+        works = [pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG), pg.recv([output], peer, REDUCE_SCATTER_TAG)]
+        return P2PWork(works, lambda: output.add_(chunks[rank]))
     received = torch.empty(max(n - 1, 0), chunks.shape[1], dtype=full.dtype, device=full.device)
     works = [pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
     rows = [chunks[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(n)]

@@ -36,9 +36,8 @@ class SpareStorage:
         if not _CAN_SWAP or storage.device.type == "meta" or storage.nbytes() == 0:
             storage.resize_(0)
             return
-        held = torch.UntypedStorage(0, device=storage.device)
-        held._swap_data_ptr_(storage)
-        self._held = held  # drops any buffer held before
+        self._held = torch.UntypedStorage(0, device=storage.device)  # drops any buffer held before
+        self._held._swap_data_ptr_(storage)
 
     def take(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
         """Give the held memory to ``storage`` (0 bytes) if it is ``nbytes`` on ``storage``'s device; else drop
