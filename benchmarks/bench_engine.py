@@ -194,18 +194,13 @@ BF16_SYSTEMS = {name for name in SYSTEMS if "bf16" in name}
 THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 
-def _p2p_setting(name: str) -> str:
+@contextlib.contextmanager
+def _collectives_of(name: str) -> Iterator[None]:
     """FULLSHARD_GLOO_P2P for ``name``: gloo's collectives for the GLOO_NATIVE rows, else the engine's choice."""
     from fullshard.engine.p2p import ENV_VAR
 
-    return "0" if name.endswith(GLOO_NATIVE) else (os.environ.get(ENV_VAR) or "auto")
-
-
-@contextlib.contextmanager
-def _collectives_of(name: str) -> Iterator[None]:
-    from fullshard.engine.p2p import ENV_VAR
-
-    with mock.patch.dict(os.environ, {ENV_VAR: _p2p_setting(name)}):
+    setting = "0" if name.endswith(GLOO_NATIVE) else (os.environ.get(ENV_VAR) or "auto")
+    with mock.patch.dict(os.environ, {ENV_VAR: setting}):
         yield
 
 
