@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -156,9 +157,17 @@ def _launcher_store(rank: int, world_size: int, timeout: timedelta) -> dist.Stor
     return dist.PrefixStore(f"fullshard/attempt{attempt}/", store)
 
 
+# How long :func:`shutdown` leaves the GIL to torch's collective threads; see [Note: ending a worker] in
+# ``fullshard/cli/worker.py``. A worker thread that finished the last barrier may still be freeing it (and
+# the collectives it kept alive), which takes the GIL; if the interpreter is finalizing by then, the process
+# aborts. Under ``fullshard launch`` the worker skips the teardown altogether; this covers ``torchrun``.
+_COLLECTIVE_THREADS_GRACE_S = 0.05
+
+
 def shutdown() -> None:
     """Destroy the process group if :func:`init_process_state` created it (else leave it to its owner)."""
     global _OWNED_GROUP
     if _OWNED_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(_COLLECTIVE_THREADS_GRACE_S)
     _OWNED_GROUP = False
