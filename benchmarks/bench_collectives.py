@@ -8,6 +8,7 @@ from a few KB to 50 MB (MB = 10^6 bytes, the all-ranks size of one unit's buffer
 - reduce-scatter: gloo's ``reduce_scatter_tensor`` (torch 2.13: an all-reduce of a clone, then a copy),
   :func:`fullshard.engine.p2p.pairwise_reduce_scatter` and :func:`ring_reduce_scatter` (below);
 - all-gather: gloo's ``all_gather_into_tensor`` and :func:`~fullshard.engine.p2p.pairwise_all_gather`;
+- all-reduce: gloo's ``all_reduce`` (what DDP runs), for its CPU cost per byte;
 - a two-rank exchange (ranks 0 and 1 send each other ``m`` bytes at once), to which the alpha-beta model
   ``t = alpha + beta m`` is fitted by least squares on relative error (each point weighted by 1 / its time, so that
   the small sizes, which carry alpha, count as much as the large ones).
@@ -18,13 +19,18 @@ interleaved inside every repetition (rotating which goes first), so that load fr
 machine falls on all of them alike. The table shows each time and, in brackets, its ratio to the model's
 prediction for that algorithm (``n`` ranks, ``B`` bytes):
 
-    gloo reduce-scatter = all-reduce   2(n-1) alpha + 2 B (n-1)/n beta
+    gloo reduce-scatter, all-reduce    2(n-1) alpha + 2 B (n-1)/n beta
     ring reduce-scatter, gloo all-gather   (n-1) alpha +   B (n-1)/n beta
     pairwise (all sends at once)           alpha +   B (n-1)/n beta
 
 It ends with the crossover per collective and group size (the smallest size from which the point-to-point
 version wins at that size and every larger one), which ``P2P_MIN_BYTES`` in ``fullshard/engine/p2p.py``
 encodes, and the load average before and after. ``--json`` writes every median and the fit.
+
+The last column is the CPU time a collective costs (user + kernel, every thread of the process, mean over the
+ranks) per MB each rank sends (``B (n-1)/n``, twice that for an all-reduce and gloo's reduce-scatter): on
+loopback TCP every byte is copied into a socket by its sender and out by the receiver, on the same cores that
+compute, so in training the bytes cost compute time wherever they overlap.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -103,7 +110,9 @@ VARIANTS: dict[str, dict[str, Op]] = {
         "gloo": lambda full, shard, pg: _all_gather_single(full, shard, group=pg, async_op=True),
         "pairwise": p2p.pairwise_all_gather,
     },
+    "all_reduce": {"gloo": lambda full, _, pg: dist.all_reduce(full, group=pg, async_op=True)},
 }
+SENT_FACTOR = {("reduce_scatter", "gloo"): 2, ("all_reduce", "gloo"): 2}  # x B (n-1)/n sent per rank; else 1
 
 
 def _exchange(buf: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> list[dist.Work]:
@@ -113,22 +122,30 @@ def _exchange(buf: torch.Tensor, recv: torch.Tensor, pg: dist.ProcessGroup) -> l
     return [pg.send([buf], 1 - rank, 77), pg.recv([recv], 1 - rank, 77)]
 
 
-def _timed(fn: Callable[[], Any], times: int) -> float:
-    """Seconds per call of ``times`` calls back to back (small sizes: spreads the barrier's exit skew)."""
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # the process: the caller's thread and gloo's
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(fn: Callable[[], Any], times: int) -> tuple[float, float]:
+    """Seconds and CPU seconds per call of ``times`` calls back to back (small sizes: spreads the barrier's
+    exit skew)."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_s()
     for _ in range(times):
         work = fn()
         for w in work if isinstance(work, list) else [work]:
             w.wait()
-    return (time.perf_counter() - start) / times
+    return (time.perf_counter() - start) / times, (_cpu_s() - cpu) / times
 
 
-def _measure(rank: int, world: int, sizes_mb: list[float], dtypes: list[str], reps: int) -> dict[str, list[float]]:
-    """Per (what, dtype, MB, variant): this rank's time of every repetition."""
+def _measure(
+    rank: int, world: int, sizes_mb: list[float], dtypes: list[str], reps: int
+) -> dict[str, list[tuple[float, float]]]:
+    """Per (what, dtype, MB, variant): this rank's (time, CPU time) of every repetition."""
     torch.set_num_threads(1)
     pg = dist.group.WORLD
-    times: dict[str, list[float]] = {}
+    times: dict[str, list[tuple[float, float]]] = {}
     gen = torch.Generator().manual_seed(rank)
     for rep in range(reps + 1):  # repetition 0 warms up (connections, allocator) and is dropped
         for mb in sizes_mb:
@@ -143,15 +160,17 @@ def _measure(rank: int, world: int, sizes_mb: list[float], dtypes: list[str], re
                     runs.append((f"reduce_scatter|{dname}|{mb}|{name}", lambda op=op, s=shard, f=full: op(s, f, pg)))
                 for name, op in VARIANTS["all_gather"].items():
                     runs.append((f"all_gather|{dname}|{mb}|{name}", lambda op=op, g=gathered, s=shard: op(g, s, pg)))
+                for name, op in VARIANTS["all_reduce"].items():
+                    runs.append((f"all_reduce|{dname}|{mb}|{name}", lambda op=op, g=gathered: op(g, None, pg)))
                 if dname == dtypes[0]:
                     other = torch.empty_like(full)
                     runs.append((f"exchange|{dname}|{mb}|p2p", lambda f=full, o=other: _exchange(f, o, pg)))
                 shift = rep % len(runs)
                 batch = max(1, round(BATCH_MB / mb))
                 for key, fn in runs[shift:] + runs[:shift]:
-                    elapsed = _timed(fn, batch)
+                    measured = _timed(fn, batch)
                     if rep:
-                        times.setdefault(key, []).append(elapsed)
+                        times.setdefault(key, []).append(measured)
     return times
 
 
@@ -166,18 +185,19 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def model_s(kind: str, variant: str, n: int, nbytes: float, alpha: float, beta: float) -> float:
     share = nbytes * (n - 1) / n
-    if kind == "reduce_scatter" and variant == "gloo":
+    if (kind, variant) in SENT_FACTOR:
         return 2 * (n - 1) * alpha + 2 * share * beta
     if variant == "pairwise":
         return alpha + share * beta
     return (n - 1) * alpha + share * beta  # ring reduce-scatter, gloo's (ring) all-gather
 
 
-def summarise(per_rank: list[dict[str, list[float]]], world: int) -> dict[str, Any]:
-    medians = {}
+def summarise(per_rank: list[dict[str, list[tuple[float, float]]]], world: int) -> dict[str, Any]:
+    medians, cpu_medians = {}, {}
     for key in per_rank[0]:
-        slowest = [max(r[key][i] for r in per_rank) for i in range(len(per_rank[0][key]))]
-        medians[key] = statistics.median(slowest)
+        reps = range(len(per_rank[0][key]))
+        medians[key] = statistics.median(max(r[key][i][0] for r in per_rank) for i in reps)
+        cpu_medians[key] = statistics.median(sum(r[key][i][1] for r in per_rank) / world for i in reps)
     points = []
     for key, seconds in medians.items():
         what, _, mb, _ = key.split("|")
@@ -193,6 +213,8 @@ def summarise(per_rank: list[dict[str, list[float]]], world: int) -> dict[str, A
             predicted = model_s(what, variant, world, float(mb) * 1e6, alpha, beta)
         rows.append({"collective": what, "dtype": dname, "mb": float(mb), "variant": variant, "s": seconds})
         rows[-1]["model_s"] = predicted
+        sent_mb = float(mb) * (world - 1) / world * SENT_FACTOR.get((what, variant), 1)
+        rows[-1]["cpu_s_per_mb_sent"] = cpu_medians[key] / sent_mb
     return {"world": world, "alpha_s": alpha, "beta_s_per_byte": beta, "rows": rows}
 
 
@@ -201,7 +223,7 @@ def crossovers(summary: dict[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     by: dict[tuple[str, str], dict[float, dict[str, float]]] = {}
     for row in summary["rows"]:
-        if row["collective"] != "exchange":
+        if row["collective"] not in ("exchange", "all_reduce"):
             by.setdefault((row["collective"], row["dtype"]), {}).setdefault(row["mb"], {})[row["variant"]] = row["s"]
     for (what, dname), sizes in by.items():
         wins = [mb for mb in sorted(sizes) if sizes[mb]["pairwise"] < sizes[mb]["gloo"]]
@@ -239,7 +261,7 @@ def report(summary: dict[str, Any]) -> None:
     )
     table = Table(title=title)
     variants = ["gloo", "pairwise", "ring"]
-    for col in ("collective", "dtype", "MB", *variants, "pairwise / gloo"):
+    for col in ("collective", "dtype", "MB", *variants, "pairwise / gloo", "CPU ms / MB sent: gloo, pairwise"):
         table.add_column(col, justify="right")
     cells: dict[tuple[str, str, float], dict[str, dict[str, float]]] = {}
     for row in summary["rows"]:
@@ -253,8 +275,10 @@ def report(summary: dict[str, Any]) -> None:
         for variant in variants:
             row = by_variant.get(variant)
             shown.append(f"{row['s'] * 1e3:.2f} ({row['s'] / row['model_s']:.2f})" if row else "-")
-        ratio = by_variant["pairwise"]["s"] / by_variant["gloo"]["s"]
-        table.add_row(what, dname, f"{mb:g}", *shown, f"{ratio:.2f}")
+        ratio = f"{by_variant['pairwise']['s'] / by_variant['gloo']['s']:.2f}" if "pairwise" in by_variant else "-"
+        per_mb = [by_variant[v]["cpu_s_per_mb_sent"] for v in ("gloo", "pairwise") if v in by_variant]
+        cpu = ", ".join(f"{seconds * 1e3:.2f}" for seconds in per_mb)
+        table.add_row(what, dname, f"{mb:g}", *shown, ratio, cpu)
     console = Console(width=160)
     console.print(table)
     for key, mb in crossovers(summary).items():

@@ -208,8 +208,9 @@ class Runner:
     """One system built on this rank: its model, optimizer and per-step measurements.
 
     ``step`` times one training step (forward, backward, optimizer) after a barrier, and records the process's
-    CPU time over it (every thread: the training thread, gloo's, the kernel's work for its sockets) and its
-    minor page faults (fresh memory the allocator had to map and the kernel to zero).
+    CPU time over it (every thread: the training thread, gloo's, the kernel's work for its sockets), the part of
+    it spent in the kernel (on gloo's loopback TCP: mostly copying the collectives' bytes in and out of sockets)
+    and its minor page faults (fresh memory the allocator had to map and the kernel to zero).
     """
 
     def __init__(self, name: str, cfg: GPTConfig) -> None:
@@ -222,6 +223,7 @@ class Runner:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.cpu: list[float] = []
+        self.kernel: list[float] = []
         self.faults: list[int] = []
         self.comm: list[float] = []
         self.waits: list[float] = []
@@ -244,6 +246,7 @@ class Runner:
             self.times.append(time.perf_counter() - start)
             after = resource.getrusage(resource.RUSAGE_SELF)
         self.cpu.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+        self.kernel.append(after.ru_stime - usage.ru_stime)
         self.faults.append(after.ru_minflt - usage.ru_minflt)
         self.comm.append(counter.bytes)
         self.waits.append(COMM_STATS.wait_s["all_gather"])
@@ -253,6 +256,7 @@ class Runner:
             "step_s": statistics.median(self.times[warm:]),
             "times": self.times[warm:],
             "cpu_s": statistics.median(self.cpu[warm:]),
+            "kernel_s": statistics.median(self.kernel[warm:]),
             "faults": statistics.median(self.faults[warm:]),
             "state_bytes": _state_bytes(self.model, self.opt),
             "model_bytes": self.model_bytes,
@@ -272,9 +276,20 @@ def _bench_one(rank: int, world: int, name: str, cfg: GPTConfig, steps: int, bat
     return runner.result(_warm(steps))
 
 
+PIN_ENV = "BENCH_PIN_RANKS"  # set by --pin_ranks before the ranks start
+
+
+def _pin_if_asked(rank: int) -> None:
+    """With --pin_ranks: this rank and every thread it starts (gloo's) run on CPU ``rank`` only."""
+    if os.environ.get(PIN_ENV) == "1":
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
 def _bench_interleaved(rank: int, world: int, names: list[str], cfg: GPTConfig, steps: int, batch: int) -> dict:
     """Every system built side by side on each rank; each step runs all of them on the same batch, in an order
     reversed on every other step, so a drift of the machine's speed falls on all of them alike."""
+    _pin_if_asked(rank)
     torch.set_num_threads(1)
     runners = [Runner(name, cfg) for name in names]
     for step in range(steps):
@@ -294,6 +309,7 @@ def _bench_all(
     passes: int = 1,
 ) -> dict[str, Any]:
     """Every system ``passes`` times, the order reversed on every other pass; step times pooled per system."""
+    _pin_if_asked(rank)
     torch.set_num_threads(1)
     if direct_min_mb is not None:
         from fullshard.engine import group
@@ -400,7 +416,11 @@ def main() -> None:
         default=None,
         help="profile one fullshard system (--systems, default FULL_SHARD): Chrome traces and a breakdown",
     )
+    parser.add_argument(
+        "--pin_ranks", action="store_true", help="run each rank (and its gloo threads) on one CPU of its own"
+    )
     args = parser.parse_args()
+    os.environ[PIN_ENV] = "1" if args.pin_ranks else "0"
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.width)
     if args.trace is not None:
         chosen = args.systems if args.systems != list(SYSTEMS) else ["fullshard FSDP FULL_SHARD"]
@@ -440,7 +460,8 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
     baseline = "torch FSDP2 fully_shard"
     how = "interleaved step by step, ratios paired per step" if paired else "ratios of medians"
     table = Table(title=f"{WORLD} gloo CPU ranks; medians ({how}); bytes, CPU time and page faults per rank")
-    columns = ("system", "step ms", "vs FSDP2", "vs DDP", "CPU ms", "faults", "state MB", "state / (model-state/N)")
+    columns = ("system", "step ms", "vs FSDP2", "vs DDP", "CPU ms", "kernel ms", "faults", "state MB")
+    columns += ("state / (model-state/N)",)
     for col in (*columns, "comm MB/step", "theory MB", "AG wait ms"):
         table.add_column(col, justify="right")
     ddp_name = "torch DDP"
@@ -462,6 +483,7 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
             f"{_ratio(results, name, reference, paired):.2f}" if reference in names else "-",
             f"{_ratio(results, name, ddp_name, paired):.2f}" if ddp_name in names and name not in BF16_SYSTEMS else "-",
             f"{max(r[name]['cpu_s'] for r in results) * 1e3:.0f}",
+            f"{max(r[name]['kernel_s'] for r in results) * 1e3:.0f}",
             f"{max(r[name]['faults'] for r in results):.0f}",
             f"{state / 1e6:.2f}",
             f"{state / ideal:.3f}",
@@ -469,9 +491,20 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
             f"{theory / 1e6:.2f}",
             f"{wait * 1e3:.1f}" if wait is not None else "-",
         )
-    console = Console(width=160)
+    console = Console(width=200)
     console.print(table)
     console.print("bf16 rows are compared with torch FSDP2 bf16 (and not with DDP, in fp32); the others in fp32.")
+    cores = len(os.sched_getaffinity(0))
+    if ddp_name in names:
+        # All ranks share ``cores`` CPUs, so no schedule runs a step in less than their CPU time over the cores.
+        ddp_step = max(r[ddp_name]["step_s"] for r in results)
+        for name in names:
+            if name not in BF16_SYSTEMS:
+                floor = sum(r[name]["cpu_s"] for r in results) / cores
+                console.print(
+                    f"{name}: CPU time of the {WORLD} ranks over {cores} cores = {floor * 1e3:.0f} ms "
+                    f"per step, {floor / ddp_step:.2f}x DDP's step (no overlap can go below it)"
+                )
     for name in names:
         native = name + GLOO_NATIVE
         if native in names:

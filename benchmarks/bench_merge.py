@@ -3,12 +3,13 @@
 Writes ``{workdir}/pytorch_model_fsdp_0`` in Accelerate's layout (``dcp.save({"model": sharded_sd})``, 2 gloo
 ranks, ``Shard(0)`` DTensors, ``--params`` parameters), or takes an existing model folder (``--checkpoint``,
 e.g. the one ``bench_checkpoint_scale.py --keep`` leaves), then runs each merge in a fresh subprocess
-(alternating, ``--repeats`` times) and reports wall time and peak RSS (the child's own ``ru_maxrss``), the
-ratios ours/accelerate, and checks that both outputs hold the same tensors. ``--max-shard-size`` is passed to
-ours (Accelerate's has no such option: it writes one file). With ``--dd``, the time is also compared with
-reading and writing the same bytes at the ``dd`` bandwidth measured in the same run. With ``--gpt-layers``,
-our output is loaded into the GPT of ``bench_checkpoint_scale.py`` with ``load_checkpoint_in_model`` and
-compared with Accelerate's output (which torch's own DCP reader produced). Needs ``accelerate``.
+(alternating, ``--repeats`` times) and reports wall time and peak RSS (the child's own ``VmHWM``; its
+``ru_maxrss`` would count this parent's, see ``fullshard.testing.memory``), the ratios ours/accelerate, and
+checks that both outputs hold the same tensors. ``--max-shard-size`` is passed to ours (Accelerate's has no
+such option: it writes one file). With ``--dd``, the time is also compared with reading and writing the same
+bytes at the ``dd`` bandwidth measured in the same run. With ``--gpt-layers``, our output is loaded into the
+GPT of ``bench_checkpoint_scale.py`` with ``load_checkpoint_in_model`` and compared with Accelerate's output
+(which torch's own DCP reader produced). Needs ``accelerate``.
 
     python benchmarks/bench_merge.py [--params 300e6] [--repeats 2] [--workdir /tmp/fullshard-bench]
     python benchmarks/bench_merge.py --repeats 1 --dd --max-shard-size 1GB \
@@ -49,7 +50,7 @@ def _write_rank(rank: int, world: int, folder: str, num_weights: int) -> None:
 
 
 _CHILD = r"""
-import json, resource, sys, time, warnings
+import json, re, sys, time, warnings
 warnings.simplefilter("ignore")
 which, ckpt, out, shard = sys.argv[1:5]
 if which == "ours":
@@ -61,7 +62,9 @@ else:
 t0 = time.perf_counter()
 merge_fsdp_weights(ckpt, out, **kwargs)
 seconds = time.perf_counter() - t0
-print(json.dumps({"merge_s": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+with open("/proc/self/status") as f:  # VmHWM, not ru_maxrss: that one counts the parent (fullshard.testing.memory)
+    peak_kb = int(re.search(r"VmHWM:\s*(\d+) kB", f.read()).group(1))
+print(json.dumps({"merge_s": seconds, "peak_rss_mb": peak_kb / 1024}))
 """
 
 

@@ -7,7 +7,8 @@ Each (world, strategy) runs in fresh gloo processes with ``MALLOC_MMAP_THRESHOLD
 tensors go back to the OS and RSS follows what is live) unless ``--glibc-default``. The model is built on
 the meta device and materialised unit by unit (``param_init_fn``), so no rank ever holds the full model.
 Per rank it records the RSS before the model is built (the interpreter + torch + the process group), and the
-peak RSS (``ru_maxrss``) after ``--steps`` AdamW steps, and prints them beside ``estimate-memory``'s
+peak RSS (the kernel's ``VmHWM``, not ``ru_maxrss``, which a spawned rank inherits from its parent: see
+``fullshard.testing.memory``) after ``--steps`` AdamW steps, and prints them beside ``estimate-memory``'s
 prediction for the same configuration. ``--out`` appends the rows to a JSON list.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 from pathlib import Path
 
 import torch
@@ -26,15 +26,11 @@ from fullshard import FSDP, apply_activation_checkpointing
 from fullshard.engine.api import ShardingStrategy
 from fullshard.frontend.estimate import estimate_training
 from fullshard.testing import WorkerPool
+from fullshard.testing.memory import peak_rss_bytes, rss_bytes
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
 
 GIB = 2**30
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _init(module: nn.Module) -> None:
@@ -64,7 +60,7 @@ def _train(rank: int, world: int, cfg: GPTConfig, strategy: str, batch: int, ste
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": losses[-1]}
+    return {"base": base, "peak": peak_rss_bytes(), "loss": losses[-1]}
 
 
 def measure(cfg: GPTConfig, world: int, strategy: str, batch: int, steps: int, ac: bool) -> dict:

@@ -3,8 +3,8 @@
 The sampler reads this process's resident set size from ``/proc/self/statm`` every ``interval_s`` on a
 daemon thread, tagging each sample with the phase the training thread last announced (``set_phase``).
 Torch's big kernels and gloo's waits release the GIL, so the thread keeps sampling through them. The exact
-peak comes from the kernel instead (``VmHWM`` in ``/proc/self/status``, reset by writing ``5`` to
-``/proc/self/clear_refs``), so a spike shorter than the interval still counts.
+peak comes from the kernel instead (``VmHWM``, ``fullshard.testing.memory``), so a spike shorter than the
+interval still counts.
 
 RSS shows frees only if the allocator gives memory back: run with ``MALLOC_MMAP_THRESHOLD_=131072`` so
 that every tensor above 128 KiB is its own ``mmap`` and is unmapped when freed.
@@ -12,7 +12,6 @@ that every tensor above 128 KiB is its own ``mmap`` and is unmapped when freed.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -20,26 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def peak_rss_bytes() -> int:
-    """The kernel's high-water mark of this process's RSS since the last :func:`reset_peak`."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line; peak RSS needs Linux procfs")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+# One reading of RSS and its peak for every benchmark and test (see [Note: which peak] there).
+reset_peak = reset_peak_rss
+__all__ = ["RssSampler", "peak_rss_bytes", "reset_peak", "rss_bytes"]
 
 
 class RssSampler:

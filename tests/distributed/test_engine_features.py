@@ -7,7 +7,6 @@ import ctypes
 import functools
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from fullshard.comm_hooks import (
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_state
 from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run, sharded_run
 from fullshard.wrap import ModuleWrapPolicy
@@ -305,13 +305,6 @@ def test_ranks_running_different_orders_are_named(pool2: WorkerPool) -> None:
 # --- deferred initialisation --------------------------------------------------------------------------
 
 
-def _peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
 def _meta_init(rank: int, world: int, layers: int, width: int) -> dict[str, float]:
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=layers, n_head=4, n_embd=width)
     with torch.device("meta"):
@@ -326,10 +319,10 @@ def _meta_init(rank: int, world: int, layers: int, width: int) -> dict[str, floa
     # Serve every allocation above 64 KiB by mmap, so that freed tensors leave RSS at once (glibc would
     # otherwise raise this threshold as it sees large frees and keep them in its heap).
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS counter
-    before = _peak_rss_bytes()
+    reset_peak_rss()
+    before = peak_rss_bytes()
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=init)
-    grown = _peak_rss_bytes() - before
+    grown = peak_rss_bytes() - before
     local = sum(p.numel() * 4 for p in model.parameters())
     return {"grown": grown, "full": full_bytes, "local": local}
 

@@ -25,17 +25,14 @@ MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
-import json, re, sys
+import json, sys
 import torch
 from fullshard.checkpoint.merge import merge_fsdp_weights
-def status(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(field + r":\s*(\d+) kB", f.read()).group(1)) * 1024
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets the peak RSS (VmHWM) to the current RSS: imports no longer count
-before = status("VmRSS")
+from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+reset_peak_rss()  # imports no longer count
+before = rss_bytes()
 merge_fsdp_weights(sys.argv[1], sys.argv[2], max_shard_size="64MiB", show_progress=False)
-print(json.dumps({"before": before, "peak": status("VmHWM")}))
+print(json.dumps({"before": before, "peak": peak_rss_bytes()}))
 """
 
 
