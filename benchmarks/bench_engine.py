@@ -11,7 +11,11 @@ and the bytes each rank moved through collectives per step next to the theoretic
 sends counted as sent):
 FULL_SHARD 3 x model bytes x (N-1)/N (all-gather in forward and in backward, reduce-scatter),
 SHARD_GRAD_OP and NO_SHARD/DDP 2 x. Collectives are counted by a dispatch mode on the c10d ops, the same
-way for every system.
+way for every system. Each row also has the CPU time per step and rank (every thread), the part of it in the
+kernel (on loopback TCP mostly the collectives' bytes copied through sockets) and the minor page faults; under
+the table, each system's CPU floor: the CPU time of all ranks per step over the cores they share, which no
+overlap of communication with compute can go below, as a ratio to DDP's step. ``--pin_ranks`` runs rank r
+(and its gloo threads) on CPU r only.
 
 With ``--trace DIR`` it runs one fullshard system instead, profiles ``TRACE_STEPS`` steps on each rank after
 warm-up, writes ``DIR/trace_rank<r>.json`` (Chrome trace, open in chrome://tracing or Perfetto) and prints a
