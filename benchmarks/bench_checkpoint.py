@@ -9,6 +9,11 @@ the CRC-32 function per save (the work the checksums add) as a share of the plai
 after each save. Needs ~1.3 GB free under ``--workdir``. ``--crc zlib`` forces the standard library's CRC-32
 where ISA-L (the ``isal`` package) is installed.
 
+Then the loads: one ``save_sharded`` folder is loaded back ``--repeats`` times each with ``load_sharded``
+checking every item against its recorded CRC-32 (the default, [Note: checked reads] in
+``fullshard/checkpoint/reader.py``) and with the check switched off, alternating, each from a cold page cache
+(the files' pages are dropped first); reported like the saves.
+
     python benchmarks/bench_checkpoint.py [--params 300e6] [--repeats 5] [--crc auto|zlib] [--workdir DIR]
 """
 
@@ -88,8 +93,10 @@ def _rank(rank: int, world: int, store: str, workdir: str, num_weights: int, rep
             dist.barrier()
     spent = [None] * world
     dist.all_gather_object(spent, crc_seconds[0] / repeats)
+    load_times, load_spent = _loads(rank, world, state, Path(workdir) / "load", repeats, crc_seconds)
     if rank == 0:
         plain_s, crc_s = statistics.median(times["plain"]), statistics.median(times["crc32"])
+        checked, unchecked = statistics.median(load_times["checked"]), statistics.median(load_times["unchecked"])
         gb = num_weights * SIDE * SIDE * 4 / 1e9
         report = (
             f"{num_weights * SIDE * SIDE / 1e6:.0f}M fp32 parameters ({gb:.2f} GB), {world} ranks, {repeats} repeats\n"
@@ -97,11 +104,55 @@ def _rank(rank: int, world: int, store: str, workdir: str, num_weights: int, rep
             f"with CRC-32 ({crc}) as written: median {crc_s:.2f} s  (runs: {[round(t, 2) for t in times['crc32']]})\n"
             f"overhead: {100 * (crc_s / plain_s - 1):+.1f}% of wall time (noisy: disk and fsync dominate)\n"
             f"CRC-32 CPU time per save, slowest rank: {max(spent):.3f} s = {100 * max(spent) / plain_s:.1f}% "
-            "of the plain save's median"
+            "of the plain save's median\n"
+            f"load_sharded, cold cache, items unchecked: median {unchecked:.2f} s  "
+            f"(runs: {[round(t, 2) for t in load_times['unchecked']]})\n"
+            f"load_sharded, cold cache, every item checked: median {checked:.2f} s  "
+            f"(runs: {[round(t, 2) for t in load_times['checked']]})\n"
+            f"overhead: {100 * (checked / unchecked - 1):+.1f}% of wall time; CRC-32 CPU time per load, slowest "
+            f"rank: {max(load_spent):.3f} s = {100 * max(load_spent) / unchecked:.1f}% of the unchecked load's median"
         )
         Path(out).write_text(report)
         print(report)
     dist.destroy_process_group()
+
+
+def _drop_from_page_cache(folder: Path) -> None:
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _loads(
+    rank: int, world: int, state: dict, folder: Path, repeats: int, crc_seconds: list[float]
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Load one saved folder ``repeats`` times checked and unchecked, alternating; (wall times, CRC CPU per load)."""
+    from fullshard.checkpoint.dcp import load_sharded, save_sharded
+    from fullshard.checkpoint.reader import SafeFileSystemReader
+
+    save_sharded(state, folder)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    real_expected = SafeFileSystemReader._expected_crc
+    times: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    crc_seconds[0] = 0.0
+    for r in range(repeats):
+        for name in ("checked", "unchecked") if r % 2 == 0 else ("unchecked", "checked"):
+            SafeFileSystemReader._expected_crc = real_expected if name == "checked" else lambda *a: None
+            if rank == 0:
+                _drop_from_page_cache(folder)
+            dist.barrier()
+            t0 = time.perf_counter()
+            load_sharded(target, folder)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    SafeFileSystemReader._expected_crc = real_expected
+    spent = [None] * world
+    dist.all_gather_object(spent, crc_seconds[0] / repeats)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)
+    return times, spent
 
 
 def main() -> None:

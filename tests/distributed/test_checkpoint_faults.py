@@ -29,8 +29,10 @@ from fullshard.testing import RankFailure, WorkerPool
 from tests.distributed.test_accelerator import PER_RANK, dataset, model_and_optimizer, plugin
 
 
-def _train(steps: int, seed: int = 0) -> tuple[Accelerator, Any, Any, Any]:
-    accelerator = Accelerator(fsdp_plugin=plugin(2))
+def _train(steps: int, seed: int = 0, full: bool = False) -> tuple[Accelerator, Any, Any, Any]:
+    accelerator = Accelerator(
+        fsdp_plugin=plugin(2, state_dict_type="FULL_STATE_DICT" if full else "SHARDED_STATE_DICT")
+    )
     model, optimizer, scheduler = accelerator.prepare(*model_and_optimizer(seed))
     for i in range(steps):
         x, y = dataset()[i * PER_RANK : (i + 1) * PER_RANK]
@@ -66,18 +68,20 @@ def _install_kill(rank: int, kill: tuple[int, str, int] | None) -> None:
     SaveTransaction.record = record  # type: ignore[method-assign]
 
 
-def save_after(rank: int, world: int, folder: str, steps: int, kill: tuple[int, str, int] | None = None) -> Any:
-    accelerator, model, _, scheduler = _train(steps)
+def save_after(
+    rank: int, world: int, folder: str, steps: int, kill: tuple[int, str, int] | None = None, full: bool = False
+) -> Any:
+    accelerator, model, _, scheduler = _train(steps, full=full)
     _install_kill(rank, kill)
     accelerator.save_state(folder)
     return accelerator.get_state_dict(model), scheduler.state_dict()
 
 
-def load_each(rank: int, world: int, folders: list[str], verify: bool = False) -> list[Any]:
+def load_each(rank: int, world: int, folders: list[str], verify: bool = False, full: bool = False) -> list[Any]:
     """Load each folder into a fresh run (another seed); the full model state dict, or the error message."""
     out = []
     for folder in folders:
-        accelerator, model, _, scheduler = _train(0, seed=3)
+        accelerator, model, _, scheduler = _train(0, seed=3, full=full)
         try:
             accelerator.load_state(folder, verify=verify)
         except (RuntimeError, FileNotFoundError, ValueError) as exc:
@@ -219,6 +223,45 @@ def test_bit_rot_is_found_by_verify_load_and_merge(pool2: WorkerPool, tmp_path: 
     assert merged.exit_code == 2 and f"{bad} is corrupt" in merged.output and not (tmp_path / "o").exists()
     for (message,) in pool2.run(load_each, [str(folder)], True):
         assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is")
+
+
+@pytest.mark.parametrize("part", ["pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/__0_0.distcp"])
+def test_a_flipped_byte_is_refused_by_load_state_without_verify(
+    pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any], part: str
+) -> None:
+    # A file of the right size with one byte changed: before checked reads it loaded as wrong weights, silently.
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    bad = folder / part
+    _flip(bad, count=1)
+    for (message,) in pool2.run(load_each, [str(folder)]):  # every rank raises, whichever rank read the byte
+        assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: the bytes of "), message
+        assert "were saved with 0x" in message and message.endswith("load a good checkpoint before training on.")
+
+
+@pytest.mark.parametrize("part", ["scheduler.bin", "random_states_1.pkl"])
+def test_a_flipped_byte_in_a_small_file_is_refused_before_anything_loads(
+    pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any], part: str
+) -> None:
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    bad = folder / part
+    _flip(bad, count=1)
+    for (message,) in pool2.run(load_each, [str(folder)]):  # random_states_1.pkl is read by rank 1 only
+        assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is "), message
+
+
+def test_a_flipped_byte_in_a_full_state_dict_file_is_refused(pool2: WorkerPool, tmp_path: Path) -> None:
+    folder = tmp_path / "full"
+    pool2.run(save_after, str(folder), 1, None, True)
+    files = sorted(folder.glob("*.bin"))
+    assert {p.name for p in files} >= {"pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.bin"}, files
+    for bad in files:
+        good = bad.read_bytes()
+        _flip(bad, count=1)
+        for (message,) in pool2.run(load_each, [str(folder)], False, True):
+            assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is "), message
+        bad.write_bytes(good)
+    (loaded,) = pool2.run(load_each, [str(folder)], False, True)[0]
+    assert not isinstance(loaded, str), loaded
 
 
 def test_damage_is_named_without_verify(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:

@@ -40,7 +40,9 @@ def test_load_reads_every_tensor_directly_and_equals_what_was_saved(tmp_path: Pa
     save_sharded({"model": {k: v.clone() for k, v in saved.items()}}, tmp_path / "ck")
     calls = []
     real = direct_read.read_item_into
-    monkeypatch.setattr("fullshard.checkpoint.reader.read_item_into", lambda *a: calls.append(a[-1].shape) or real(*a))
+    monkeypatch.setattr(
+        "fullshard.checkpoint.reader.read_item_into", lambda *a, **k: calls.append(a[-1].shape) or real(*a, **k)
+    )
     target = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
     target["model"]["w"] = torch.zeros(5, 6).t()  # a non-contiguous target: read into a buffer, then copied
     load_sharded(target, tmp_path / "ck")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import io
 import os
 from collections.abc import Generator, Iterator
@@ -27,12 +28,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from fullshard.checkpoint.manifest import FileRecord
+from fullshard.checkpoint.manifest import FileRecord, ItemChecksum
 
 __all__ = [
     "CRC32_IMPLEMENTATION",
     "ChecksumStream",
+    "crc32",
+    "crc32_combine",
+    "item_checksums",
     "ChecksummingFileSystemWriter",
     "file_checksum",
     "save_with_checksum",
@@ -40,11 +47,13 @@ __all__ = [
 
 try:  # ISA-L's CRC-32 is the same function as zlib's (same values), about 4x faster where installed
     from isal.isal_zlib import crc32 as _crc32
+    from isal.isal_zlib import crc32_combine
 
     CRC32_IMPLEMENTATION = "isal"
 except ImportError:
     from zlib import crc32 as _crc32
 
+    crc32_combine = None  # Python's zlib lacks it: no per-item checksums are recorded (checked reads are off)
     CRC32_IMPLEMENTATION = "zlib"
 
 _READ_CHUNK = 16 << 20
@@ -103,14 +112,24 @@ class WriteBehind:
             raise OSError(errno, f"{os.strerror(errno)} writing {getattr(self._raw, 'name', fd)}")
 
 
-class ChecksumStream(io.RawIOBase):
-    """A write-only binary stream over ``raw`` that checksums and counts what passes through it."""
+def crc32(data: Any, value: int = 0) -> int:
+    """zlib's CRC-32 of ``data`` (any buffer), continuing from ``value``."""
+    return _crc32(memoryview(data).cast("B"), value)
 
-    def __init__(self, raw: Any, *, write_behind: bool = False) -> None:
+
+class ChecksumStream(io.RawIOBase):
+    """A write-only binary stream over ``raw`` that checksums and counts what passes through it.
+
+    With ``pieces``, it also keeps each ``write``'s ``(start, length, crc32)``, from which
+    :func:`item_checksums` derives the CRC-32 of any span that begins and ends between two writes.
+    """
+
+    def __init__(self, raw: Any, *, write_behind: bool = False, pieces: bool = False) -> None:
         super().__init__()
         self.raw = raw
         self.crc32 = 0
         self.size = 0
+        self.pieces: list[tuple[int, int, int]] | None = [] if pieces and crc32_combine is not None else None
         self._behind = WriteBehind(raw) if write_behind else None
 
     def writable(self) -> bool:
@@ -118,7 +137,12 @@ class ChecksumStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc32 = _crc32(view, self.crc32)
+        if self.pieces is not None and len(view):
+            piece = _crc32(view)
+            self.pieces.append((self.size, len(view), piece))
+            self.crc32 = crc32_combine(self.crc32, piece, len(view))
+        else:
+            self.crc32 = _crc32(view, self.crc32)
         written = self.raw.write(view)
         # A raw file may write less than asked; buffered ones (what open() returns here) never do.
         if written is not None and written != len(view):
@@ -148,11 +172,27 @@ class ChecksumStream(io.RawIOBase):
         return FileRecord(self.size, self.crc32)
 
 
+def item_checksums(pieces: list[tuple[int, int, int]], spans: list[tuple[int, int]]) -> tuple[ItemChecksum, ...]:
+    """``(offset, length, crc32)`` of each span ``(offset, length)`` of a file written in ``pieces`` (see
+    :class:`ChecksumStream`); spans that do not start and end at a piece boundary are left out."""
+    starts = {start: i for i, (start, _, _) in enumerate(pieces)}
+    out = []
+    for offset, length in sorted(set(spans)):
+        i, crc, covered = starts.get(offset), 0, 0
+        while i is not None and i < len(pieces) and covered < length:
+            _, size, piece = pieces[i]
+            crc, covered, i = crc32_combine(crc, piece, size), covered + size, i + 1
+        if i is not None and covered == length:
+            out.append((offset, length, crc))
+    return tuple(out)
+
+
 class _ChecksumFileSystem(FileSystem):
     """DCP's local file system, except that files opened for writing are :class:`ChecksumStream`s."""
 
     def __init__(self) -> None:
         self.records: dict[str, FileRecord] = {}
+        self.pieces: dict[str, list[tuple[int, int, int]]] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -161,9 +201,11 @@ class _ChecksumFileSystem(FileSystem):
                 yield stream
             return
         with open(path, mode) as raw:
-            stream = ChecksumStream(raw, write_behind=True)
+            stream = ChecksumStream(raw, write_behind=True, pieces=True)
             yield stream  # DCP may close it (after fsync) before the block ends
             self.records[Path(path).name] = stream.record
+            if stream.pieces is not None:
+                self.pieces[Path(path).name] = stream.pieces
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
@@ -173,7 +215,8 @@ class _ChecksumFileSystem(FileSystem):
 
 
 class ChecksummingFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` that records every file it writes (name -> size and CRC-32) in :attr:`records`.
+    """``FileSystemWriter`` that records every file it writes (name -> size, CRC-32 and, for data files, each
+    stored item's CRC-32) in :attr:`records`.
 
     On each rank, :attr:`records` holds that rank's data files (and ``.metadata`` on the coordinator).
     """
@@ -181,10 +224,26 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs = _ChecksumFileSystem()
+        self._spans: dict[str, list[tuple[int, int]]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        def note_spans(done: Future[list[WriteResult]]) -> list[WriteResult]:
+            results = done.value()
+            for result in results:
+                info = result.storage_data
+                self._spans.setdefault(Path(info.relative_path).name, []).append((info.offset, info.length))
+            return results
+
+        return super().write_data(plan, planner).then(note_spans)
 
     @property
     def records(self) -> dict[str, FileRecord]:
-        return dict(self.fs.records)
+        records = dict(self.fs.records)
+        for name, spans in self._spans.items():
+            pieces = self.fs.pieces.get(name)
+            if name in records and pieces is not None:
+                records[name] = dataclasses.replace(records[name], items=item_checksums(pieces, spans))
+        return records
 
 
 def save_with_checksum(obj: Any, path: str | os.PathLike[str]) -> FileRecord:

@@ -46,6 +46,7 @@ from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_data_files,
+    damaged_item,
     quiet_single_process_warning,
     read_metadata,
     resolve_checkpoint_dir,
@@ -297,6 +298,12 @@ def _checked_metadata(
     return root, metadata
 
 
+_PARTLY_LOADED = (
+    " The state's tensors read before the damaged one already hold the checkpoint's values: load a good "
+    "checkpoint before training on."
+)
+
+
 def load_sharded(
     state: dict[str, Any],
     checkpoint_dir: str | os.PathLike[str],
@@ -313,13 +320,19 @@ def load_sharded(
     subset of a checkpoint.
     """
     root, metadata = _checked_metadata(state, checkpoint_dir, process_group, strict)
-    with quiet_single_process_warning():
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(root, metadata),
-            planner=SafeLoadPlanner(),
-            process_group=process_group,
-        )
+    try:
+        with quiet_single_process_warning():
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(root, metadata),
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+            )
+    except dcp.CheckpointException as exc:  # a damaged item (see [Note: checked reads]): one line on every rank
+        damaged = damaged_item(exc, note=_PARTLY_LOADED)
+        if damaged is None:
+            raise
+        raise damaged from None
 
 
 def _flat(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import contextlib
 import io
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -110,9 +111,13 @@ def read_item_into(
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     target: torch.Tensor,
+    *,
+    seen: Callable[[memoryview], None] | None = None,
 ) -> bool:
     """Read rows ``offsets[0] : offsets[0] + lengths[0]`` of the stored tensor into ``target``; ``False`` if the
-    request is not one contiguous byte range (see [Note: direct tensor reads]) and nothing was read."""
+    request is not one contiguous byte range (see [Note: direct tensor reads]) and nothing was read.
+
+    ``seen`` is given the bytes as read from the file (before any dtype conversion), e.g. to checksum them."""
     shape = stored.shape
     if not stored.contiguous or len(shape) != len(lengths) or tuple(target.shape) != tuple(lengths):
         return False
@@ -126,7 +131,10 @@ def read_item_into(
         return True
     direct = target.is_contiguous() and target.dtype == stored.dtype and target.device.type == "cpu"
     buffer = target if direct else torch.empty(lengths, dtype=stored.dtype)
-    read_exactly(file, start, _byte_view(buffer))
+    view = _byte_view(buffer)
+    read_exactly(file, start, view)
+    if seen is not None:
+        seen(view)
     if not direct:
         target.copy_(buffer)
     return True

@@ -11,7 +11,10 @@ before the folder is renamed into place (see [Note: whole-checkpoint commit] in 
 size in bytes and its CRC-32 (``zlib.crc32``, computed while the bytes were written: ``checksum.py``).
 Sharded (DCP) subfolders also hold their own marker (:data:`FOLDER_MARKER`, same ``files`` schema relative
 to the subfolder, plus the ``save_id``) so that one subfolder can be verified or merged alone, and so that a
-subfolder copied in from another save is recognised by its ``save_id``.
+subfolder copied in from another save is recognised by its ``save_id``. In a marker, each DCP data file's
+record also lists its items, ``"items": [[offset, length, crc32], ...]``: the CRC-32 of each stored item's
+bytes, which every load checks as it reads them (``reader.py``, [Note: checked reads]). The top-level
+manifest leaves the items out.
 
 Folders without a manifest are either partial saves (refused) or checkpoints written by Accelerate or an
 older fullshard, which are complete by the legacy rule of :func:`is_complete_checkpoint`.
@@ -24,11 +27,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "FOLDER_MARKER",
     "FileRecord",
+    "ItemChecksum",
     "Manifest",
     "is_complete_checkpoint",
     "read_folder_marker",
@@ -44,15 +49,36 @@ STAGING_SUFFIX = ".incomplete"
 _RNG_FILE_RE = re.compile(r"^random_states_\d+\.pkl$")
 
 
+ItemChecksum = tuple[int, int, int]
+"""One stored item of a DCP data file: ``(offset, length, crc32)`` of its bytes in the file."""
+
+
 @dataclass(frozen=True)
 class FileRecord:
-    """One file as it was written: its size in bytes and its CRC-32 (``None`` when none was recorded)."""
+    """One file as it was written: its size in bytes, its CRC-32 (``None`` when none was recorded) and, for a
+    DCP data file, the CRC-32 of each stored item (empty when none were recorded)."""
 
     size: int
     crc32: int | None = None
+    items: tuple[ItemChecksum, ...] = ()
 
-    def to_json(self) -> dict[str, int]:
-        return {"size": self.size} if self.crc32 is None else {"size": self.size, "crc32": self.crc32}
+    def to_json(self, *, items: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size}
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+        if items and self.items:
+            out["items"] = [list(item) for item in self.items]
+        return out
+
+
+def _parse_items(raw: object) -> tuple[ItemChecksum, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(
+        isinstance(item, list) and len(item) == 3 and all(type(v) is int and v >= 0 for v in item) for item in raw
+    ):
+        raise ValueError("'items' is not a list of [offset, length, crc32]")
+    return tuple((item[0], item[1], item[2]) for item in raw)
 
 
 @dataclass(frozen=True)
@@ -84,7 +110,9 @@ def _parse_files(raw: object, path: Path) -> dict[str, FileRecord]:
             files[name] = FileRecord(record)
         elif isinstance(record, dict) and isinstance(record.get("size"), int):
             crc = record.get("crc32")
-            files[name] = FileRecord(record["size"], crc if isinstance(crc, int) else None)
+            files[name] = FileRecord(
+                record["size"], crc if isinstance(crc, int) else None, _parse_items(record.get("items"))
+            )
         else:
             raise ValueError(f"the entry of {name!r} is not a file record")
         if Path(name).is_absolute() or ".." in Path(name).parts:

@@ -46,6 +46,7 @@ from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_data_files,
+    damaged_item,
     quiet_single_process_warning,
     read_metadata,
     resolve_checkpoint_dir,
@@ -94,17 +95,22 @@ class _ShardedSource:
         self._files: dict[str, list[str]] = {}
         for index, info in (metadata.storage_data or {}).items():
             self._files.setdefault(index.fqn, []).append(info.relative_path)
+        # One reader for every value: it parses the folder's marker (the items' checksums) once, not per tensor.
+        self._reader = SafeFileSystemReader(root, metadata)
 
     def _load(self, state: dict[str, Any]) -> None:
         try:
             with quiet_single_process_warning():
                 dcp.load(
                     state,
-                    storage_reader=SafeFileSystemReader(self.root, self.metadata),
+                    storage_reader=self._reader,
                     planner=SafeLoadPlanner(),
                     no_dist=True,
                 )
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+            damaged = damaged_item(exc)
+            if damaged is not None:  # a checked read names the file and the entry itself
+                raise damaged from None
             raise RuntimeError(
                 f"merge_fsdp_weights: reading {sorted(state)[:3]} from {self._culprits(list(state))} failed; the "
                 f"file is corrupt or was not written completely ({_first_line(exc)}). Re-save the checkpoint."

@@ -157,9 +157,9 @@ class SaveTransaction:
         listed = dict(files)
         for folder, members in sorted(by_folder.items()):
             marker = self.staging / folder / FOLDER_MARKER
-            write_json_durably(marker, self._payload(members))
+            write_json_durably(marker, self._payload(members, items=True))
             listed[f"{folder}/{FOLDER_MARKER}"] = file_checksum(marker)
-        write_json_durably(self.staging / CHECKPOINT_MANIFEST, self._payload(listed))
+        write_json_durably(self.staging / CHECKPOINT_MANIFEST, self._payload(listed, items=False))
         (self.staging / STAGING_TAG).unlink()
         fsync_dir(self.staging)
         previous = previous_folder(self.target)
@@ -170,13 +170,14 @@ class SaveTransaction:
             shutil.rmtree(previous)
         fsync_dir(self.target.parent)
 
-    def _payload(self, files: dict[str, FileRecord]) -> dict[str, Any]:
+    def _payload(self, files: dict[str, FileRecord], *, items: bool) -> dict[str, Any]:
+        """A marker (``items``: with each data file's item checksums) or the manifest (without)."""
         return {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "save_id": self.save_id,
             "world_size": self.world,
-            "files": {name: record.to_json() for name, record in sorted(files.items())},
+            "files": {name: record.to_json(items=items) for name, record in sorted(files.items())},
         }
 
     # --- failure ------------------------------------------------------------------------------------

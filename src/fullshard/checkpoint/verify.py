@@ -140,6 +140,20 @@ def check_parts(folder: str | os.PathLike[str]) -> Manifest | None:
     return manifest
 
 
+def check_file(path: Path, manifest: Manifest | None) -> None:
+    """Read ``path`` whole and raise :class:`CheckpointDamagedError` if its CRC-32 is not the one ``manifest``
+    records for it (nothing to check without a manifest, or for a file it lists without a checksum)."""
+    record = manifest.files.get(path.relative_to(manifest.path.parent).as_posix()) if manifest is not None else None
+    if record is None or record.crc32 is None:
+        return
+    actual = file_checksum(path)
+    if actual.crc32 != record.crc32:
+        raise CheckpointDamagedError(
+            f"{path} is corrupt: its CRC-32 is {actual.crc32:08x}, but it was written with "
+            f"{record.crc32:08x} ({manifest.path.name}). Load another checkpoint, or re-save."
+        )
+
+
 def _check_ranks(root: Path, manifest: Manifest, single: bool) -> None:
     world = manifest.world_size
     expected = [] if single else [f"random_states_{r}.pkl" for r in range(world)]
@@ -208,12 +222,7 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
         for i, (name, record) in enumerate(sorted(manifest.files.items())):
             if i % world != rank or record.crc32 is None:
                 continue
-            actual = file_checksum(root / name)
-            if actual.crc32 != record.crc32:
-                raise CheckpointDamagedError(
-                    f"{root / name} is corrupt: its CRC-32 is {actual.crc32:08x}, but it was written with "
-                    f"{record.crc32:08x} ({manifest.path.name}). Load another checkpoint, or re-save."
-                )
+            check_file(root / name, manifest)
     for sub in [root] if single else _dcp_folders(root):
         _check_dcp(sub)
     files = manifest.files if manifest is not None else {}

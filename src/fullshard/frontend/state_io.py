@@ -59,7 +59,7 @@ from fullshard.checkpoint.names import (
 from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
 from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
-from fullshard.checkpoint.verify import CheckpointDamagedError, check_parts, verify_checkpoint
+from fullshard.checkpoint.verify import CheckpointDamagedError, check_file, check_parts, verify_checkpoint
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -232,14 +232,30 @@ def _expect(path: Path, where: str) -> Path:
     return path
 
 
-def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
+def _parts(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
+    """The model and optimizer parts: files on rank 0 with FULL_STATE_DICT, sharded folders otherwise."""
     files = [folder / (_full_model_file(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
-    files += [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
-              for i in range(len(objects.optimizers))]  # fmt: skip
-    files += [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
+    return files + [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
+                    for i in range(len(objects.optimizers))]  # fmt: skip
+
+
+def _small_files(folder: Path, objects: TrainingObjects) -> list[Path]:
+    """The files every rank reads (not the per-rank RNG states)."""
+    files = [folder / scheduler_file_name(i) for i in range(len(objects.schedulers))]
     files += [folder / sampler_file_name(i) for i in range(len(objects.dataloaders))]
     files += [folder / custom_checkpoint_file_name(i) for i in range(len(objects.custom))]
     return [*files, *([folder / SCALER_NAME] if objects.scaler is not None else [])]
+
+
+def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
+    return _parts(folder, objects, full) + _small_files(folder, objects)
+
+
+def _files_read_whole(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
+    """The plain files ``load_state`` reads whole on ``rank`` (the full model and optimizer files on rank 0)."""
+    parts = _parts(folder, objects, full) if full and rank == 0 else []
+    rng = folder / rng_state_file_name(rank)
+    return parts + _small_files(folder, objects) + ([rng] if rng.is_file() else [])
 
 
 def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> None:
@@ -247,11 +263,14 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     rank, world = dist.get_rank(), dist.get_world_size()
     problem: str | None = None
     try:
-        check_parts(folder)
+        manifest = check_parts(folder)
         for path in _files_to_read(folder, objects, full):
             _expect(path, where)
         if verify:
             verify_checkpoint(folder, share=(rank, world))
+        else:  # the files this rank reads whole; sharded folders are checked item by item as they load
+            for path in _files_read_whole(folder, objects, full, rank):
+                check_file(path, manifest)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         problem = str(exc)
     rng_file = folder / rng_state_file_name(rank)
