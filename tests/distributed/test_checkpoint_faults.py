@@ -249,6 +249,41 @@ def test_a_flipped_byte_in_a_small_file_is_refused_before_anything_loads(
         assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is "), message
 
 
+def load_rows(rank: int, world: int, folder: str) -> tuple[str, torch.Tensor | None]:
+    """Load ``folder``'s one-chunk ``w`` as a ``Shard(0)`` DTensor: each rank reads only its rows of the item."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fullshard.checkpoint import load_sharded
+    from fullshard.checkpoint.verify import CheckpointDamagedError
+
+    state = {"w": distribute_tensor(torch.zeros(8, 64), init_device_mesh("cpu", (world,)), [Shard(0)])}
+    try:
+        load_sharded(state, folder)
+    except CheckpointDamagedError as exc:
+        return str(exc), None
+    return "loaded", state["w"].to_local()
+
+
+@pytest.mark.parametrize("row", [1, 6])  # in rank 0's rows, in rank 1's
+def test_a_flipped_byte_is_refused_by_a_resharded_load_that_reads_part_of_an_item(
+    pool2: WorkerPool, tmp_path: Path, row: int
+) -> None:
+    from fullshard.checkpoint import save_sharded
+
+    weight = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+    folder = save_sharded({"w": weight}, tmp_path / "one_rank")  # one chunk of 8 rows; 2 ranks read 4 each
+    for rank, (message, rows) in enumerate(pool2.run(load_rows, str(folder))):
+        assert message == "loaded" and torch.equal(rows, weight[4 * rank : 4 * rank + 4])
+    path = folder / "__0_0.distcp"
+    data = bytearray(path.read_bytes())
+    where = bytes(data).find(weight[row].numpy().tobytes()) + 4 * 17
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    for message, rows in pool2.run(load_rows, str(folder)):  # the rank that never read the row refuses too
+        assert rows is None and message.startswith(f"{path} is corrupt: the bytes of 'w' "), message
+
+
 def test_a_flipped_byte_in_a_full_state_dict_file_is_refused(pool2: WorkerPool, tmp_path: Path) -> None:
     folder = tmp_path / "full"
     pool2.run(save_after, str(folder), 1, None, True)

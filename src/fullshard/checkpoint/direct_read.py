@@ -112,12 +112,13 @@ def read_item_into(
     lengths: tuple[int, ...],
     target: torch.Tensor,
     *,
-    seen: Callable[[memoryview], None] | None = None,
+    seen: Callable[[int, memoryview], None] | None = None,
 ) -> bool:
     """Read rows ``offsets[0] : offsets[0] + lengths[0]`` of the stored tensor into ``target``; ``False`` if the
     request is not one contiguous byte range (see [Note: direct tensor reads]) and nothing was read.
 
-    ``seen`` is given the bytes as read from the file (before any dtype conversion), e.g. to checksum them."""
+    ``seen`` is given where in the file the bytes read start and the bytes as read (before any dtype
+    conversion), e.g. to checksum them; it is not called when nothing is read (an empty request)."""
     shape = stored.shape
     if not stored.contiguous or len(shape) != len(lengths) or tuple(target.shape) != tuple(lengths):
         return False
@@ -134,7 +135,7 @@ def read_item_into(
     view = _byte_view(buffer)
     read_exactly(file, start, view)
     if seen is not None:
-        seen(view)
+        seen(start, view)
     if not direct:
         target.copy_(buffer)
     return True

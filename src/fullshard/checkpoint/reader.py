@@ -16,22 +16,22 @@ Here ``.metadata`` goes through :class:`_MetadataUnpickler`, which only builds D
 [Note: checked reads]
 A flipped bit inside a data file of the right size would otherwise load as a wrong weight, silently. The
 completion marker of a folder saved by fullshard records the CRC-32 of every stored item (``manifest.py``),
-and :class:`SafeFileSystemReader` checks each item it reads whole against it, as it reads: the bytes read
-straight into a tensor are checksummed from memory (ISA-L: about 9 GB/s per core), the few bytes of the
-item's ``torch.save`` framing around them are read again, and other items are read whole and checked before
-torch parses them. A mismatch raises :class:`CheckpointDamagedError` naming the file, the entry and both
-CRCs; DCP raises it on every rank. Tensors read before the damaged item already hold their new values, so the
-message says to load a good checkpoint before training on. Not checked: items a resharded load reads only
-part of (saved with 2 ranks, loaded with 3: rows of an item), and folders whose marker lists no items (saved
-by Accelerate, by torch, or by fullshard before 2026-11-24, or without the ``isal`` package); ``verify``
-(``fullshard verify``, ``load_state(verify=True)``) checks whole files, every byte, in every case.
+and :class:`SafeFileSystemReader` checks each item it reads against it, as it reads: the bytes read straight
+into a tensor are checksummed from memory (ISA-L: about 9 GB/s per core), the rest of the item is read again
+and the CRCs combined (its ``torch.save`` framing, a few hundred bytes; for a resharded load that takes only
+some rows of the item, its other rows too: the price of never loading an unchecked byte), and other items are
+read whole and checked before torch parses them. A mismatch raises :class:`CheckpointDamagedError` naming the
+file, the entry and both CRCs; DCP raises it on every rank. Tensors read before the damaged item already hold
+their new values, so the message says to load a good checkpoint before training on. Not checked: folders
+whose marker lists no items (saved by Accelerate, by torch, or by fullshard before 2026-11-24, or without the
+``isal`` package); ``verify`` (``fullshard verify``, ``load_state(verify=True)``) checks whole files, every
+byte, in every case.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
 import pickle
 import warnings
@@ -50,7 +50,6 @@ from torch.futures import Future
 from fullshard.checkpoint.checksum import crc32, crc32_combine
 from fullshard.checkpoint.direct_read import (
     ItemView,
-    StoredTensor,
     advise_sequential,
     locate,
     read_exactly,
@@ -198,34 +197,26 @@ class SafeFileSystemReader(FileSystemReader):
         if stored is None:
             return False
         target = planner.resolve_tensor(request).detach()
-        offsets, lengths = tuple(request.storage_offsets), tuple(request.lengths)
-        whole = not any(offsets) and lengths == self._chunk_sizes(request)
-        expected = self._expected_crc(info.relative_path, info.offset, info.length) if whole else None
-        data_crc = [0]  # of the tensor's bytes, as read (none for an empty tensor)
+        expected = self._expected_crc(info.relative_path, info.offset, info.length)
+        span = [info.offset + stored.offset, 0, 0]  # the bytes read: where they start in the file, how many, CRC
 
-        def seen(view: memoryview) -> None:
-            data_crc[0] = crc32(view)
+        def seen(position: int, view: memoryview) -> None:
+            span[:] = [position, len(view), crc32(view)]
 
         if not read_item_into(
-            file, info.offset, stored, offsets, lengths, target, seen=seen if expected is not None else None
+            file,
+            info.offset,
+            stored,
+            tuple(request.storage_offsets),
+            tuple(request.lengths),
+            target,
+            seen=seen if expected is not None else None,
         ):
             return False
         if expected is not None:
-            actual = _framed_crc(file, info.offset, info.length, stored, data_crc[0])
-            self._check(request, expected, actual)
+            self._check(request, expected, _item_crc(file, info.offset, info.length, *span))
         planner.commit_tensor(request, target)
         return True
-
-    def _chunk_sizes(self, request: ReadItem) -> tuple[int, ...] | None:
-        """The stored chunk's shape as the metadata has it (not as the item's own, checksummed, framing says)."""
-        index = request.storage_index
-        entry = self.read_metadata().state_dict_metadata.get(index.fqn)
-        chunks = getattr(entry, "chunks", None)
-        if not chunks:
-            return None
-        if index.index is not None and index.index < len(chunks) and chunks[index.index].offsets == index.offset:
-            return tuple(chunks[index.index].sizes)
-        return next((tuple(c.sizes) for c in chunks if c.offsets == index.offset), None)
 
     def _check_whole_item(self, file: io.RawIOBase, request: ReadItem) -> None:
         """Read a stored item whole and check it, before torch's reader parses it."""
@@ -256,15 +247,29 @@ def damaged_item(exc: BaseException, *, note: str = "") -> CheckpointDamagedErro
     return None if cause is None else CheckpointDamagedError(f"{cause}{note}")
 
 
-def _framed_crc(file: io.RawIOBase, offset: int, length: int, stored: StoredTensor, data_crc: int) -> int:
-    """The CRC-32 of a whole item whose tensor bytes were checksummed as they were read (``data_crc``): the
-    item's ``torch.save`` framing before and after them is read again (a few hundred bytes) and the CRCs combined."""
-    start = offset + stored.offset
-    size = math.prod(stored.shape) * stored.dtype.itemsize
-    head, tail = bytearray(stored.offset), bytearray(offset + length - start - size)
-    read_exactly(file, offset, memoryview(head))
-    read_exactly(file, start + size, memoryview(tail))
-    return crc32_combine(crc32_combine(crc32(head), data_crc, size), crc32(tail), len(tail))
+def _item_crc(file: io.RawIOBase, offset: int, length: int, start: int, size: int, read_crc: int) -> int:
+    """The CRC-32 of the item at ``offset`` (``length`` bytes) of which bytes ``start : start + size`` were
+    checksummed as they were read (``read_crc``): the rest of the item is read again and the CRCs combined.
+
+    For a whole tensor the rest is its ``torch.save`` framing (a few hundred bytes); for a resharded load that
+    takes only some rows of a stored chunk it is the other rows as well, read in bounded pieces."""
+    before = _crc_of(file, offset, start - offset)
+    end = start + size
+    after = _crc_of(file, end, offset + length - end)
+    return crc32_combine(crc32_combine(before, read_crc, size), after, offset + length - end)
+
+
+_PIECE = 8 << 20  # bytes read at a time when checksumming the parts of an item not read into a tensor
+
+
+def _crc_of(file: io.RawIOBase, start: int, size: int) -> int:
+    value = 0
+    piece = bytearray(min(size, _PIECE))
+    for position in range(start, start + size, _PIECE):
+        view = memoryview(piece)[: min(_PIECE, start + size - position)]
+        read_exactly(file, position, view)
+        value = crc32(view, value)
+    return value
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
