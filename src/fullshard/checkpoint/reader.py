@@ -125,9 +125,10 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
         raise FileNotFoundError(f"{path} does not exist: the checkpoint is incomplete or not a DCP folder.") from None
     marker = read_folder_marker(checkpoint_dir)
     saved = marker.files.get(DCP_METADATA_FILE) if marker is not None else None
-    if saved is not None and saved.crc32 is not None and crc32(data) != saved.crc32:
+    actual = crc32(data) if saved is not None and saved.crc32 is not None else None
+    if actual is not None and actual != saved.crc32:
         raise CheckpointDamagedError(
-            f"{path} is corrupt: its CRC-32 is {crc32(data):#010x}, but it was saved with {saved.crc32:#010x}. "
+            f"{path} is corrupt: its CRC-32 is {actual:#010x}, but it was saved with {saved.crc32:#010x}. "
             "Load another checkpoint."
         )
     try:
@@ -142,7 +143,7 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` that reads ``.metadata`` once, through the restricted unpickler, and caches it, reads
     tensor items straight into their targets where it can (see [Note: direct tensor reads]), and checks every
-    item it reads whole against the CRC-32 recorded when it was saved (see [Note: checked reads])."""
+    item it reads, whole or in part, against the CRC-32 recorded when it was saved (see [Note: checked reads])."""
 
     def __init__(self, path: str | os.PathLike[str], metadata: Metadata | None = None) -> None:
         super().__init__(path)
@@ -156,11 +157,9 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _expected_crc(self, relative_path: str, offset: int, length: int) -> int | None:
         if self._checksums is None:
-            marker = read_folder_marker(self.path)
-            records = marker.files.items() if marker is not None else ()
+            marker = read_folder_marker(self.path) if crc32_combine is not None else None  # ISA-L combines CRCs
+            records = marker.files.items() if marker is not None else ()  # none: checked reads are off
             self._checksums = {(name, o, n): crc for name, record in records for o, n, crc in record.items}
-            if crc32_combine is None:  # without ISA-L the framing cannot be combined: checked reads are off
-                self._checksums = {}
         return self._checksums.get((relative_path, offset, length))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -223,9 +222,7 @@ class SafeFileSystemReader(FileSystemReader):
         info = self.storage_data[request.storage_index]
         expected = self._expected_crc(info.relative_path, info.offset, info.length)
         if expected is not None:
-            item = bytearray(info.length)
-            read_exactly(file, info.offset, memoryview(item))
-            self._check(request, expected, crc32(item))
+            self._check(request, expected, _crc_of(file, info.offset, info.length))
 
     def _check(self, request: ReadItem, expected: int, actual: int) -> None:
         if actual == expected:
