@@ -13,6 +13,9 @@ Rules (torch's, for both entry points):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,15 +121,32 @@ def group_precision(casts: Casts, dtype: torch.dtype) -> GroupPrecision:
 
 
 def cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
-    """``obj`` with every floating-point tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    """``obj`` with every floating-point tensor inside cast to ``dtype``, every container keeping its type.
+
+    Containers: lists and tuples (named tuples too), mappings (``dict`` subclasses such as ``OrderedDict``,
+    ``defaultdict`` or Hugging Face's ``ModelOutput`` keep their class, attributes and key order) and dataclass
+    instances (rebuilt with :func:`dataclasses.replace`, so their ``__post_init__`` sees the cast fields).
+    Anything else is returned as it is. A model's output reaches the user through this function, so
+    ``outputs.loss`` must survive it whatever the precision setting.
+    """
     if dtype is None:
         return obj
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: cast_floating(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(cast_floating(x, dtype) for x in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(cast_floating(x, dtype) for x in obj)
-    if isinstance(obj, dict):
-        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, MutableMapping):
+        # A shallow copy keeps the subclass, its attributes and (for defaultdict) its factory; items are then
+        # replaced through __setitem__, which attribute-access mappings use to keep attributes in step.
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = cast_floating(value, dtype)
+        return out
+    if isinstance(obj, Mapping):
+        return type(obj)({k: cast_floating(v, dtype) for k, v in obj.items()})
     return obj
