@@ -119,11 +119,22 @@ def train(args: argparse.Namespace) -> list[float]:
         accelerator.print(f"resumed from {latest} at step {progress.step}")
     elif args.resume:
         accelerator.print(f"no complete checkpoint under {args.output}: starting fresh")
-    losses = run_steps(args, accelerator, model, optimizer, loader, scheduler, progress)
+    if progress.step >= args.steps:  # a finished run resumed (e.g. a restart after the last save)
+        accelerator.print(
+            f"nothing left to train: {latest} is at step {progress.step} and --steps is {args.steps} "
+            "(pass a larger --steps to train on)"
+        )
+        losses: list[float] = []
+    else:
+        losses = run_steps(args, accelerator, model, optimizer, loader, scheduler, progress)
     accelerator.save_model(model, args.output)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and losses:
         (args.output / "losses.json").write_text(json.dumps(losses))
-        accelerator.print(f"final loss {losses[-1]:.4f}; weights in {args.output / 'model.safetensors'}")
+        accelerator.print(f"final loss {losses[-1]:.4f}")
+    accelerator.print(
+        f"checkpoints: {args.output / 'checkpoints'}\nmetrics log: {args.output / 'logs' / 'metrics.jsonl'}\n"
+        f"merged weights: {args.output / 'model.safetensors'}"
+    )
     accelerator.end_training()
     return losses
 

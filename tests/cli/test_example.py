@@ -80,3 +80,8 @@ def test_example_resume_reproduces_the_losses(straight_run: tuple[Path, str], tm
     second = json.loads((tmp_path / "losses.json").read_text())
     assert "resumed from" in result.stdout and "checkpoint_0 at step 2" in result.stdout
     assert first + second == straight
+    # A finished run resumed again has nothing left to train: it says so, exits 0 and keeps its results.
+    result = launch(tmp_path, 4, "--resume")
+    assert "nothing left to train" in result.stdout and "at step 4" in result.stdout
+    assert json.loads((tmp_path / "losses.json").read_text()) == second
+    assert f"merged weights: {tmp_path / 'model.safetensors'}" in result.stdout
