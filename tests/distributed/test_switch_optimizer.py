@@ -5,7 +5,9 @@ swaps the optimizer's parameters for placeholders that carry that address as a `
 and switches with a mapping ``{data_ptr: sharded parameter}``. Checked: ours leaves the optimizer exactly as
 Accelerate's own function does (same sharded parameter objects, same param groups and options), with
 Accelerate's placeholders, with the original (now retired) parameters still in the optimizer, and with a
-mapping keyed by the parameters; the switched optimizer then trains like the single-process reference.
+mapping keyed by the parameters, by their bound ``data_ptr`` methods (Accelerate looks keys up as
+``mapping[p.data_ptr]``) or by a mix of those kinds; the switched optimizer then trains like the
+single-process reference.
 """
 
 from __future__ import annotations
@@ -56,8 +58,14 @@ def switch_like_accelerate(rank: int, world: int, keyed_by: str) -> dict[str, ob
     fsdp2_switch_optimizer_parameters(ours_placeholders, by_address)
     if keyed_by == "address":
         fsdp2_switch_optimizer_parameters(ours_originals, by_address)
-    else:
+    elif keyed_by == "parameter":
         fsdp2_switch_optimizer_parameters(ours_originals, {originals[n]: sharded[n] for n in sharded})
+    elif keyed_by == "data_ptr method":  # what Accelerate's own lookup, mapping[p.data_ptr], finds for a parameter
+        fsdp2_switch_optimizer_parameters(ours_originals, {originals[n].data_ptr: sharded[n] for n in sharded})
+    else:  # mixed: every third by address, every third by parameter, the rest by the bound data_ptr method
+        kinds = (lambda n: addresses[n], lambda n: originals[n], lambda n: originals[n].data_ptr)
+        mixed = {kinds[i % 3](n): sharded[n] for i, n in enumerate(sharded)}
+        fsdp2_switch_optimizer_parameters(ours_originals, mixed)
 
     def layout(opt: torch.optim.Optimizer) -> list[tuple[list[int], float]]:
         return [([id(p) for p in g["params"]], g["weight_decay"]) for g in opt.param_groups]
@@ -88,7 +96,7 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("keyed_by", ["address", "parameter"])
+@pytest.mark.parametrize("keyed_by", ["address", "parameter", "data_ptr method", "mixed"])
 def test_switch_matches_accelerate_and_trains(pool2: WorkerPool, keyed_by: str) -> None:
     want = reference()
     for got in pool2.run(switch_like_accelerate, keyed_by):
@@ -107,5 +115,6 @@ def switch_with_a_stranger(rank: int, world: int) -> None:
 
 
 def test_a_parameter_missing_from_the_mapping_is_named(pool2: WorkerPool) -> None:
-    with pytest.raises(RankFailure, match=r"parameter 28 of param group 0 \(a Parameter of dtype torch.float32\)"):
+    named = r"parameter 28 of param group 0 \(a Parameter of dtype torch.float32\) has no sharded"
+    with pytest.raises(RankFailure, match=named):
         pool2.run(switch_with_a_stranger)

@@ -204,37 +204,56 @@ def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, devi
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:
     """Replace every parameter of ``optimizer`` by its entry in ``mapping``, in place, keeping the param groups.
 
-    ``mapping`` is keyed either by the original parameter objects, or (as Accelerate builds it) by the
-    original parameters' ``data_ptr()`` taken before sharding. In the second form an optimizer parameter is
-    found by the ``data_ptr`` Accelerate's placeholders carry as an attribute, by the address its data had before
-    sharding freed it, or by its current address. Raises ``KeyError`` naming the first parameter with no entry:
-    keeping it would leave a parameter that is never updated, so the training would silently be wrong.
+    Each optimizer parameter ``p`` is looked up as Accelerate looks it up, by ``p.data_ptr`` (the integer address
+    Accelerate's ``prepare`` writes onto its placeholders, or else the bound method, which a mapping keyed by
+    ``p.data_ptr`` holds), then by the parameter object itself, then by the address its data had before sharding
+    freed it, then by its current address. The keys of one mapping may mix these kinds. Raises ``KeyError``
+    naming the first parameter with no entry: keeping it would leave a parameter that is never updated, so the
+    training would silently be wrong.
     """
-    by_address = bool(mapping) and all(isinstance(k, int) and not isinstance(k, bool) for k in mapping)
+    lookup = _ParameterKeys(mapping)
     for index, group in enumerate(optimizer.param_groups):
         switched = []
         for position, param in enumerate(group["params"]):
-            key = _address_key(param, mapping) if by_address else param
-            if key is None or key not in mapping:
-                how = "data_ptr() before sharding" if by_address else "the parameter object"
+            replacement = lookup.find(param)
+            if replacement is None:
                 raise KeyError(
                     f"fsdp2_switch_optimizer_parameters: parameter {position} of param group {index} "
                     f"(a {type(param).__name__} of dtype {param.dtype}) has no sharded replacement in mapping "
-                    f"(keyed by {how}). Every parameter of the optimizer must belong to the model being sharded; "
+                    "(looked up by its data_ptr attribute, the parameter object and its data_ptr() before and "
+                    "after sharding). Every parameter of the optimizer must belong to the model being sharded; "
                     "create the optimizer from model.parameters() of that model, or after sharding it."
                 )
-            switched.append(mapping[key])
+            switched.append(replacement)
         group["params"] = switched
 
 
-def _address_key(param: torch.Tensor, mapping: Mapping[Any, Any]) -> int | None:
-    """The key of ``param`` in a mapping keyed by the original parameters' ``data_ptr()``."""
-    attribute = param.__dict__.get("data_ptr")  # Accelerate's placeholders carry the original's address
-    candidates = [attribute] if isinstance(attribute, int) else []
-    candidates.append(retired_data_ptr(param))
-    local = getattr(param, "_local_tensor", param)  # a DTensor's address is its local tensor's (as Accelerate)
-    candidates.append(torch.Tensor.data_ptr(local))  # not local.data_ptr: a placeholder shadows it
-    return next((c for c in candidates if c is not None and c in mapping), None)
+class _ParameterKeys:
+    """``mapping`` split by key kind, so that a tensor is never compared with an integer key (tensors hash by
+    identity, and ``==`` between a tensor and an int is elementwise)."""
+
+    def __init__(self, mapping: Mapping[Any, Any]) -> None:
+        self.by_address: dict[int, Any] = {}
+        self.by_identity: dict[int, Any] = {}
+        for key, value in mapping.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                self.by_address[key] = value
+            elif isinstance(key, torch.Tensor):
+                self.by_identity[id(key)] = value
+            elif isinstance(getattr(key, "__self__", None), torch.Tensor):  # keyed by p.data_ptr (a bound method)
+                self.by_identity[id(key.__self__)] = value
+
+    def find(self, param: torch.Tensor) -> Any:
+        attribute = param.__dict__.get("data_ptr")  # Accelerate's placeholders carry the original's address
+        if isinstance(attribute, int) and attribute in self.by_address:
+            return self.by_address[attribute]
+        if id(param) in self.by_identity:
+            return self.by_identity[id(param)]
+        local = getattr(param, "_local_tensor", param)  # a DTensor's address is its local tensor's (as Accelerate)
+        for address in (retired_data_ptr(param), torch.Tensor.data_ptr(local)):  # not local.data_ptr: shadowed
+            if address is not None and address in self.by_address:
+                return self.by_address[address]
+        return None
 
 
 def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
