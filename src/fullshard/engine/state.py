@@ -193,6 +193,12 @@ class UnitState:
         self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
         if group is not None:
             group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
+        # [Note: hooks outside compiled graphs] torch.compile must not trace the forward hooks: they issue
+        # collectives (gloo's point-to-point ops are not traceable), swap parameter storage and keep Python
+        # state. Disabled for dynamo, they run eagerly between the compiled graphs of the modules they wrap, as
+        # torch FSDP2's hooks do; the backward hooks run in autograd's engine, outside any graph already.
+        self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
+        self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
         _STATES[module] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
