@@ -12,7 +12,6 @@ Accelerate's utilities in ``handlers/`` (kwargs handlers), ``tracking/`` (tracke
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -26,8 +25,10 @@ from torch.utils.hooks import RemovableHandle
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
 from fullshard.frontend import env, model_state, ops, preemption, runtime, state_io, training
+from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.environment.enums import DynamoBackend
 from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
 from fullshard.frontend.operations import gradients, memory, processes
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -39,8 +40,15 @@ from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = ["Accelerator"]
 
-# Accelerate arguments accepted for compatibility that change nothing here (a warning says so).
-_IGNORED_KWARGS = ("dynamo_backend", "dynamo_plugin", "device_placement")
+
+def _check_device_placement(value: object, where: str) -> None:
+    """Batches and shards always live on ``accelerator.device``: only the default (placing them) is possible."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(v is not None and not v for v in values):
+        raise ValueError(
+            f"{where}(device_placement={value!r}): fullshard always places the sharded model and the prepared batches on "
+            "accelerator.device (the engine gathers and reduces there). Leave device_placement at its default."
+        )
 
 
 def _check_rng_types(rng_types: object) -> tuple[str, ...]:
@@ -96,19 +104,21 @@ class Accelerator:
         log_with: Any = None,
         project_dir: str | Path | None = None,
         project_config: ProjectConfiguration | None = None,
+        device_placement: bool = True,
+        dynamo_backend: DynamoBackend | str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
-        if unknown:
+        if kwargs:
             raise TypeError(
-                f"Accelerator({unknown[0]}=...): not an argument fullshard knows. Supported: split_batches, "
+                f"Accelerator({sorted(kwargs)[0]}=...): not an argument fullshard knows. Supported: split_batches, "
                 "mixed_precision, gradient_accumulation_steps, cpu, dataloader_config, fsdp_plugin, rng_types, "
                 "even_batches, step_scheduler_with_optimizer, gradient_accumulation_plugin, kwargs_handlers, "
-                f"log_with, project_dir, project_config (accepted and ignored: {', '.join(_IGNORED_KWARGS)})."
+                "log_with, project_dir, project_config, device_placement, dynamo_backend, dynamo_plugin."
             )
-        if kwargs:
-            warnings.warn(f"Accelerator: {sorted(kwargs)} are accepted for compatibility and ignored.", stacklevel=2)
+        _check_device_placement(device_placement, "Accelerator")
         _check_args(gradient_accumulation_steps, fsdp_plugin)
+        self.dynamo_plugin = resolve_dynamo_plugin(dynamo_backend, dynamo_plugin)
         self._handlers, other_handlers = collect_handlers(kwargs_handlers)
         init_kwargs = process_group_kwargs(other_handlers)  # InitProcessGroupKwargs; any other handler refused
         accumulation = grad.resolve_accumulation(gradient_accumulation_plugin, gradient_accumulation_steps)
@@ -225,7 +235,7 @@ class Accelerator:
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare each argument (models first, then optimizers, then schedulers); return them in order."""
-        del device_placement  # batches always go to self.device
+        _check_device_placement(device_placement, "Accelerator.prepare")
         result = list(args)
         for passes in (self._prepare_first, self._prepare_optimizer, self._prepare_scheduler):
             result = [passes(obj) for obj in result]
@@ -239,17 +249,21 @@ class Accelerator:
         return obj
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
-        """Shard ``model`` as the plugin says (see ``prepare.py``) and remember it for checkpoints."""
+        """Shard ``model`` as the plugin says (see ``prepare.py``), compile it if the dynamo plugin says so (see
+        ``compile.py``), and remember it for checkpoints."""
+        _check_device_placement(device_placement, "Accelerator.prepare_model")
         prepared = prepare_model(model, self.fsdp_plugin, self.device)
         ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
         autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
         training.wrap_forward_for_precision(prepared, precision, self.device, autocast=autocast)
+        compile_model(prepared, self.dynamo_plugin)
         self._objects.models.append(prepared)
         return prepared
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
         """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data.py``."""
+        _check_device_placement(device_placement, "Accelerator.prepare_data_loader")
         config = self.dataloader_config
         prepared = prepare_data_loader(
             data_loader,

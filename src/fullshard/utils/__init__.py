@@ -46,6 +46,7 @@ from fullshard.frontend.bigmodel.tied import (
     find_tied_parameters,
     retie_parameters,
 )
+from fullshard.frontend.compile import TorchDynamoPlugin
 from fullshard.frontend.data import synchronize_rng_state, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
 from fullshard.frontend.environment.enums import ComputeEnvironment, DynamoBackend, RNGType, SageMakerDistributedType
@@ -103,6 +104,7 @@ __all__ = [
     "DummyOptim",
     "DummyScheduler",
     "DynamoBackend",
+    "TorchDynamoPlugin",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",

@@ -5,8 +5,8 @@
   name devices fullshard does not run on and are refused by the Accelerator.
 - :class:`ComputeEnvironment`, :class:`SageMakerDistributedType`: config-file values. fullshard runs on the local
   machine(s) it is launched on (``LOCAL_MACHINE``); SageMaker launching does not apply.
-- :class:`DynamoBackend`: ``torch.compile`` backends. fullshard does not compile the model for you (the
-  ``dynamo_backend`` argument is accepted and ignored); the names are here for scripts that import them.
+- :class:`DynamoBackend`: ``torch.compile`` backends, for ``Accelerator(dynamo_backend=...)`` and
+  :class:`~fullshard.frontend.compile.TorchDynamoPlugin`.
 
 Members compare equal to their string values (``str`` enums). As in Accelerate, ``str()`` of a ``DynamoBackend``
 or ``RNGType`` member is its value and ``"torch" in RNGType`` tests a value; the two config enums print as

@@ -1,0 +1,134 @@
+"""``torch.compile`` through the Accelerator: ``TorchDynamoPlugin``, ``dynamo_backend=`` and the launcher's
+``ACCELERATE_DYNAMO_*`` variables, as Accelerate 1.15 takes them.
+
+The model is compiled after it is sharded, in place (``module.compile()``): the engine's forward hooks are
+disabled for dynamo (see [Note: hooks outside compiled graphs] in ``engine/state.py``), so they run eagerly
+between compiled graphs, and the prepared model stays the object the rest of the front end knows (its state
+dict, ``unwrap_model``, ``save_model``). Accelerate's FSDP2 path returns an ``OptimizedModule`` for a whole-model
+compile instead; here ``model._orig_mod`` does not exist and ``model.forward`` is the original one.
+
+With ``use_regional_compilation`` every run of repeated blocks (an ``nn.ModuleList`` whose children share one
+class) has each block compiled with the same arguments, so dynamo compiles the block's code once and reuses it
+for the others; every other leaf child is compiled on its own, as Accelerate does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from torch import nn
+
+from fullshard.frontend.env import parse_bool
+from fullshard.frontend.environment.enums import DynamoBackend
+
+__all__ = ["TorchDynamoPlugin", "compile_model", "resolve_dynamo_plugin"]
+
+_PREFIX = "ACCELERATE_DYNAMO_"
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass
+class TorchDynamoPlugin:
+    """How the Accelerator compiles the prepared model; unset fields come from ``ACCELERATE_DYNAMO_*``.
+
+    ``backend="no"`` (the default) compiles nothing. ``options`` go to the backend; ``disable=True`` makes the
+    compile a no-op (for testing).
+    """
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        environ = os.environ
+        backend = self.backend if self.backend is not None else environ.get(_PREFIX + "BACKEND", "no")
+        text = str(getattr(backend, "value", backend)).strip().upper()
+        if text not in DynamoBackend:
+            raise ValueError(
+                f"TorchDynamoPlugin(backend={backend!r}): not a torch.compile backend name. Use one of "
+                f"{', '.join(b.lower() for b in DynamoBackend.list())} (e.g. 'inductor'), or 'no' to not compile."
+            )
+        self.backend = DynamoBackend(text)
+        self.mode = self.mode if self.mode is not None else environ.get(_PREFIX + "MODE", "default")
+        if self.mode not in _MODES:
+            raise ValueError(f"TorchDynamoPlugin(mode={self.mode!r}): use one of {', '.join(_MODES)}.")
+        self.fullgraph = _flag(self.fullgraph, "USE_FULLGRAPH", default=False)
+        self.use_regional_compilation = _flag(self.use_regional_compilation, "USE_REGIONAL_COMPILATION", default=False)
+        if self.dynamic is None and environ.get(_PREFIX + "USE_DYNAMIC") is not None:
+            self.dynamic = _flag(None, "USE_DYNAMIC", default=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not DynamoBackend.NO
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["backend"] = self.backend.value.lower()
+        return data
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The ``torch.compile`` keyword arguments (``use_regional_compilation`` is ours, not torch's)."""
+        kwargs = {"backend": self.backend.value.lower(), "mode": self.mode, "fullgraph": self.fullgraph}
+        kwargs.update({k: v for k, v in (("dynamic", self.dynamic), ("options", self.options)) if v is not None})
+        if self.disable:
+            kwargs["disable"] = True
+        if kwargs.get("options") is not None:
+            kwargs.pop("mode")  # torch.compile takes one of mode and options
+        return kwargs
+
+
+def _flag(value: bool | None, name: str, *, default: bool) -> bool:
+    if value is not None:
+        return bool(value)
+    text = os.environ.get(_PREFIX + name)
+    return default if text is None or not text.strip() else parse_bool(text, where=f"{_PREFIX}{name}")
+
+
+def resolve_dynamo_plugin(dynamo_backend: Any, dynamo_plugin: TorchDynamoPlugin | None) -> TorchDynamoPlugin:
+    """``Accelerator(dynamo_backend=..., dynamo_plugin=...)`` to one plugin (both at once is refused)."""
+    if dynamo_backend is not None and dynamo_plugin is not None:
+        raise ValueError(
+            "Accelerator(dynamo_backend=..., dynamo_plugin=...): pass one of them; the plugin's backend field "
+            "names the backend."
+        )
+    if dynamo_plugin is not None:
+        if not isinstance(dynamo_plugin, TorchDynamoPlugin):
+            raise TypeError(
+                f"Accelerator(dynamo_plugin={type(dynamo_plugin).__name__}): expected a TorchDynamoPlugin "
+                "(from fullshard.utils import TorchDynamoPlugin)."
+            )
+        return dynamo_plugin
+    return TorchDynamoPlugin(backend=dynamo_backend)
+
+
+def compile_model(model: nn.Module, plugin: TorchDynamoPlugin) -> nn.Module:
+    """Compile the sharded ``model`` in place as ``plugin`` says; returns ``model``."""
+    if not plugin.enabled or getattr(model, "_compiled_call_impl", None) is not None:
+        return model
+    kwargs = plugin.to_kwargs()
+    if plugin.use_regional_compilation:
+        _compile_regions(model, kwargs)
+    else:
+        model.compile(**kwargs)
+    return model
+
+
+def _is_repeated_blocks(module: nn.Module) -> bool:
+    return isinstance(module, nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
+
+
+def _compile_regions(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    if _is_repeated_blocks(module):
+        for block in module:
+            block.compile(**kwargs)
+    elif any(_is_repeated_blocks(m) for m in module.modules()):
+        for child in module.children():
+            _compile_regions(child, kwargs)
+    else:
+        module.compile(**kwargs)
