@@ -79,8 +79,12 @@ def test_regional_compilation_compiles_each_block_once(pool2: WorkerPool) -> Non
 
 
 def test_the_plugin_reads_the_launchers_variables() -> None:
-    variables = {"ACCELERATE_DYNAMO_BACKEND": "aot_eager", "ACCELERATE_DYNAMO_MODE": "max-autotune",
-                 "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1"}  # fmt: skip
+    variables = {
+        "ACCELERATE_DYNAMO_BACKEND": "aot_eager",
+        "ACCELERATE_DYNAMO_MODE": "max-autotune",
+        "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true",
+        "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1",
+    }
     with mock.patch.dict("os.environ", variables):
         plugin = TorchDynamoPlugin()
         explicit = TorchDynamoPlugin(backend="inductor", fullgraph=False)

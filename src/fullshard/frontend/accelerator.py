@@ -46,8 +46,9 @@ def _check_device_placement(value: object, where: str) -> None:
     values = value if isinstance(value, (list, tuple)) else [value]
     if any(v is not None and not v for v in values):
         raise ValueError(
-            f"{where}(device_placement={value!r}): fullshard always places the sharded model and the prepared batches on "
-            "accelerator.device (the engine gathers and reduces there). Leave device_placement at its default."
+            f"{where}(device_placement={value!r}): fullshard always places the sharded model and the prepared "
+            "batches on accelerator.device (the engine gathers and reduces there). Leave device_placement at its "
+            "default."
         )
 
 
