@@ -144,6 +144,24 @@ def test_killed_save_leaves_the_previous_checkpoint(pool2: WorkerPool, tmp_path:
         assert folder.is_dir() and not (tmp_path / "ckpt.previous").exists()
 
 
+def test_verify_says_what_load_state_does_when_only_the_previous_checkpoint_is_left(
+    pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]
+) -> None:
+    # - Set up: a commit killed between its renames leaves only ckpt.previous
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], tmp_path / "ckpt.previous")
+    # - Run
+    result = CliRunner().invoke(cli, ["verify", str(folder)])
+    # - Check: verify checks what load_state would load, and says so; load_state loads it
+    assert result.exit_code == 0, result.output
+    assert (
+        f"'{folder}' does not exist (a save was killed while replacing it); load_state('{folder}') loads the whole "
+        f"previous checkpoint from '{folder}.previous'" in result.output
+    )
+    assert f"{folder}.previous: OK" in result.output
+    assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
+
+
 # --- a full disk ---------------------------------------------------------------------------------------------
 
 
