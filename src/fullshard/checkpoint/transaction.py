@@ -36,7 +36,7 @@ another process (or it is this very process, which is not saving it). A staging 
 host is never deleted (fullshard cannot see that host's processes), nor one whose tag is missing or from a
 fullshard before 2026-11-26: a save to that folder raises and says to delete it by hand if no job writes it.
 Saves to sibling folders never touch each other's staging folders. An abandoned folder is first renamed
-aside and its tag read again, so two jobs cleaning up at once never delete a folder a third one claimed.
+aside and its tag read again: when two jobs clean up at once, a folder a third one has just claimed is put back.
 """
 
 from __future__ import annotations
