@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -89,4 +90,47 @@ def test_failed_merge_leaves_no_output_under_final_names(
     out = tmp_path / "out"
     code, output = _run("merge-weights", str(ckpt), str(out))
     _one_line_error(code, output, "failed")
-    assert list(out.iterdir()) == [], "neither model.safetensors nor a .partial file is left"
+    assert not out.exists(), "no output folder, no model.safetensors and no .partial file is left"
+
+
+def test_a_failed_merge_into_an_existing_folder_keeps_what_was_there(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    def failing(self: merge_module._ShardedSource, entry: merge_module._Entry) -> torch.Tensor:
+        raise RuntimeError(f"reading {entry.name} failed")
+
+    monkeypatch.setattr(merge_module._ShardedSource, "tensor", failing)
+    _one_line_error(*_run("merge-weights", str(ckpt), str(out / "deeper" / "still")), "failed")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"], "the folders merge-weights made are gone"
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_merge_says_what_it_wrote_where_and_how_big(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, output = _run("merge-weights", str(ckpt), str(out))
+    assert code == 0, output
+    size = (out / "model.safetensors").stat().st_size
+    assert output == f"wrote {out / 'model.safetensors'} ({size} bytes, {size / 1e6:.1f} MB)"
+
+
+def test_a_merge_onto_a_full_disk_says_how_much_it_needs(tmp_path: Path) -> None:
+    # - Set up: a 4 MB checkpoint and a 2 MB file system to merge it into
+    state = {"model": {f"w{i}": torch.ones(256, 1024) for i in range(4)}}
+    ckpt = save_sharded(state, tmp_path / "pytorch_model_fsdp_0")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(disk)], check=True)
+    try:
+        # - Run
+        code, output = _run("merge-weights", str(ckpt), str(disk / "out"))
+        # - Check: the message names the full disk, the bytes needed and free; nothing is left on the disk
+        _one_line_error(code, output, "no space left on device (ENOSPC) writing", f"'{disk / 'out'}")
+        found = re.search(r"it needs (\d+) bytes .*, (\d+) bytes \(.*\) are free there", output)
+        assert found and int(found.group(1)) > 4 * 2**20 > 2 * 2**20 >= int(found.group(2)), output
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

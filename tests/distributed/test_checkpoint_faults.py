@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,24 @@ def test_killed_save_leaves_the_previous_checkpoint(pool2: WorkerPool, tmp_path:
         assert folder.is_dir() and not (tmp_path / "ckpt.previous").exists()
 
 
+def test_verify_says_what_load_state_does_when_only_the_previous_checkpoint_is_left(
+    pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]
+) -> None:
+    # - Set up: a commit killed between its renames leaves only ckpt.previous
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], tmp_path / "ckpt.previous")
+    # - Run
+    result = CliRunner().invoke(cli, ["verify", str(folder)])
+    # - Check: verify checks what load_state would load, and says so; load_state loads it
+    assert result.exit_code == 0, result.output
+    assert (
+        f"'{folder}' does not exist (a save was killed while replacing it); load_state('{folder}') loads the whole "
+        f"previous checkpoint from '{folder}.previous'" in result.output
+    )
+    assert f"{folder}.previous: OK" in result.output
+    assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
+
+
 # --- a full disk ---------------------------------------------------------------------------------------------
 
 
@@ -171,30 +190,44 @@ def test_full_disk_in_process(pool2: WorkerPool, tmp_path: Path, saved: tuple[Pa
     folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
     messages = pool2.run(save_with_full_disk, str(folder), failing_rank)
     for message in messages:  # every rank raises, naming the rank and the cause
-        assert f"rank {failing_rank}: the disk is full (ENOSPC)" in message
+        assert f"rank {failing_rank}: no space left on device (ENOSPC) writing '{tmp_path}/ckpt.incomplete/" in message
+        assert re.search(r"it needs \d+ bytes .* \d+ bytes \(.*\) are free there", message), message
         assert f"The checkpoint at '{folder}' is unchanged. The partial save was removed." in message
     assert not (tmp_path / "ckpt.incomplete").exists()
     assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
 
 
-def _mount_tmpfs(where: Path, size: int) -> bool:
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-    return done.returncode == 0
-
-
-def test_full_disk_on_a_small_filesystem(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
-    size = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
-    disk = tmp_path / "disk"
-    budget = (size * 16 // 10 // 4096 + 1) * 4096  # room for one checkpoint, not for a second one beside it
-    if not _mount_tmpfs(disk, budget):
-        pytest.skip("cannot mount a tmpfs here (needs root); test_full_disk_in_process covers ENOSPC in-process")
+def save_full_disk_message(rank: int, world: int, folder: str, full: bool) -> str:
     try:
-        folder = Path(shutil.copytree(saved[0], disk / "ckpt"))
-        for message in pool2.run(save_with_full_disk, str(folder), -1):  # -1: no simulated failure, a real one
-            assert "the disk is full (ENOSPC)" in message and "The partial save was removed." in message
+        save_after(rank, world, folder, 2, full=full)
+    except RuntimeError as exc:
+        return str(exc)
+    return "saved"
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full-state-dict"])
+def test_full_disk_on_a_small_filesystem(pool2: WorkerPool, tmp_path: Path, full: bool) -> None:
+    # - Set up: a complete checkpoint on a tmpfs with room for it, not for a second one beside it
+    saved = tmp_path / "saved"
+    state = pool2.run(save_after, str(saved), 1, None, full)[0]
+    size = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    budget = (size * 16 // 10 // 4096 + 1) * 4096
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={budget}", "tmpfs", str(disk)], check=True)
+    try:
+        folder = Path(shutil.copytree(saved, disk / "ckpt"))
+        # - Run: a real ENOSPC (with FULL_STATE_DICT torch.save reports it as "unexpected pos", the OSError
+        #   in its __context__)
+        messages = pool2.run(save_full_disk_message, str(folder), full)
+        # - Check: every rank names the full disk, the file, the bytes needed and free; the old checkpoint loads
+        for message in messages:
+            assert f"no space left on device (ENOSPC) writing '{disk}/ckpt.incomplete/" in message, message
+            found = re.search(r"it needs (\d+) bytes .*, (\d+) bytes \(.*\) are free there once the partial", message)
+            assert found and int(found.group(1)) > 0 and int(found.group(2)) < budget, message
+            assert "unexpected pos" not in message and "The partial save was removed." in message
         assert sorted(p.name for p in disk.iterdir()) == ["ckpt"], "no staging folder is left to fill the disk"
-        assert _same(pool2.run(load_each, [str(folder)])[0][0], saved[1])
+        assert _same(pool2.run(load_each, [str(folder)], False, full)[0][0], state)
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 

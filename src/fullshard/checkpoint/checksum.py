@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from fullshard.checkpoint.files import create_exclusive, with_filename
 from fullshard.checkpoint.manifest import FileRecord, ItemChecksum
 
 __all__ = [
@@ -200,12 +201,18 @@ class _ChecksumFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as raw:
-            stream = ChecksumStream(raw, write_behind=True, pieces=True)
-            yield stream  # DCP may close it (after fsync) before the block ends
-            self.records[Path(path).name] = stream.record
-            if stream.pieces is not None:
-                self.pieces[Path(path).name] = stream.pieces
+        try:
+            with create_exclusive(path) as raw:  # see [Note: exclusive creation] in files.py
+                stream = ChecksumStream(raw, write_behind=True, pieces=True)
+                yield stream  # DCP may close it (after fsync) before the block ends
+                self.records[Path(path).name] = stream.record
+                if stream.pieces is not None:
+                    self.pieces[Path(path).name] = stream.pieces
+        except Exception as exc:  # a full disk names the file: see [Note: naming a full disk] in files.py
+            named = with_filename(exc, path)
+            if named is exc:
+                raise
+            raise named from exc
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)  # DCP writes .metadata.tmp, then renames it
@@ -247,12 +254,22 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
 
 def save_with_checksum(obj: Any, path: str | os.PathLike[str]) -> FileRecord:
-    """``torch.save(obj, path)``, fsync'd, returning the file's size and CRC-32 as written."""
-    with open(path, "wb") as raw:
-        stream = ChecksumStream(raw)
-        torch.save(obj, stream)
-        raw.flush()
-        os.fsync(raw.fileno())
+    """``torch.save(obj, path)`` into a new file, fsync'd, returning the file's size and CRC-32 as written.
+
+    The file is created exclusively ([Note: exclusive creation] in ``files.py``); a failed write raises an
+    ``OSError`` naming ``path`` when the cause was one (torch reports a full disk as ``unexpected pos``).
+    """
+    try:
+        with create_exclusive(path) as raw:
+            stream = ChecksumStream(raw)
+            torch.save(obj, stream)
+            raw.flush()
+            os.fsync(raw.fileno())
+    except Exception as exc:
+        named = with_filename(exc, path)
+        if named is exc:
+            raise
+        raise named from exc
     return stream.record
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fullshard.checkpoint.files import find_os_error, folder_bytes, free_bytes, no_space_message
 from fullshard.ranks import gather_from_ranks
 
 __all__ = ["describe_error", "gather_errors", "run_everywhere"]
@@ -38,29 +40,48 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def describe_error(exc: BaseException) -> str:
-    """One line: what went wrong, with the full disk and read-only cases spelled out."""
+def describe_error(
+    exc: BaseException, *, needed: int | None = None, staging: Path | None = None, needed_note: str = ""
+) -> str:
+    """One line: what went wrong, with the full disk and read-only cases spelled out.
+
+    For a full disk (found anywhere in ``exc``'s chain, see [Note: naming a full disk] in ``files.py``) the
+    line names the file, ``needed`` bytes and the bytes free on that file system, counting the ``staging``
+    folder's, which the failed save removes.
+    """
+    found = find_os_error(exc)
+    if found is not None and found.errno == errno.ENOSPC:
+        path = found.filename if isinstance(found.filename, str) else staging
+        free = free_bytes(path or ".")
+        reclaimed = folder_bytes(staging) if staging is not None else 0
+        note = " once the partial save is removed" if reclaimed else ""
+        return no_space_message(
+            path, needed, None if free is None else free + reclaimed, needed_note=needed_note, free_note=note
+        )
+    if found is not None and found.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"cannot write '{found.filename}' ({found.strerror}); save to a writable folder"
     cause = _root_cause(exc)
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        where = f" writing '{cause.filename}'" if cause.filename else ""
-        return f"the disk is full (ENOSPC){where}; free space or save elsewhere"
-    if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return f"cannot write '{cause.filename}' ({cause.strerror}); save to a writable folder"
     lines = str(cause).strip().splitlines()
     if type(cause).__module__.startswith("fullshard."):  # our messages name the file and the remedy already
         return " ".join(lines)
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
-def gather_errors(error: BaseException | None, process_group: dist.ProcessGroup | None = None) -> dict[int, str]:
+def gather_errors(
+    error: BaseException | None,
+    process_group: dist.ProcessGroup | None = None,
+    describe: Callable[[BaseException], str] = describe_error,
+) -> dict[int, str]:
     """Every rank's failure (rank -> one-line description); empty when all succeeded. A collective."""
-    mine = None if error is None else describe_error(error)
+    mine = None if error is None else describe(error)
     everyone = gather_from_ranks(mine, process_group)
     return {r: msg for r, msg in enumerate(everyone) if msg is not None}
 
 
 def run_everywhere(
-    step: Callable[[], Any], process_group: dist.ProcessGroup | None = None
+    step: Callable[[], Any],
+    process_group: dist.ProcessGroup | None = None,
+    describe: Callable[[BaseException], str] = describe_error,
 ) -> tuple[Any, BaseException | None, dict[int, str]]:
     """Run ``step`` on this rank, then agree: returns (its result, its error, every rank's failure)."""
     result, error = None, None
@@ -68,4 +89,4 @@ def run_everywhere(
         result = step()
     except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
         error = exc
-    return result, error, gather_errors(error, process_group)
+    return result, error, gather_errors(error, process_group, describe)

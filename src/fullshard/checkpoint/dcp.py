@@ -7,7 +7,8 @@ plain tensors, nested dicts/lists of those, or small Python values (numbers, str
 ``dcp.load`` and Accelerate read; it reshards on load (saved with 2 ranks, loaded with 1 or 4).
 
 [Note: atomic save]
-1. Rank 0 empties ``<dir>.incomplete`` (the staging folder); all ranks agree it is ready.
+1. Rank 0 claims ``<dir>.incomplete`` (the staging folder) for this job, or raises naming the job that
+   writes it ([Note: one job per checkpoint folder] in ``transaction.py``); all ranks agree it is ready.
 2. Every rank writes its shards there through ``dcp.save`` (DCP writes ``.metadata`` last, on rank 0), then
    checks its own data files against that metadata; all ranks agree that every rank succeeded.
 3. Rank 0 writes the completion marker (``.fullshard_complete.json``: every file's size and CRC-32, computed
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from fullshard.checkpoint.checksum import ChecksummingFileSystemWriter
+from fullshard.checkpoint.collective import describe_error
 from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
 from fullshard.checkpoint.reader import (
     COMPLETE_MARKER,
@@ -51,7 +53,7 @@ from fullshard.checkpoint.reader import (
     read_metadata,
     resolve_checkpoint_dir,
 )
-from fullshard.checkpoint.transaction import fsync_dir
+from fullshard.checkpoint.transaction import STAGING_TAG, claim_staging, fsync_dir, release_staging
 from fullshard.ranks import gather_from_ranks, rank_and_world
 
 __all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
@@ -116,7 +118,7 @@ def _agree(error: BaseException | None, process_group: dist.ProcessGroup | None,
     bad = _failed_ranks(error, process_group)
     if bad:
         rank = rank_and_world(process_group)[0]
-        local = f" This rank ({rank}) failed with {type(error).__name__}: {error}" if error is not None else ""
+        local = f" This rank ({rank}) failed: {describe_error(error)}" if error is not None else ""
         raise RuntimeError(f"{what} failed on rank(s) {bad}.{hint}{local}") from error
 
 
@@ -136,11 +138,15 @@ def save_sharded(
     where = f"save_sharded(checkpoint_dir='{path}')"
     keep = f" The checkpoint at '{path}' is unchanged; the partial save is in '{staging}'."
     pg = process_group
-    _run_step(lambda: _prepare_staging(staging) if rank == 0 else None, pg, f"{where}: preparing the staging folder")
-    records = _run_step(lambda: write_sharded(state, staging, process_group=pg), pg, f"{where}: writing shards", keep)
-    everyone = gather_from_ranks(records, pg)
-    files = {name: record for ranks_files in everyone for name, record in ranks_files.items()}
-    _run_step(lambda: _commit(staging, path, world, files) if rank == 0 else None, pg, f"{where}: committing", keep)
+    save_id = _run_step(lambda: claim_staging(path) if rank == 0 else "", pg, f"{where}: claiming the staging folder")
+    try:
+        write = lambda: write_sharded(state, staging, process_group=pg)  # noqa: E731
+        records = _run_step(write, pg, f"{where}: writing shards", keep)
+        everyone = gather_from_ranks(records, pg)
+        files = {name: record for ranks_files in everyone for name, record in ranks_files.items()}
+        _run_step(lambda: _commit(staging, path, world, files) if rank == 0 else None, pg, f"{where}: committing", keep)
+    finally:
+        release_staging(save_id)
     return path
 
 
@@ -153,12 +159,6 @@ def _run_step(step: Any, process_group: dist.ProcessGroup | None, what: str, hin
         error = exc
     _agree(error, process_group, what, hint)
     return result
-
-
-def _prepare_staging(staging: Path) -> None:
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
 
 
 def write_sharded(
@@ -250,8 +250,8 @@ def _commit(staging: Path, path: Path, world: int, files: dict[str, FileRecord])
             shutil.rmtree(previous)
         os.replace(path, previous)
     os.replace(staging, path)
-    if previous.exists():
-        shutil.rmtree(previous)
+    (path / STAGING_TAG).unlink(missing_ok=True)
+    shutil.rmtree(previous, ignore_errors=True)
     fsync_dir(path.parent)
 
 

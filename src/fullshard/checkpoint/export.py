@@ -25,6 +25,7 @@ powers of 2, as in Hugging Face: ``"5GB" == 5 * 10**9``, ``"5GiB" == 5 * 2**30``
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -37,6 +38,15 @@ from pathlib import Path
 import torch
 
 from fullshard.checkpoint.checksum import WriteBehind
+from fullshard.checkpoint.files import (
+    NoSpaceError,
+    create_exclusive,
+    find_os_error,
+    free_bytes,
+    new_folders,
+    remove_new_folders,
+    temporary_name,
+)
 from fullshard.checkpoint.names import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -225,7 +235,7 @@ def write_safetensors(
     if sys.byteorder != "little":
         raise RuntimeError("write_safetensors: safetensors stores little-endian data; this host is big-endian.")
     specs = _file_order(specs)
-    with open(path, "wb") as f:
+    with create_exclusive(path) as f:  # see [Note: exclusive creation] in files.py
         behind = WriteBehind(f)  # the disk writes while the next tensors are read: see [Note: write-behind]
         written = f.write(safetensors_header(specs, metadata))
         for spec in specs:
@@ -249,7 +259,10 @@ def _write_bin(
         shard[spec.name] = _fetch_checked(fetch, spec).detach().to("cpu").clone()
         if on_tensor is not None:
             on_tensor(spec)
-    torch.save(shard, path)
+    with create_exclusive(path) as f:
+        torch.save(shard, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _remove_stale(output_dir: Path, keep: set[str], safe_serialization: bool) -> None:
@@ -277,25 +290,35 @@ def write_weights(
 ) -> list[Path]:
     """Write ``specs`` (data from ``fetch``) into ``output_dir``, sharded above ``max_shard_size``.
 
-    Each file is written under a temporary name and renamed when complete; the index (if any) is written
-    last. Returns the written files, index last. Files of an earlier export in the same format are removed.
+    Each file is created anew under a temporary name of its own and renamed when complete ([Note: exclusive
+    creation] in ``files.py``); the index (if any) is written last. Returns the written files, index last.
+    Files of an earlier export in the same format are removed. On failure nothing is left that was not there
+    before (temporary files, folders this call created), and a full disk raises :class:`NoSpaceError` with
+    the bytes needed and free.
     """
     out = Path(output_dir)
+    created = new_folders(out)
     out.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(specs, max_shard_size)
     names = [_shard_name(i, len(shards), safe_serialization) for i in range(len(shards))]
     written: list[Path] = []
     try:
         for name, shard in zip(names, shards, strict=True):
-            tmp = out / f".{name}.partial"
+            tmp = temporary_name(out / name)
             written.append(tmp)
             if safe_serialization:
                 write_safetensors(tmp, shard, fetch, metadata=metadata, on_tensor=on_tensor)
             else:
                 _write_bin(tmp, shard, fetch, on_tensor)
-    except BaseException:
+    except BaseException as exc:
         for tmp in written:
             tmp.unlink(missing_ok=True)
+        remove_new_folders(created)
+        found = find_os_error(exc)
+        if found is not None and found.errno == errno.ENOSPC:
+            needed = sum(len(safetensors_header(_file_order(s), metadata)) if safe_serialization else 0 for s in shards)
+            needed += sum(spec.nbytes for spec in specs)
+            raise NoSpaceError(found.filename or out, needed, free_bytes(out)) from exc
         raise
     final = [out / name for name in names]
     _remove_stale(out, set(names), safe_serialization)
@@ -317,9 +340,14 @@ def _write_index(out: Path, shards: list[list[TensorSpec]], names: list[str], sa
     total = sum(spec.nbytes for shard in shards for spec in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     path = out / (SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME)
-    tmp = out / f".{path.name}.partial"
-    tmp.write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    tmp = temporary_name(path)
+    try:
+        with create_exclusive(tmp) as f:
+            f.write((json.dumps(index, indent=2, sort_keys=False) + "\n").encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fullshard.checkpoint.files import create_exclusive, temporary_name
+
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "FOLDER_MARKER",
@@ -92,13 +94,21 @@ class Manifest:
 
 
 def write_json_durably(path: Path, payload: object) -> None:
-    """Write ``payload`` as JSON to ``path`` through a temporary file, fsync'd, then renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``payload`` as JSON to ``path`` through a new temporary file, fsync'd, then renamed into place.
+
+    The temporary file is created exclusively and the rename does not follow a link at ``path``: see
+    [Note: exclusive creation] in ``files.py``.
+    """
+    tmp = temporary_name(path)
+    try:
+        with create_exclusive(tmp) as f:
+            f.write(json.dumps(payload, indent=1, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _parse_files(raw: object, path: Path) -> dict[str, FileRecord]:

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fullshard.checkpoint.export import TensorSpec, safetensors_dtype, verify_weights, write_weights
+from fullshard.checkpoint.files import create_exclusive, new_folders, remove_new_folders, temporary_name
 from fullshard.checkpoint.names import WEIGHTS_NAME
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
@@ -199,7 +200,8 @@ def merge_fsdp_weights(
     folder that holds ``.metadata`` (``ckpt/pytorch_model_fsdp_0`` or ``ckpt/optimizer_0``), not its parent.
     ``remove_checkpoint_dir`` deletes that folder only after the output was written and verified (names,
     dtypes, shapes, file sizes). ``show_progress`` (default: when stderr is a terminal) shows a rich progress
-    bar. Returns the files written. See [Note: streaming merge].
+    bar. Returns the files written. On failure nothing is left in ``output_path`` that was not there before
+    (temporary files, the folders this call created). See [Note: streaming merge].
     """
     root = resolve_checkpoint_dir(checkpoint_dir, caller="merge_fsdp_weights")
     output = Path(output_path)
@@ -213,11 +215,15 @@ def merge_fsdp_weights(
     nested = any(len(e.path) > 1 for e in entries) or bool(others)
     show = sys.stderr.isatty() if show_progress is None else show_progress
     advance, bar = _progress(show, sum(e.spec.nbytes for e in tensors if e.spec), f"merging {root.name}")
+    created = new_folders(output)
     try:
         if nested and not safe_serialization:
             files = [_write_nested_bin(source, entries, output, max_shard_size, advance)]
         else:
             files = _write_flat(source, tensors, others, output, safe_serialization, max_shard_size, advance)
+    except BaseException:
+        remove_new_folders(created)
+        raise
     finally:
         if bar is not None:
             bar.stop()
@@ -313,9 +319,16 @@ def _write_nested_bin(
         _set_path(nested, entry.path, values[entry.fqn])
     output.mkdir(parents=True, exist_ok=True)
     path = output / WEIGHTS_NAME
-    tmp = output / f".{WEIGHTS_NAME}.partial"
-    torch.save(_lists_from_int_keys(nested), tmp)
-    os.replace(tmp, path)
+    tmp = temporary_name(path)
+    try:
+        with create_exclusive(tmp) as f:  # see [Note: exclusive creation] in files.py
+            torch.save(_lists_from_int_keys(nested), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

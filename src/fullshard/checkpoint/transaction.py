@@ -3,10 +3,11 @@
 [Note: whole-checkpoint commit]
 ``SaveTransaction(dir)`` (a collective over the process group; every rank makes the same calls):
 
-1. ``begin``: rank 0 deletes abandoned staging folders next to ``dir`` (siblings named ``*.incomplete`` that
-   hold :data:`STAGING_TAG` or a manifest: left by a save that was killed), puts back ``dir.previous`` if a
-   commit was killed between its two renames, and creates ``dir.incomplete`` holding the tag and a fresh
-   ``save_id``, which every rank receives.
+1. ``begin``: rank 0 claims ``dir.incomplete`` (the staging folder) for this job: it creates it exclusively
+   and writes :data:`STAGING_TAG` there (this job's host, pid, process start time and a fresh ``save_id``,
+   which every rank receives); see [Note: one job per checkpoint folder]. It deletes only staging folders
+   next to ``dir`` whose owner is provably gone, and puts back ``dir.previous`` if a commit was killed between
+   its two renames.
 2. ``step(fn)``: every rank writes its files into the staging folder (model and optimizer folders through
    DCP, the small files with ``torch.save``), each file checksummed as it is written; each rank reports the
    files it wrote (``record``). After every step all ranks agree; a failure on any rank makes every rank
@@ -15,28 +16,47 @@
 3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk, writes the completion
    marker of each sharded subfolder and then the checkpoint manifest (``manifest.py``) with every file's
    size and CRC-32, moves an existing ``dir`` aside to ``dir.previous``, renames the staging folder to
-   ``dir``, deletes ``dir.previous`` and fsyncs the parent folder.
+   ``dir``, deletes ``dir.previous`` and fsyncs the parent folder. The staging tag goes last, with the rename
+   (it is the lock on ``dir``).
 
 A save killed at any point (any rank, SIGKILL or SIGTERM) therefore leaves ``dir`` as it was, or, if killed
 between the two renames of step 3, leaves the previous checkpoint whole in ``dir.previous`` (which
 ``load_state`` falls back to, and the next save puts back). The staging folder is never a complete
 checkpoint (its name ends in ``.incomplete`` and, until the last moment, it has no manifest), so it is never
-loaded or taken as the latest; the next save into the same parent folder deletes it.
+loaded or taken as the latest; the next save into the same parent folder deletes it once its owner is gone.
+
+[Note: one job per checkpoint folder]
+The staging folder ``dir.incomplete`` is the lock on ``dir``: ``os.mkdir`` creates it for one job only,
+and its tag names the owner (``{"host", "pid", "start", "save_id", "since"}``; ``start`` is the process
+start time from ``/proc``, so a reused pid is not mistaken for the owner). A second job saving to ``dir``
+finds the folder there and raises :class:`CheckpointBusyError` naming the owner, before it writes or deletes
+anything; the owner's save goes on. A staging folder is *abandoned*, and may be deleted by any save to the
+same folder or a sibling, only when its owner is provably gone: same host, and that pid is dead or now
+another process (or it is this very process, which is not saving it). A staging folder owned by another
+host is never deleted (fullshard cannot see that host's processes), nor one whose tag is missing or from a
+fullshard before 2026-11-26: a save to that folder raises and says to delete it by hand if no job writes it.
+Saves to sibling folders never touch each other's staging folders. An abandoned folder is first renamed
+aside and its tag read again: when two jobs clean up at once, a folder a third one has just claimed is put back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from fullshard.checkpoint.checksum import file_checksum
-from fullshard.checkpoint.collective import run_everywhere
+from fullshard.checkpoint.collective import describe_error, run_everywhere
 from fullshard.checkpoint.manifest import (
     CHECKPOINT_MANIFEST,
     FOLDER_MARKER,
@@ -44,11 +64,25 @@ from fullshard.checkpoint.manifest import (
     MANIFEST_VERSION,
     STAGING_SUFFIX,
     FileRecord,
+    is_complete_checkpoint,
     write_json_durably,
 )
 from fullshard.ranks import gather_from_ranks, rank_and_world
 
-__all__ = ["PREVIOUS_SUFFIX", "STAGING_TAG", "SaveTransaction", "fsync_dir", "previous_folder", "staging_folder"]
+__all__ = [
+    "PREVIOUS_SUFFIX",
+    "STAGING_TAG",
+    "CheckpointBusyError",
+    "SaveTransaction",
+    "StagingOwner",
+    "claim_staging",
+    "folder_to_load",
+    "fsync_dir",
+    "previous_folder",
+    "read_owner",
+    "release_staging",
+    "staging_folder",
+]
 
 STAGING_TAG = ".fullshard_staging"
 PREVIOUS_SUFFIX = ".previous"
@@ -74,11 +108,160 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _abandoned_staging(parent: Path) -> list[Path]:
+def folder_to_load(folder: Path) -> Path:
+    """The folder ``load_state(folder)`` reads: ``folder``, or ``folder.previous`` when ``folder`` is missing and
+    the previous checkpoint is whole there (a commit was killed between its two renames)."""
+    previous = previous_folder(folder)
+    if not folder.exists() and is_complete_checkpoint(previous):
+        return previous
+    return folder
+
+
+class CheckpointBusyError(RuntimeError):
+    """Another job is saving to the same checkpoint folder; the message names it (host, pid)."""
+
+
+@dataclass(frozen=True)
+class StagingOwner:
+    """Who writes a staging folder, from its :data:`STAGING_TAG` (``host`` is None for a tag that names no one)."""
+
+    host: str | None
+    pid: int | None
+    start: str | None
+    save_id: str
+    since: float | None
+
+    def describe(self) -> str:
+        if self.host is None or self.pid is None:
+            return "a job that did not record itself (an older fullshard)"
+        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(self.since)) if self.since else ""
+        return f"another job (host {self.host}, pid {self.pid}{when})"
+
+
+# save_ids this process is staging now: its own pid in a tag is the owner only while the save runs.
+_ACTIVE: set[str] = set()
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, from /proc), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def read_owner(staging: Path) -> StagingOwner | None:
+    """The owner recorded in ``staging``'s tag; None when there is no tag (yet)."""
+    try:
+        text = (staging / STAGING_TAG).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return StagingOwner(None, None, None, "", None)
+    try:
+        raw = json.loads(text)
+        return StagingOwner(str(raw["host"]), int(raw["pid"]), raw.get("start"), str(raw["save_id"]), raw.get("since"))
+    except (ValueError, KeyError, TypeError):  # fullshard before owners were recorded wrote the save_id alone
+        return StagingOwner(None, None, None, text.strip(), None)
+
+
+def _owner_is_gone(owner: StagingOwner) -> bool:
+    """Whether ``owner`` provably no longer writes its staging folder. See [Note: one job per checkpoint folder]."""
+    if owner.host is None or owner.pid is None or owner.host != socket.gethostname():
+        return False  # another host's processes cannot be seen from here: keep its folder
+    if owner.pid == os.getpid():
+        return owner.save_id not in _ACTIVE
+    try:
+        os.kill(owner.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, under another user
+        pass
+    start = _process_start(owner.pid)
+    return owner.start is not None and start is not None and start != owner.start  # the pid was reused
+
+
+def _wait_for_owner(staging: Path, patience_s: float = 2.0) -> StagingOwner | None:
+    # A job that has just created the folder writes its tag right after: give it a moment.
+    deadline = time.monotonic() + patience_s
+    while (owner := read_owner(staging)) is None and staging.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return owner
+
+
+def _remove_abandoned(staging: Path, owner: StagingOwner) -> None:
+    """Delete ``staging`` if it is still ``owner``'s: renamed aside first, so a folder that another job claimed
+    meanwhile is put back instead of deleted."""
+    aside = staging.with_name(f"{staging.name[: -len(STAGING_SUFFIX)]}.removed-{uuid.uuid4().hex[:8]}{STAGING_SUFFIX}")
+    try:
+        os.rename(staging, aside)
+    except FileNotFoundError:
+        return  # someone else removed it
+    moved = read_owner(aside)
+    if moved is None or moved.save_id != owner.save_id:
+        with contextlib.suppress(OSError):  # claimed again meanwhile: put it back
+            os.rename(aside, staging)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_abandoned_siblings(parent: Path, keep: Path) -> None:
     if not parent.is_dir():
-        return []
-    return [p for p in parent.iterdir() if p.name.endswith(STAGING_SUFFIX) and p.is_dir()
-            and ((p / STAGING_TAG).is_file() or (p / CHECKPOINT_MANIFEST).is_file())]  # fmt: skip
+        return
+    for path in parent.iterdir():
+        if path == keep or not path.name.endswith(STAGING_SUFFIX) or not path.is_dir():
+            continue
+        owner = read_owner(path)
+        if owner is not None and _owner_is_gone(owner):
+            _remove_abandoned(path, owner)
+
+
+def _busy(target: Path, staging: Path, owner: StagingOwner | None) -> CheckpointBusyError:
+    who = owner.describe() if owner is not None else "a job that has not recorded itself"
+    return CheckpointBusyError(
+        f"'{target}' is being saved by {who}: its staging folder '{staging}' is in use, so this save stopped "
+        "before writing or deleting anything. Wait for that job to finish, or save to another folder. If no job "
+        f"writes it any more, delete '{staging}' (fullshard deletes it itself only when its owner is a dead "
+        "process on this host)."
+    )
+
+
+def claim_staging(target: Path) -> str:
+    """Create ``target``'s staging folder for this process, exclusively; returns the new ``save_id``.
+
+    Deletes abandoned staging folders beside ``target`` (its own included); raises :class:`CheckpointBusyError`
+    when another job owns it. See [Note: one job per checkpoint folder].
+    """
+    staging = staging_folder(target)
+    _remove_abandoned_siblings(target.parent, keep=staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        try:
+            os.mkdir(staging)
+        except FileExistsError:
+            owner = _wait_for_owner(staging)
+            if owner is None or not _owner_is_gone(owner):
+                raise _busy(target, staging, owner) from None
+            _remove_abandoned(staging, owner)
+            continue
+        save_id = uuid.uuid4().hex
+        _ACTIVE.add(save_id)
+        tag = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+               "save_id": save_id, "since": time.time()}  # fmt: skip
+        try:
+            write_json_durably(staging / STAGING_TAG, tag)
+        except BaseException:
+            release_staging(save_id)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return save_id
+    raise _busy(target, staging, read_owner(staging))
+
+
+def release_staging(save_id: str) -> None:
+    """This process no longer writes the staging folder of ``save_id`` (committed, failed or given up)."""
+    _ACTIVE.discard(save_id)
 
 
 class SaveTransaction:
@@ -92,11 +275,13 @@ class SaveTransaction:
         self.rank, self.world = rank_and_world(process_group)
         self.save_id = ""
         self.records: dict[str, FileRecord] = {}  # this rank's files, relative to the staging folder
+        self.written = 0  # bytes of this rank's files so far
 
     # --- steps --------------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Clean up after killed saves and create the staging folder (a collective)."""
+        """Claim the staging folder, clean up after killed saves (a collective). Raises
+        :class:`CheckpointBusyError` on every rank when another job is saving to the same folder."""
         found, _, failed = run_everywhere(self._prepare if self.rank == 0 else lambda: None, self.process_group)
         if failed:
             self._raise("preparing the staging folder", failed, cleanup=False)
@@ -106,15 +291,29 @@ class SaveTransaction:
                                        if self.process_group is not None else 0)  # fmt: skip
         self.save_id = ids[0]
 
-    def step(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on every rank; if it failed anywhere, every rank raises and the staging folder goes."""
-        result, _, failed = run_everywhere(fn, self.process_group)
+    def step(self, what: str, fn: Callable[[], Any], nbytes: int | None = None) -> Any:
+        """Run ``fn`` on every rank; if it failed anywhere, every rank raises and the staging folder goes.
+
+        ``nbytes``: about how many bytes ``fn`` writes on this rank (named, with the bytes free, if the disk fills).
+        """
+
+        def describe(exc: BaseException) -> str:
+            needed = self.written + (nbytes or 0)
+            note = " for this rank's files up to this step"
+            return describe_error(exc, needed=needed, staging=self.staging, needed_note=note)
+
+        try:
+            result, _, failed = run_everywhere(fn, self.process_group, describe)
+        except BaseException:  # a peer is gone (the gather failed): this save is over
+            release_staging(self.save_id)
+            raise
         if failed:
             self._raise(what, failed, cleanup=True)
         return result
 
     def record(self, relative: str, record: FileRecord) -> None:
         self.records[relative] = record
+        self.written += record.size
 
     def commit(self) -> Path:
         """Write the markers and the manifest, then rename the staging folder into place (a collective)."""
@@ -122,25 +321,24 @@ class SaveTransaction:
         for records in gather_from_ranks(self.records, self.process_group):
             merged.update(records)
         self.step("committing", lambda: self._commit(merged) if self.rank == 0 else None)
+        release_staging(self.save_id)
         return self.target
 
     # --- rank 0 -------------------------------------------------------------------------------------
 
     def _prepare(self) -> str:
-        parent = self.target.parent
-        for stale in _abandoned_staging(parent):
-            shutil.rmtree(stale, ignore_errors=True)
-        previous = previous_folder(self.target)
-        if previous.is_dir():
-            if self.target.exists():
-                shutil.rmtree(previous)
-            else:  # a commit was killed between its two renames: the previous checkpoint is whole there
-                os.replace(previous, self.target)
-        if self.staging.exists():
-            shutil.rmtree(self.staging)
-        self.staging.mkdir(parents=True)
-        save_id = uuid.uuid4().hex
-        (self.staging / STAGING_TAG).write_text(save_id)
+        save_id = claim_staging(self.target)
+        try:
+            previous = previous_folder(self.target)
+            if previous.is_dir():
+                if self.target.exists():
+                    shutil.rmtree(previous, ignore_errors=True)
+                else:  # a commit was killed between its two renames: the previous checkpoint is whole there
+                    os.replace(previous, self.target)
+        except BaseException:
+            release_staging(save_id)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
         return save_id
 
     def _commit(self, files: dict[str, FileRecord]) -> None:
@@ -160,14 +358,13 @@ class SaveTransaction:
             write_json_durably(marker, self._payload(members, items=True))
             listed[f"{folder}/{FOLDER_MARKER}"] = file_checksum(marker)
         write_json_durably(self.staging / CHECKPOINT_MANIFEST, self._payload(listed, items=False))
-        (self.staging / STAGING_TAG).unlink()
         fsync_dir(self.staging)
         previous = previous_folder(self.target)
         if self.target.exists():
             os.replace(self.target, previous)
-        os.replace(self.staging, self.target)
-        if previous.exists():
-            shutil.rmtree(previous)
+        os.replace(self.staging, self.target)  # releases the lock on target: see [Note: one job per ...]
+        (self.target / STAGING_TAG).unlink(missing_ok=True)
+        shutil.rmtree(previous, ignore_errors=True)  # a next save to target may be removing it too
         fsync_dir(self.target.parent)
 
     def _payload(self, files: dict[str, FileRecord], *, items: bool) -> dict[str, Any]:
@@ -184,6 +381,7 @@ class SaveTransaction:
 
     def _raise(self, what: str, failed: dict[int, str], *, cleanup: bool) -> None:
         removed = ""
+        release_staging(self.save_id)
         if cleanup and self.rank == 0:
             shutil.rmtree(self.staging, ignore_errors=True)
         if cleanup:

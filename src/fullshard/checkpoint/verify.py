@@ -16,6 +16,7 @@ or :class:`NotACheckpointError` for a folder that holds no checkpoint at all.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from fullshard.checkpoint.manifest import (
     read_manifest,
 )
 from fullshard.checkpoint.names import DCP_METADATA_FILE
+from fullshard.checkpoint.transaction import folder_to_load
 
 __all__ = ["CheckpointDamagedError", "NotACheckpointError", "VerifyReport", "check_parts", "verify_checkpoint"]
 
@@ -58,6 +60,7 @@ class VerifyReport:
     bytes: int
     checksummed: bool  # False for checkpoints written without checksums (Accelerate, older fullshard)
     save_id: str | None
+    note: str = ""  # what load_state would do differently (it falls back to ``<folder>.previous``)
 
 
 def _missing(path: Path) -> CheckpointDamagedError:
@@ -201,6 +204,12 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
     ranks of a ``load_state(verify=True)`` split the reading between them.
     """
     root = Path(folder)
+    if (loaded := folder_to_load(root)) != root:  # say what load_state would do: load the previous checkpoint
+        note = (
+            f"'{root}' does not exist (a save was killed while replacing it); load_state('{root}') loads the "
+            f"whole previous checkpoint from '{loaded}' with a warning, and the next save_state puts it back"
+        )
+        return dataclasses.replace(verify_checkpoint(loaded, share=share), note=note)  # fmt: skip
     if not root.is_dir():
         raise _not_a_checkpoint(root)
     if root.name.endswith(STAGING_SUFFIX):

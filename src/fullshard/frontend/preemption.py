@@ -2,7 +2,7 @@
 
 [Note: preemption]
 A cluster scheduler preempts a job by sending SIGTERM to the launcher, which forwards it to every worker
-and kills them after a grace period (``fullshard launch --term_timeout``, 30 s by default). A worker that
+and kills them after a grace period (``fullshard launch --shutdown_timeout``, 30 s by default). A worker that
 wants to stop cleanly calls :func:`install_preemption_handler` once: the signal then only sets this process's
 trigger, and the training loop polls :func:`check_trigger` once per step, a collective that is true on every
 rank when any rank set it (the signal need not reach all ranks at the same step, and a rank that polls at a

@@ -48,7 +48,7 @@ from fullshard.checkpoint import (
 from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.dcp import write_sharded
-from fullshard.checkpoint.manifest import STAGING_SUFFIX, is_complete_checkpoint
+from fullshard.checkpoint.manifest import STAGING_SUFFIX
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
     RNG_STATE_NAME,
@@ -58,7 +58,7 @@ from fullshard.checkpoint.names import (
 )
 from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
 from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
-from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, previous_folder, staging_folder
+from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, folder_to_load, staging_folder
 from fullshard.checkpoint.verify import CheckpointDamagedError, check_file, check_parts, verify_checkpoint
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
@@ -141,6 +141,18 @@ def _check_output_dir(output_dir: str | Path, where: str) -> Path:
     return out
 
 
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` held by this rank (a DTensor's local shard): what a save writes of it."""
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.numel() * local.element_size()
+    return 0
+
+
 def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
     """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
 
@@ -169,21 +181,22 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     for i, model in enumerate(objects.models):
         if full:
             sd = model_state.full_model_state_dict(model)
-            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)))
+            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)), _nbytes(sd))
         else:
             msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
-            tx.step(f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)))
+            tx.step(f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)), _nbytes(msd))
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
             osd = model_state.optim_state(model, optimizer, plugin, full=True)
-            tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)))
+            tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)), _nbytes(osd))
         else:
             # A checkpoint always holds every parameter's state (zeros before the first step): then any
             # fresh optimizer, given the same zero template by load_state, finds every key it expects.
             model_state.init_optimizer_state(optimizer)
             state = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
-            tx.step(f"writing {optimizer_folder_name(i)}", partial(write_folder, state, optimizer_folder_name(i)))
+            name = optimizer_folder_name(i)
+            tx.step(f"writing {name}", partial(write_folder, state, name), _nbytes(state))
 
     def small_files() -> None:  # rank 0 writes the shared ones, every rank its own random states
         for i, scheduler in enumerate(objects.schedulers):
@@ -208,8 +221,8 @@ def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
             f"{where}: '{folder}' is the staging folder of a save that never finished; it is not a checkpoint. "
             "Load the folder without the suffix, or an earlier checkpoint."
         )
-    previous = previous_folder(folder)
-    if not folder.exists() and is_complete_checkpoint(previous):
+    previous = folder_to_load(folder)
+    if previous != folder:
         if dist.get_rank() == 0:
             warnings.warn(
                 f"{where}: the folder is missing because a save was killed while replacing it; loading the whole "

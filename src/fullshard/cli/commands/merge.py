@@ -1,7 +1,8 @@
 """``fullshard merge-weights CHECKPOINT_DIR OUTPUT_PATH``: one weights file from a sharded checkpoint.
 
 Every error is one line on stderr naming what was wrong and what to do, with exit code 2 (no traceback):
-see :func:`checkpoint_errors`.
+see :func:`checkpoint_errors`; a failed merge leaves nothing behind that was not there before. On success it
+prints each file it wrote, with its size.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def _os_error(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write {where}: {exc.strerror}. Pass an output folder you can write to."
     if exc.errno == errno.ENOSPC:
-        return f"the disk is full writing {where}. Free space, or pass an output folder on another disk."
+        from fullshard.checkpoint.files import free_bytes, no_space_message
+
+        return no_space_message(exc.filename, None, free_bytes(exc.filename or "."))
     if exc.errno in (errno.EEXIST, errno.ENOTDIR):
         return f"a file is in the way at {where}. Move it, or pass another output folder."
     return f"{exc.strerror or exc} ({where}). Check the path and try again."
@@ -40,6 +43,7 @@ def _os_error(exc: OSError) -> str:
 @contextmanager
 def checkpoint_errors() -> Iterator[None]:
     """Turn the errors of checkpoint code into :class:`CheckpointCommandError` (one line, exit code 2)."""
+    from fullshard.checkpoint.files import NoSpaceError
     from fullshard.checkpoint.safe_load import CheckpointFileError
 
     try:
@@ -47,7 +51,7 @@ def checkpoint_errors() -> Iterator[None]:
     except click.ClickException:
         raise
     except OSError as exc:
-        if isinstance(exc, FileNotFoundError) and exc.filename is None:
+        if (isinstance(exc, FileNotFoundError) and exc.filename is None) or isinstance(exc, NoSpaceError):
             raise CheckpointCommandError(str(exc)) from None
         raise CheckpointCommandError(_os_error(exc)) from None
     except (ValueError, RuntimeError, CheckpointFileError) as exc:
@@ -96,24 +100,43 @@ def merge_command(
 ) -> None:
     """Merge the shards in CHECKPOINT_DIR (a SHARDED_STATE_DICT model or optimizer folder) into OUTPUT_PATH."""
     try:  # imported here: it pulls in the checkpoint code, which the other commands do not need
+        from fullshard.checkpoint.files import new_folders, remove_new_folders
         from fullshard.checkpoint.merge import merge_fsdp_weights
         from fullshard.checkpoint.verify import verify_checkpoint
     except ImportError as exc:
         raise click.ClickException(f"merge-weights is unavailable: {exc}. Reinstall fullshard.") from None
 
-    with checkpoint_errors():
-        if not Path(checkpoint_dir).is_dir():
-            what = "is a file" if Path(checkpoint_dir).exists() else "does not exist"
-            raise CheckpointCommandError(
-                f"CHECKPOINT_DIR '{checkpoint_dir}' {what}; pass a sharded checkpoint folder such as "
-                "ckpt/pytorch_model_fsdp_0."
+    output = Path(output_path)
+    created = new_folders(output)
+    try:
+        with checkpoint_errors():
+            if not Path(checkpoint_dir).is_dir():
+                what = "is a file" if Path(checkpoint_dir).exists() else "does not exist"
+                raise CheckpointCommandError(
+                    f"CHECKPOINT_DIR '{checkpoint_dir}' {what}; pass a sharded checkpoint folder such as "
+                    "ckpt/pytorch_model_fsdp_0."
+                )
+            if verify:
+                verify_checkpoint(checkpoint_dir)
+            _check_output(output)
+            files = merge_fsdp_weights(
+                checkpoint_dir,
+                output_path,
+                safe_serialization=not unsafe_serialization,
+                remove_checkpoint_dir=remove_checkpoint_dir,
             )
-        if verify:
-            verify_checkpoint(checkpoint_dir)
-        _check_output(Path(output_path))
-        merge_fsdp_weights(
-            checkpoint_dir,
-            output_path,
-            safe_serialization=not unsafe_serialization,
-            remove_checkpoint_dir=remove_checkpoint_dir,
-        )
+    except BaseException:
+        remove_new_folders(created)  # a failed merge leaves nothing that was not there before
+        raise
+    _report(files, checkpoint_dir if remove_checkpoint_dir else None)
+
+
+def _report(files: list[Path], removed: str | None) -> None:
+    """What the merge wrote (each file, where, how big) and, with --remove_checkpoint_dir, what it deleted."""
+    sizes = [path.stat().st_size for path in files]
+    for path, size in zip(files, sizes, strict=True):
+        click.echo(f"wrote {path} ({size} bytes, {size / 1e6:.1f} MB)")
+    if len(files) > 1:
+        click.echo(f"{len(files)} files, {sum(sizes)} bytes ({sum(sizes) / 1e6:.1f} MB) in total")
+    if removed is not None:
+        click.echo(f"removed {removed}")

@@ -21,6 +21,8 @@ def verify_command(checkpoint: str) -> None:
 
     with checkpoint_errors():
         report = verify_checkpoint(checkpoint)
+    if report.note:
+        click.echo(f"{report.note}.")
     if report.checksummed:
         click.echo(
             f"{report.folder}: OK, {report.files} files ({report.bytes / 1e6:.1f} MB) present with the recorded "
