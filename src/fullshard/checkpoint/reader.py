@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import warnings
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -139,7 +140,42 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise RuntimeError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata.")
     storage_files(checkpoint_dir, metadata)
+    _check_chunks(path, metadata)
     return metadata
+
+
+def _check_chunks(path: Path, metadata: Metadata) -> None:
+    """Every stored tensor's chunks lie inside its shape, cover it exactly once and each have a storage entry:
+    otherwise a merge (which takes the shape from here) or a load would keep bytes no item supplied."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            why = _tiling_problem(fqn, md, metadata.storage_data)
+            if why:
+                raise CheckpointDamagedError(f"{path} is damaged: {fqn!r} {why}. Load another checkpoint.")
+
+
+def _tiling_problem(fqn: str, md: TensorStorageMetadata, storage: dict[MetadataIndex, Any]) -> str:
+    size = tuple(md.size)
+    boxes = []
+    for chunk in md.chunks:
+        offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
+        if not all(type(v) is int for v in (*size, *offsets, *lengths)) or not len(offsets) == len(lengths) == len(
+            size
+        ):
+            return f"has a chunk at {list(offsets)} of {list(lengths)} that does not fit its shape {list(size)}"
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size, strict=True)):
+            return f"has a chunk at {list(offsets)} of {list(lengths)} outside its shape {list(size)}"
+        if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
+            return f"has a chunk at {list(offsets)} with no stored item"
+        boxes.append((offsets, lengths))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size) or any(
+        all(a < c + m and c < a + n for a, n, c, m in zip(*boxes[i], *boxes[j], strict=True))
+        for i in range(len(boxes))
+        for j in range(i)
+        if math.prod(boxes[i][1]) and math.prod(boxes[j][1])
+    ):
+        return f"has chunks that do not cover its shape {list(size)} exactly once"
+    return ""
 
 
 def storage_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> dict[str, Path]:
@@ -177,6 +213,7 @@ class SafeFileSystemReader(FileSystemReader):
         self._metadata = metadata
         self._checksums: dict[tuple[str, int, int], int] | None = None
         self._files: dict[str, Path] = {}
+        self._chunk_sizes: dict[MetadataIndex, tuple[int, ...]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -185,6 +222,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._files = storage_files(self.path, metadata)  # before torch's reader can open any of them
+        self._chunk_sizes = {
+            MetadataIndex(fqn, chunk.offsets): tuple(chunk.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def _expected_crc(self, relative_path: str, offset: int, length: int) -> int | None:
@@ -211,14 +254,21 @@ class SafeFileSystemReader(FileSystemReader):
                         direct = self._read_direct(file, request, planner)
                     except CheckpointDamagedError:
                         raise
-                    except Exception:  # unreadable framing, say: name the damage if the checksum sees it
+                    except Exception as exc:  # unreadable framing, say: name the damage if the checksum sees it
                         self._check_whole_item(file, request)
-                        raise
+                        if isinstance(exc, _NOT_DAMAGE):
+                            raise
+                        raise self._unreadable(exc, [request]) from exc
                     if not direct:
                         self._check_whole_item(file, request)
                         rest.append(request)
         if rest:  # non-tensor entries and layouts the direct path does not take: torch's own reader
-            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            try:
+                return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            except _NOT_DAMAGE:
+                raise
+            except Exception as exc:  # the items' bytes were checked (if recorded): they do not fit .metadata
+                raise self._unreadable(exc, rest) from exc
         done: Future[None] = Future()  # torch's future: DCP calls .wait() on it
         done.set_result(None)
         return done
@@ -230,6 +280,14 @@ class SafeFileSystemReader(FileSystemReader):
         stored = locate(ItemView(file, info.offset, info.length))
         if stored is None:
             return False
+        chunk = self._chunk_sizes.get(request.storage_index)
+        if chunk is not None and stored.shape != chunk:  # another item's bytes: never narrow them into place
+            self._check_whole_item(file, request)  # a flipped byte is called that, if the checksum sees it
+            raise CheckpointDamagedError(
+                f"{self._files[info.relative_path]} is damaged: the item .metadata gives for "
+                f"{request.storage_index.fqn!r} holds a tensor of shape {list(stored.shape)}, not {list(chunk)}. "
+                "Load another checkpoint."
+            )
         target = planner.resolve_tensor(request).detach()
         expected = self._expected_crc(info.relative_path, info.offset, info.length)
         span = [info.offset + stored.offset, 0, 0]  # the bytes read: where they start in the file, how many, CRC
@@ -251,6 +309,17 @@ class SafeFileSystemReader(FileSystemReader):
             self._check(request, expected, _item_crc(file, info.offset, info.length, *span))
         planner.commit_tensor(request, target)
         return True
+
+    def _unreadable(self, exc: Exception, requests: list[ReadItem]) -> CheckpointDamagedError:
+        """A read of ``requests`` failed in a way no checksum explained: their bytes do not fit ``.metadata``."""
+        files = sorted({str(self._files[self.storage_data[r.storage_index].relative_path]) for r in requests})
+        fqns = sorted({r.storage_index.fqn for r in requests})
+        first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]  # never torch's weights_only advice
+        return CheckpointDamagedError(
+            f"{', '.join(files)} is damaged: the stored bytes of {', '.join(map(repr, fqns[:3]))} cannot be read as "
+            f"{DCP_METADATA_FILE} describes them ({type(exc).__name__}: {first}). Load another checkpoint "
+            "(`fullshard verify FOLDER` names every damaged file)."
+        )
 
     def _check_whole_item(self, file: io.RawIOBase, request: ReadItem) -> None:
         """Read a stored item whole and check it, before torch's reader parses it."""
@@ -291,6 +360,7 @@ def _item_crc(file: io.RawIOBase, offset: int, length: int, start: int, size: in
     return crc32_combine(crc32_combine(before, read_crc, size), after, offset + length - end)
 
 
+_NOT_DAMAGE = (CheckpointDamagedError, OSError, MemoryError)  # raised as they are by read_data
 _PIECE = 8 << 20  # bytes read at a time when checksumming the parts of an item not read into a tensor
 
 
