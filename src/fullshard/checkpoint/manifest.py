@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.files import create_exclusive, temporary_name
 
 __all__ = [
@@ -125,12 +126,12 @@ def _parse_files(raw: object, path: Path) -> dict[str, FileRecord]:
             )
         else:
             raise ValueError(f"the entry of {name!r} is not a file record")
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise ValueError(f"the entry {name!r} points outside {path.parent}")
+        entry_path(path.parent, name, listed_in=path.name)  # see [Note: a checkpoint folder is a boundary]
     return files
 
 
-def _read(path: Path) -> Manifest | None:
+def _read(folder: str | os.PathLike[str], name: str) -> Manifest | None:
+    path = entry_path(folder, name)  # a marker that is a symbolic link is refused, not followed
     if not path.is_file():
         return None
     try:
@@ -148,12 +149,12 @@ def _read(path: Path) -> Manifest | None:
 
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
     """The checkpoint manifest of ``folder`` (``None`` if it has none); a corrupt one raises naming the file."""
-    return _read(Path(folder) / CHECKPOINT_MANIFEST)
+    return _read(folder, CHECKPOINT_MANIFEST)
 
 
 def read_folder_marker(folder: str | os.PathLike[str]) -> Manifest | None:
     """The completion marker of one sharded (DCP) subfolder (``None`` if it has none)."""
-    return _read(Path(folder) / FOLDER_MARKER)
+    return _read(folder, FOLDER_MARKER)
 
 
 def is_complete_checkpoint(folder: str | os.PathLike[str]) -> bool:

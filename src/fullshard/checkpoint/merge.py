@@ -51,6 +51,7 @@ from fullshard.checkpoint.reader import (
     quiet_single_process_warning,
     read_metadata,
     resolve_checkpoint_dir,
+    storage_files,
 )
 
 __all__ = ["merge_fsdp_weights"]
@@ -120,9 +121,10 @@ class _ShardedSource:
     def _culprits(self, fqns: list[str]) -> list[str]:
         """The data files holding pieces of ``fqns`` that torch cannot load (all of them if none stands out)."""
         items = [(i, info) for i, info in (self.metadata.storage_data or {}).items() if i.fqn in fqns]
+        paths = storage_files(self.root, self.metadata)
         bad = []
         for _, info in items:
-            path = self.root / info.relative_path
+            path = paths[info.relative_path]
             try:
                 with open(path, "rb") as f:
                     f.seek(info.offset)

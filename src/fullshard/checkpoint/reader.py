@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import warnings
@@ -43,10 +44,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fullshard.checkpoint.boundary import CheckpointDamagedError, entry_path
 from fullshard.checkpoint.checksum import crc32, crc32_combine
 from fullshard.checkpoint.direct_read import (
     ItemView,
@@ -57,7 +59,6 @@ from fullshard.checkpoint.direct_read import (
 )
 from fullshard.checkpoint.manifest import FOLDER_MARKER, read_folder_marker
 from fullshard.checkpoint.names import DCP_METADATA_FILE, FSDP_MODEL_NAME
-from fullshard.checkpoint.verify import CheckpointDamagedError
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -70,6 +71,7 @@ __all__ = [
     "quiet_single_process_warning",
     "read_metadata",
     "resolve_checkpoint_dir",
+    "storage_files",
 ]
 
 COMPLETE_MARKER = FOLDER_MARKER
@@ -118,7 +120,7 @@ def quiet_single_process_warning() -> Iterator[None]:
 def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
     """Load ``checkpoint_dir/.metadata`` without running arbitrary code, checked against the CRC-32 the folder's
     completion marker recorded for it (if it has one: see [Note: checked reads]); errors name the file."""
-    path = Path(checkpoint_dir) / DCP_METADATA_FILE
+    path = entry_path(checkpoint_dir, DCP_METADATA_FILE)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -137,7 +139,68 @@ def read_metadata(checkpoint_dir: str | os.PathLike[str]) -> Metadata:
         raise RuntimeError(f"{path} is corrupt or not DCP metadata ({type(exc).__name__}: {exc}).") from exc
     if not isinstance(metadata, Metadata):
         raise RuntimeError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint Metadata.")
+    storage_files(checkpoint_dir, metadata)
+    _check_chunks(path, metadata)
     return metadata
+
+
+def _check_chunks(path: Path, metadata: Metadata) -> None:
+    """Every stored tensor's chunks lie inside its shape, cover it exactly once and each have a storage entry:
+    otherwise a merge (which takes the shape from here) or a load would keep bytes no item supplied."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            why = _tiling_problem(fqn, md, metadata.storage_data)
+            if why:
+                raise CheckpointDamagedError(f"{path} is damaged: {fqn!r} {why}. Load another checkpoint.")
+
+
+def _tiling_problem(fqn: str, md: TensorStorageMetadata, storage: dict[MetadataIndex, Any]) -> str:
+    size = tuple(md.size)
+    boxes = []
+    for chunk in md.chunks:
+        offsets, lengths = tuple(chunk.offsets), tuple(chunk.sizes)
+        if not all(type(v) is int for v in (*size, *offsets, *lengths)) or not len(offsets) == len(lengths) == len(
+            size
+        ):
+            return f"has a chunk at {list(offsets)} of {list(lengths)} that does not fit its shape {list(size)}"
+        if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, size, strict=True)):
+            return f"has a chunk at {list(offsets)} of {list(lengths)} outside its shape {list(size)}"
+        if MetadataIndex(fqn, torch.Size(offsets)) not in storage:
+            return f"has a chunk at {list(offsets)} with no stored item"
+        boxes.append((offsets, lengths))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size) or any(
+        all(a < c + m and c < a + n for a, n, c, m in zip(*boxes[i], *boxes[j], strict=True))
+        for i in range(len(boxes))
+        for j in range(i)
+        if math.prod(boxes[i][1]) and math.prod(boxes[j][1])
+    ):
+        return f"has chunks that do not cover its shape {list(size)} exactly once"
+    return ""
+
+
+def storage_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> dict[str, Path]:
+    """The data files ``metadata``'s storage entries point into, by relative path, each resolved inside
+    ``checkpoint_dir`` (see [Note: a checkpoint folder is a boundary] in ``boundary.py``); an entry whose path
+    leads outside, or whose offset or length is not a byte count, raises :class:`CheckpointDamagedError`
+    naming it, before any data file is opened."""
+    root = Path(checkpoint_dir)
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointDamagedError(
+            f"{root / DCP_METADATA_FILE} is damaged: it lists no stored items. Load another checkpoint."
+        )
+    files: dict[str, Path] = {}
+    for index, info in storage.items():
+        rel = getattr(info, "relative_path", None)
+        if rel not in files:
+            files[rel] = entry_path(root, rel, listed_in=DCP_METADATA_FILE)
+        span = (getattr(info, "offset", None), getattr(info, "length", None))
+        if not all(type(v) is int and v >= 0 for v in span):
+            raise CheckpointDamagedError(
+                f"{root / DCP_METADATA_FILE} is damaged: the entry of {getattr(index, 'fqn', index)!r} in {rel!r} has "
+                f"offset {span[0]!r} and length {span[1]!r}, which are not byte counts. Load another checkpoint."
+            )
+    return files
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -149,18 +212,33 @@ class SafeFileSystemReader(FileSystemReader):
         super().__init__(path)
         self._metadata = metadata
         self._checksums: dict[tuple[str, int, int], int] | None = None
+        self._files: dict[str, Path] = {}
+        self._chunk_sizes: dict[MetadataIndex, tuple[int, ...]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             self._metadata = read_metadata(self.path)
         return self._metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._files = storage_files(self.path, metadata)  # before torch's reader can open any of them
+        self._chunk_sizes = {
+            MetadataIndex(fqn, chunk.offsets): tuple(chunk.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
     def _expected_crc(self, relative_path: str, offset: int, length: int) -> int | None:
         if self._checksums is None:
             marker = read_folder_marker(self.path) if crc32_combine is not None else None  # ISA-L combines CRCs
             records = marker.files.items() if marker is not None else ()  # none: checked reads are off
             self._checksums = {(name, o, n): crc for name, record in records for o, n, crc in record.items}
-        return self._checksums.get((relative_path, offset, length))
+        expected = self._checksums.get((relative_path, offset, length))
+        if expected is None and self._checksums:  # check_data_files refuses this first; never read it unchecked
+            raise _unlisted_item(Path(self.path), relative_path, offset, length)
+        return expected
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -168,7 +246,7 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
         rest: list[ReadItem] = []
         for relative_path, requests in per_file.items():
-            with open(Path(self.path) / relative_path, "rb", buffering=0) as file:
+            with open(self._files[relative_path], "rb", buffering=0) as file:
                 advise_sequential(file)
                 requests.sort(key=lambda r: self.storage_data[r.storage_index].offset)  # one pass, front to back
                 for request in requests:
@@ -176,14 +254,21 @@ class SafeFileSystemReader(FileSystemReader):
                         direct = self._read_direct(file, request, planner)
                     except CheckpointDamagedError:
                         raise
-                    except Exception:  # unreadable framing, say: name the damage if the checksum sees it
+                    except Exception as exc:  # unreadable framing, say: name the damage if the checksum sees it
                         self._check_whole_item(file, request)
-                        raise
+                        if isinstance(exc, _NOT_DAMAGE):
+                            raise
+                        raise self._unreadable(exc, [request]) from exc
                     if not direct:
                         self._check_whole_item(file, request)
                         rest.append(request)
         if rest:  # non-tensor entries and layouts the direct path does not take: torch's own reader
-            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            try:
+                return super().read_data(dataclasses.replace(plan, items=rest), planner)
+            except _NOT_DAMAGE:
+                raise
+            except Exception as exc:  # the items' bytes were checked (if recorded): they do not fit .metadata
+                raise self._unreadable(exc, rest) from exc
         done: Future[None] = Future()  # torch's future: DCP calls .wait() on it
         done.set_result(None)
         return done
@@ -195,6 +280,14 @@ class SafeFileSystemReader(FileSystemReader):
         stored = locate(ItemView(file, info.offset, info.length))
         if stored is None:
             return False
+        chunk = self._chunk_sizes.get(request.storage_index)
+        if chunk is not None and stored.shape != chunk:  # another item's bytes: never narrow them into place
+            self._check_whole_item(file, request)  # a flipped byte is called that, if the checksum sees it
+            raise CheckpointDamagedError(
+                f"{self._files[info.relative_path]} is damaged: the item .metadata gives for "
+                f"{request.storage_index.fqn!r} holds a tensor of shape {list(stored.shape)}, not {list(chunk)}. "
+                "Load another checkpoint."
+            )
         target = planner.resolve_tensor(request).detach()
         expected = self._expected_crc(info.relative_path, info.offset, info.length)
         span = [info.offset + stored.offset, 0, 0]  # the bytes read: where they start in the file, how many, CRC
@@ -216,6 +309,17 @@ class SafeFileSystemReader(FileSystemReader):
             self._check(request, expected, _item_crc(file, info.offset, info.length, *span))
         planner.commit_tensor(request, target)
         return True
+
+    def _unreadable(self, exc: Exception, requests: list[ReadItem]) -> CheckpointDamagedError:
+        """A read of ``requests`` failed in a way no checksum explained: their bytes do not fit ``.metadata``."""
+        files = sorted({str(self._files[self.storage_data[r.storage_index].relative_path]) for r in requests})
+        fqns = sorted({r.storage_index.fqn for r in requests})
+        first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]  # never torch's weights_only advice
+        return CheckpointDamagedError(
+            f"{', '.join(files)} is damaged: the stored bytes of {', '.join(map(repr, fqns[:3]))} cannot be read as "
+            f"{DCP_METADATA_FILE} describes them ({type(exc).__name__}: {first}). Load another checkpoint "
+            "(`fullshard verify FOLDER` names every damaged file)."
+        )
 
     def _check_whole_item(self, file: io.RawIOBase, request: ReadItem) -> None:
         """Read a stored item whole and check it, before torch's reader parses it."""
@@ -256,6 +360,7 @@ def _item_crc(file: io.RawIOBase, offset: int, length: int, start: int, size: in
     return crc32_combine(crc32_combine(before, read_crc, size), after, offset + length - end)
 
 
+_NOT_DAMAGE = (CheckpointDamagedError, OSError, MemoryError)  # raised as they are by read_data
 _PIECE = 8 << 20  # bytes read at a time when checksumming the parts of an item not read into a tensor
 
 
@@ -289,31 +394,49 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> None:
     """Every data file that ``metadata`` points into exists and is long enough; errors name the file."""
     root = Path(checkpoint_dir)
+    paths = storage_files(root, metadata)  # every path inside the folder before any is looked at
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for rel, end in sorted(needed.items()):
-        path = root / rel
+        path = paths[rel]
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint in {root} is incomplete; re-save it.")
         size = path.stat().st_size
         if size < end:
             raise RuntimeError(f"{path} is truncated ({size} bytes, the metadata needs {end}): re-save the checkpoint.")
-    _check_marker(root)
+    _check_marker(root, metadata)
 
 
-def _check_marker(root: Path) -> None:
+def _check_marker(root: Path, metadata: Metadata) -> None:
+    """The marker's files have their recorded sizes, and, if it records any item's checksum, it records every
+    item ``.metadata`` places (same file, offset and length): an item it does not list would load unchecked."""
     marker = read_folder_marker(root)
     if marker is None:
         return
     for rel, record in sorted(marker.files.items()):
-        path = root / rel
+        path = root / rel  # the marker's names were resolved inside the folder when it was read
         actual = path.stat().st_size if path.is_file() else None
         if actual != record.size:
             raise RuntimeError(
                 f"{path} is {'missing' if actual is None else f'{actual} bytes'}, but it was saved with "
                 f"{record.size} bytes: the checkpoint in {root} is damaged; re-save it."
             )
+    listed = {(rel, offset, length) for rel, record in marker.files.items() for offset, length, _ in record.items}
+    if not listed:  # saved without per-item checksums (Accelerate, torch, older fullshard, no ISA-L)
+        return
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        if (info.relative_path, info.offset, info.length) not in listed:
+            raise _unlisted_item(root, info.relative_path, info.offset, info.length, getattr(index, "fqn", None))
+
+
+def _unlisted_item(root: Path, rel: str, offset: int, length: int, fqn: str | None = None) -> CheckpointDamagedError:
+    what = f"{fqn!r} at" if fqn is not None else "an item at"
+    return CheckpointDamagedError(
+        f"{root / rel} is damaged: {DCP_METADATA_FILE} places {what} offset {offset} ({length} bytes), but "
+        f"{COMPLETE_MARKER} records no item there, so its bytes cannot be checked; the metadata or the marker was "
+        "altered. Load another checkpoint (`fullshard verify FOLDER` names every damaged file)."
+    )
 
 
 def _candidate_subfolders(root: Path) -> list[Path]:

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fullshard.checkpoint.boundary import CheckpointDamagedError, entry_path
 from fullshard.checkpoint.checksum import file_checksum
 from fullshard.checkpoint.manifest import (
     CHECKPOINT_MANIFEST,
@@ -41,10 +42,6 @@ _PART_RE = re.compile(
     r"^(pytorch_model_fsdp(_\d+)?(\.bin)?|optimizer(_\d+)?(\.bin)?|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin"
     r"|custom_checkpoint_\d+\.pkl|random_states_\d+\.pkl|scaler\.pt)$"
 )
-
-
-class CheckpointDamagedError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt or from another save; the message names it."""
 
 
 class NotACheckpointError(ValueError):
@@ -69,7 +66,7 @@ def _missing(path: Path) -> CheckpointDamagedError:
 
 def _dcp_folders(root: Path) -> list[Path]:
     subs = [p for p in root.iterdir() if p.is_dir() and ((p / DCP_METADATA_FILE).exists() or any(p.glob("*.distcp")))]
-    return sorted(subs)
+    return sorted(entry_path(root, p.name) for p in subs)  # a linked subfolder is refused, not read
 
 
 def _describe(root: Path) -> tuple[Manifest | None, bool]:

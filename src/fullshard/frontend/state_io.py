@@ -45,6 +45,7 @@ from fullshard.checkpoint import (
     rng_state_file_name,
     scheduler_file_name,
 )
+from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.dcp import write_sharded
@@ -277,6 +278,8 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     problem: str | None = None
     try:
         manifest = check_parts(folder)
+        for path in [*_files_to_read(folder, objects, full), folder / rng_state_file_name(rank)]:
+            entry_path(folder, path.name)  # no link, before anything is read; see checkpoint/boundary.py
         for path in _files_to_read(folder, objects, full):
             _expect(path, where)
         if verify:
