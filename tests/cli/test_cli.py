@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch.distributed.run as torchrun
 import yaml
 from click.testing import CliRunner
 
@@ -86,7 +87,7 @@ def test_config_default_writes_a_file_once(tmp_path: Path, child_env: dict[str, 
     path = tmp_path / "home" / "default_config.yaml"
     assert f"saved at {path}" in result.stdout
     cfg, _ = load_config(path)
-    assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 2
+    assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 1
 
     again = _fullshard(["config", "default"], child_env)
     assert again.returncode == 1
@@ -236,6 +237,34 @@ def test_launch_rejects_bad_flags() -> None:
     assert "--fsdp_offload_params='perhaps': not a boolean." in result.output
     result = CliRunner().invoke(cli, ["launch", "--num_machines", "2", "--num_processes", "2", "train.py"])
     assert result.exit_code == 2 and "without main_process_ip" in result.output
+
+
+def test_launch_takes_torchrun_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = []
+    monkeypatch.setattr("fullshard.cli.commands.launch.run_launch", lambda plan: plans.append(plan) or 0)
+    script = _worker(tmp_path)
+    args = ["launch", "--config_file", str(tmp_path / "none.yaml")]
+    (tmp_path / "none.yaml").write_text("use_cpu: true\n")
+    result = CliRunner().invoke(cli, [*args, "--nproc_per_node", "2", "--master_port", "6001", script, "--x"])
+    assert result.exit_code == 0, result.output
+    parsed = torchrun.get_args_parser().parse_args(plans[0].argv)
+    assert (parsed.nproc_per_node, parsed.master_port, parsed.training_script_args) == ("2", 6001, [script, "--x"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "suggestion"),
+    [
+        ("--nproc-per-nod", "--nproc-per-node"),
+        ("--num_proceses", "--num_processes"),
+        ("--fsdp_versio", "--fsdp_version"),
+    ],
+)
+def test_launch_names_an_unknown_flag(flag: str, suggestion: str) -> None:
+    # Was: "script '--nproc-per-nod' not found": the unknown flag was taken for the script.
+    result = CliRunner().invoke(cli, ["launch", flag, "2", "train.py"])
+    assert result.exit_code == 2
+    assert f"No such option '{flag}'" in result.output and suggestion in result.output
+    assert "not found" not in result.output
 
 
 def test_env_table_flags_are_all_launch_options() -> None:
