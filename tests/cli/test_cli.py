@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -229,6 +230,18 @@ def test_launch_reports_a_failed_worker(tmp_path: Path, child_env: dict[str, str
     script.write_text("import sys\nsys.exit(3)\n")
     result = _fullshard(["launch", "--cpu", str(script)], child_env)
     assert result.returncode == 3
+
+
+def test_launch_shows_an_error_raised_on_every_rank_once(tmp_path: Path, child_env: dict[str, str]) -> None:
+    script = tmp_path / "bad_wrap.py"
+    script.write_text("def wrap():\n    raise ValueError('no module class Blok in the model')\n\nwrap()\n")
+    result = _fullshard(["launch", "--cpu", "--num_processes", "2", str(script)], child_env)
+    assert result.returncode == 1
+    # Printed by the first rank to fail and once in the summary (was: by each rank, then by the summary).
+    assert result.stderr.count("Traceback") == 2, result.stderr
+    assert re.search(r"\[rank [01]\] ValueError: the same error and traceback as rank [01]\n", result.stderr)
+    assert "error (the same on ranks 0, 1): ValueError: no module class Blok in the model" in result.stderr
+    assert "then rank" not in result.stderr
 
 
 def test_launch_rejects_bad_flags() -> None:
