@@ -166,6 +166,30 @@ def test_env_prints_versions_and_config(tmp_path: Path, child_env: dict[str, str
         assert expected in result.stdout
 
 
+def test_env_names_the_versions_and_the_config_files_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fullshard.cli.commands.env import environment_rows
+
+    # - Set up: no fullshard config file; an Accelerate default config file.
+    monkeypatch.setenv("FULLSHARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    theirs = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    # - Run / Check: the versions, where the default file was looked for, and that Accelerate's is not used.
+    rows = dict(environment_rows())
+    for package in ("fullshard", "torch", "transformers", "accelerate", "numpy", "safetensors"):
+        assert rows[package][0].isdigit(), (package, rows[package])
+    ours = tmp_path / "home" / "default_config.yaml"
+    assert rows["Config file"] == f"{ours} (the default; not found, so launch uses its defaults: 1 process, no FSDP)"
+    assert rows["Accelerate's default config"] == f"{theirs} (exists, not used: pass --config_file {theirs} to use it)"
+    rows = dict(environment_rows(str(theirs)))
+    assert rows["Config file"] == f"{theirs} (given with --config_file; found)"
+    assert rows["Accelerate's default config"] == f"{theirs} (exists, used)"
+    assert rows["  num_processes"] == "2"
+
+
 # --- launch -------------------------------------------------------------------------------------------------
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "DISTRIBUTED_TYPES",
     "RDZV_BACKENDS",
     "LaunchConfig",
+    "accelerate_default_config_path",
     "default_config_path",
     "did_you_mean",
     "load_config",
@@ -201,6 +202,14 @@ def default_config_path() -> Path:
     if not home:
         home = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fullshard")
     return Path(home) / "default_config.yaml"
+
+
+def accelerate_default_config_path() -> Path:
+    """Where ``accelerate config`` writes its default file: ``$HF_HOME/accelerate/default_config.yaml``
+    (``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``, ``~/.cache/huggingface``). ``fullshard launch``
+    does not read it unless it is passed with ``--config_file``."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> tuple[LaunchConfig, Path | None]:
