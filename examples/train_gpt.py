@@ -123,7 +123,13 @@ def train(args: argparse.Namespace) -> list[float]:
     accelerator.save_model(model, args.output)
     if accelerator.is_main_process:
         (args.output / "losses.json").write_text(json.dumps(losses))
-        accelerator.print(f"final loss {losses[-1]:.4f}; weights in {args.output / 'model.safetensors'}")
+        latest = latest_checkpoint(args.output)
+        accelerator.print(
+            f"final loss {losses[-1]:.4f}\n"
+            f"checkpoints: {args.output / 'checkpoints'} (latest: {latest.name if latest else 'none'})\n"
+            f"metrics log: {args.output / 'logs' / 'metrics.jsonl'}\n"
+            f"merged weights: {args.output / 'model.safetensors'}"
+        )
     accelerator.end_training()
     return losses
 
