@@ -220,7 +220,7 @@ def _default_seq(model: nn.Module) -> int:
 @click.option("--no-prefetch", "--no_prefetch", "no_prefetch", is_flag=True,
               help="One gathered unit at a time (backward_prefetch=None) instead of two.")  # fmt: skip
 @click.option("--mixed_precision", "--mixed-precision", "mixed_precision", default="no", show_default=True,
-              type=click.Choice(("no", "bf16", "fp16")))  # fmt: skip
+              type=click.Choice(("no", "bf16", "fp16")), help="Compute precision of the gathered units.")  # fmt: skip
 @click.option("--cpu_offload", "--cpu-offload", "cpu_offload", is_flag=True, help="Parameters and states on the CPU.")
 @click.option("--transformer_layer_cls_to_wrap", "--wrap", "wrap", default=None,
               help="Comma-separated block classes that become units (default: _no_split_modules).")  # fmt: skip
