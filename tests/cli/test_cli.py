@@ -258,7 +258,9 @@ def test_launch_reports_a_failed_worker(tmp_path: Path, child_env: dict[str, str
 
 def test_launch_shows_an_error_raised_on_every_rank_once(tmp_path: Path, child_env: dict[str, str]) -> None:
     script = tmp_path / "bad_wrap.py"
-    script.write_text("def wrap():\n    raise ValueError('no module class Blok in the model')\n\nwrap()\n")
+    # Both ranks reach the error together (after a barrier), so neither is stopped before it raises.
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
+                      "def wrap():\n    raise ValueError('no module class Blok in the model')\nwrap()\n")  # fmt: skip
     result = _fullshard(["launch", "--cpu", "--num_processes", "2", str(script)], child_env)
     assert result.returncode == 1
     # Printed by the first rank to fail and once in the summary (was: by each rank, then by the summary).
