@@ -131,8 +131,10 @@ def train(args: argparse.Namespace) -> list[float]:
     if accelerator.is_main_process and losses:
         (args.output / "losses.json").write_text(json.dumps(losses))
         accelerator.print(f"final loss {losses[-1]:.4f}")
+    latest = latest_checkpoint(args.output)
     accelerator.print(
-        f"checkpoints: {args.output / 'checkpoints'}\nmetrics log: {args.output / 'logs' / 'metrics.jsonl'}\n"
+        f"checkpoints: {args.output / 'checkpoints'} (latest: {latest.name if latest else 'none'})\n"
+        f"metrics log: {args.output / 'logs' / 'metrics.jsonl'}\n"
         f"merged weights: {args.output / 'model.safetensors'}"
     )
     accelerator.end_training()

@@ -134,3 +134,25 @@ def test_a_merge_onto_a_full_disk_says_how_much_it_needs(tmp_path: Path) -> None
         assert list(disk.iterdir()) == []
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_folder_of_checkpoints_is_answered_with_the_list(tmp_path: Path) -> None:
+    # - Set up: a project folder whose checkpoints/ holds checkpoint_0 and checkpoint_1 (and a plain file).
+    project = tmp_path / "runs" / "x"
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        state = {"model": {"w": torch.randn(4, 4, generator=g)}}
+        save_sharded(state, project / "checkpoints" / f"checkpoint_{i}" / "pytorch_model_fsdp_0")
+        (project / "checkpoints" / f"checkpoint_{i}" / "random_states_0.pkl").write_bytes(b"")
+    (project / "checkpoints" / "notes.txt").write_text("x")
+    latest = project / "checkpoints" / "checkpoint_1"
+    # - Run / Check: both the project folder and its checkpoints/ list what they hold and name one to pass.
+    for folder, prefix in ((project, "checkpoints/"), (project / "checkpoints", "")):
+        code, output = _run("verify", str(folder))
+        _one_line_error(code, output, f"'{folder}' is not a checkpoint; it holds 2: {prefix}checkpoint_0, "
+                        f"{prefix}checkpoint_1.", f"Pass one of them, e.g. fullshard verify {latest}")  # fmt: skip
+    code, output = _run("merge-weights", str(project), str(tmp_path / "out"))
+    _one_line_error(code, output, f"e.g. fullshard merge-weights {latest / 'pytorch_model_fsdp_0'} OUTPUT_PATH")
+    assert not (tmp_path / "out").exists()
+    # A checkpoint itself is still verified as before.
+    assert _run("verify", str(latest / "pytorch_model_fsdp_0"))[0] == 0

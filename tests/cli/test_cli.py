@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch.distributed.run as torchrun
 import yaml
 from click.testing import CliRunner
 
@@ -86,7 +88,7 @@ def test_config_default_writes_a_file_once(tmp_path: Path, child_env: dict[str, 
     path = tmp_path / "home" / "default_config.yaml"
     assert f"saved at {path}" in result.stdout
     cfg, _ = load_config(path)
-    assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 2
+    assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 1
 
     again = _fullshard(["config", "default"], child_env)
     assert again.returncode == 1
@@ -164,6 +166,30 @@ def test_env_prints_versions_and_config(tmp_path: Path, child_env: dict[str, str
         assert expected in result.stdout
 
 
+def test_env_names_the_versions_and_the_config_files_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fullshard.cli.commands.env import environment_rows
+
+    # - Set up: no fullshard config file; an Accelerate default config file.
+    monkeypatch.setenv("FULLSHARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    theirs = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    # - Run / Check: the versions, where the default file was looked for, and that Accelerate's is not used.
+    rows = dict(environment_rows())
+    for package in ("fullshard", "torch", "transformers", "accelerate", "numpy", "safetensors"):
+        assert rows[package][0].isdigit(), (package, rows[package])
+    ours = tmp_path / "home" / "default_config.yaml"
+    assert rows["Config file"] == f"{ours} (the default; not found, so launch uses its defaults: 1 process, no FSDP)"
+    assert rows["Accelerate's default config"] == f"{theirs} (exists, not used: pass --config_file {theirs} to use it)"
+    rows = dict(environment_rows(str(theirs)))
+    assert rows["Config file"] == f"{theirs} (given with --config_file; found)"
+    assert rows["Accelerate's default config"] == f"{theirs} (exists, used)"
+    assert rows["  num_processes"] == "2"
+
+
 # --- launch -------------------------------------------------------------------------------------------------
 
 
@@ -230,12 +256,54 @@ def test_launch_reports_a_failed_worker(tmp_path: Path, child_env: dict[str, str
     assert result.returncode == 3
 
 
+def test_launch_shows_an_error_raised_on_every_rank_once(tmp_path: Path, child_env: dict[str, str]) -> None:
+    script = tmp_path / "bad_wrap.py"
+    # Both ranks reach the error together (after a barrier), so neither is stopped before it raises.
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
+                      "def wrap():\n    raise ValueError('no module class Blok in the model')\nwrap()\n")  # fmt: skip
+    result = _fullshard(["launch", "--cpu", "--num_processes", "2", str(script)], child_env)
+    assert result.returncode == 1
+    # Printed by the first rank to fail and once in the summary (was: by each rank, then by the summary).
+    assert result.stderr.count("Traceback") == 2, result.stderr
+    assert re.search(r"\[rank [01]\] ValueError: the same error and traceback as rank [01]\n", result.stderr)
+    assert "error (the same on ranks 0, 1): ValueError: no module class Blok in the model" in result.stderr
+    assert "then rank" not in result.stderr
+
+
 def test_launch_rejects_bad_flags() -> None:
     result = CliRunner().invoke(cli, ["launch", "--fsdp_offload_params", "perhaps", "train.py"])
     assert result.exit_code == 2
     assert "--fsdp_offload_params='perhaps': not a boolean." in result.output
     result = CliRunner().invoke(cli, ["launch", "--num_machines", "2", "--num_processes", "2", "train.py"])
     assert result.exit_code == 2 and "without main_process_ip" in result.output
+
+
+def test_launch_takes_torchrun_spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = []
+    monkeypatch.setattr("fullshard.cli.commands.launch.run_launch", lambda plan: plans.append(plan) or 0)
+    script = _worker(tmp_path)
+    args = ["launch", "--config_file", str(tmp_path / "none.yaml")]
+    (tmp_path / "none.yaml").write_text("use_cpu: true\n")
+    result = CliRunner().invoke(cli, [*args, "--nproc_per_node", "2", "--master_port", "6001", script, "--x"])
+    assert result.exit_code == 0, result.output
+    parsed = torchrun.get_args_parser().parse_args(plans[0].argv)
+    assert (parsed.nproc_per_node, parsed.master_port, parsed.training_script_args) == ("2", 6001, [script, "--x"])
+
+
+@pytest.mark.parametrize(
+    ("flag", "suggestion"),
+    [
+        ("--nproc-per-nod", "--nproc-per-node"),
+        ("--num_proceses", "--num_processes"),
+        ("--fsdp_versio", "--fsdp_version"),
+    ],
+)
+def test_launch_names_an_unknown_flag(flag: str, suggestion: str) -> None:
+    # Was: "script '--nproc-per-nod' not found": the unknown flag was taken for the script.
+    result = CliRunner().invoke(cli, ["launch", flag, "2", "train.py"])
+    assert result.exit_code == 2
+    assert f"No such option '{flag}'" in result.output and suggestion in result.output
+    assert "not found" not in result.output
 
 
 def test_env_table_flags_are_all_launch_options() -> None:

@@ -15,6 +15,7 @@ GPT_840M = [
     f"--model-arg={kv}" for kv in ("n_layer=16", "n_embd=2048", "n_head=16", "vocab_size=8192", "block_size=128")
 ]
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+ONE_MACHINE = STRATEGIES[:3]  # the hybrid strategies are shown only with --num_machines > 1
 
 
 def run(*args: str, columns: int = 160) -> tuple[int, str]:
@@ -36,7 +37,7 @@ def test_table_for_a_factory() -> None:
     code, out = run("fullshard.testing.models:TinyGPT", "--wrap", "Block", "--num_processes", "4")
     assert code == 0, out
     assert "TinyGPT: 7,068 parameters in 3 units; 1 x 11 tokens per rank" in " ".join(out.split())
-    assert set(rows(out)) == {(s, 4) for s in STRATEGIES}
+    assert set(rows(out)) == {(s, 4) for s in ONE_MACHINE}
 
 
 def test_840m_gpt_from_its_config_in_80_columns() -> None:
@@ -48,7 +49,7 @@ def test_840m_gpt_from_its_config_in_80_columns() -> None:
     assert max(len(line) for line in out.splitlines()) <= 80, out
     assert "…" not in out, "a cell was cut"
     table = rows(out)
-    assert set(table) == {(s, n) for s in STRATEGIES for n in (1, 2, 4, 1024)}, out
+    assert set(table) == {(s, n) for s in ONE_MACHINE for n in (1, 2, 4, 1024)}, out
     state, peak = float(table["FULL_SHARD", 2][0]), float(table["FULL_SHARD", 2][4])
     assert state == pytest.approx(16 * 839_520_273 / 2 / 2**30, rel=1e-3)  # 16 bytes per parameter over 2 ranks
     assert state < peak < state + 1.5
@@ -66,7 +67,7 @@ def test_budget_says_which_strategies_fit() -> None:
     assert table["SHARD_GRAD_OP", 2][-1] == "no", "all 16 blocks gathered at once: 3.1 GiB more"
     assert "…" not in out
     summary = " ".join(out.split())
-    assert "Fits 8GiB per rank: FULL_SHARD on 2, HYBRID_SHARD on 2, FULL_SHARD on 4," in summary
+    assert "Fits 8GiB per rank: FULL_SHARD on 2, FULL_SHARD on 4," in summary
     code, out = run("fullshard.testing.models:gpt", *GPT_840M, "--num_processes", "2", "--budget", "1GiB")
     assert code == 0 and "Nothing fits 1GiB per rank: add processes, --activation-checkpointing" in " ".join(
         out.split()
@@ -139,3 +140,31 @@ def test_hf_config_of_a_pretrained_model() -> None:
     assert "BertModel: 22,713,216 parameters in 8 units; 1 x 512 tokens per rank" in " ".join(out.split())
     state = float(rows(out)["FULL_SHARD", 2][0])
     assert state == pytest.approx(4 * 43.3, rel=2e-3), "params, grads, 2 Adam moments: half of 22.7M fp32 each"
+
+
+def test_hybrid_rows_only_with_several_machines() -> None:
+    args = ["fullshard.testing.models:TinyGPT", "--wrap", "Block", "--num_processes", "4"]
+    assert set(rows(run(*args)[1])) == {(s, 4) for s in ONE_MACHINE}
+    code, out = run(*args, "--num_machines", "2")
+    assert code == 0 and set(rows(out)) == {(s, 4) for s in STRATEGIES}
+    # Asked for by name, a hybrid row is shown on one machine too.
+    assert set(rows(run(*args, "--sharding_strategy", "HYBRID_SHARD")[1])) == {("HYBRID_SHARD", 4)}
+
+
+def test_a_causal_lm_config_counts_the_lm_head(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    # - Set up: a small Llama config.json naming LlamaForCausalLM, as a checkpoint folder holds it.
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    config = transformers.LlamaConfig(vocab_size=256, max_position_embeddings=32, architectures=["LlamaForCausalLM"],
+                                      **sizes)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        trained = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+        base = sum(p.numel() for p in transformers.AutoModel.from_config(config).parameters())
+    assert trained == base + 256 * 64  # the LM head, which AutoModel leaves out
+    # - Run / Check: the whole model the script trains is counted, in its units.
+    code, out = run(str(tmp_path), "--sharding_strategy", "FULL_SHARD")
+    assert code == 0, out
+    assert f"LlamaForCausalLM: {trained:,} parameters in 3 units; 1 x 32 tokens per rank" in " ".join(out.split())

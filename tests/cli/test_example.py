@@ -67,6 +67,12 @@ def test_example_trains_checkpoints_and_merges(straight_run: tuple[Path, str]) -
     ]
     weights = load_file(output / "model.safetensors")
     assert weights.keys() == TinyGPT().state_dict().keys()
+    # The last lines say where the checkpoints, the metrics log and the merged weights are.
+    assert stdout.splitlines()[-3:] == [
+        f"checkpoints: {output / 'checkpoints'} (latest: checkpoint_1)",
+        f"metrics log: {output / 'logs' / 'metrics.jsonl'}",
+        f"merged weights: {output / 'model.safetensors'}",
+    ]
 
 
 def test_example_resume_reproduces_the_losses(straight_run: tuple[Path, str], tmp_path: Path) -> None:

@@ -83,6 +83,7 @@ def test_seed_001_yaml_becomes_the_workers_environment(tmp_path: Path) -> None:
         "FSDP_SYNC_MODULE_STATES": "true",
         "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer",
         "FSDP_USE_ORIG_PARAMS": "true",
+        "FSDP_VERSION": "1",  # the file names none: the default, written out as `accelerate launch` does
     }
 
 
@@ -126,7 +127,21 @@ def test_unknown_fsdp_keys_are_named(tmp_path: Path) -> None:
     path = _write(tmp_path, SEED_001_YAML.replace("fsdp_use_orig_params", "fsdp_use_original_params"))
     with pytest.raises(
         ValueError,
-        match=re.escape("fsdp_config has an unknown key 'fsdp_use_original_params'. Remove it or use one of:"),
+        match=re.escape(
+            "fsdp_config has an unknown key 'fsdp_use_original_params' (did you mean fsdp_use_orig_params?). "
+            "Remove it or use one of:"
+        ),
+    ):
+        load_config(path)
+
+
+def test_a_misspelt_key_gets_a_suggestion(tmp_path: Path) -> None:
+    path = _write(tmp_path, "num_proceses: 2\nmixed_precison: bf16\n")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "unknown keys ['mixed_precison', 'num_proceses'] (did you mean mixed_precision or num_processes?)."
+        ),
     ):
         load_config(path)
 

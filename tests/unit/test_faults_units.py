@@ -12,7 +12,7 @@ import pytest
 
 import fullshard
 import fullshard.utils
-from fullshard.cli import failures
+from fullshard.cli import failures, worker
 from fullshard.frontend import runtime
 from fullshard.frontend.handlers import InitProcessGroupKwargs, process_group_kwargs
 
@@ -121,3 +121,36 @@ def test_stop_after_a_signal(tmp_path) -> None:
     outcome = failures.describe_stop(signal.SIGTERM, {0: "0", 1: "running"})
     assert outcome.exit_code == 143 and "local rank 1 killed" in outcome.message
     assert failures.read_statuses(tmp_path, 2) == {0: "missing", 1: "missing"}
+
+
+def test_the_same_error_on_every_rank_is_shown_once_with_its_ranks() -> None:
+    # - Set up: ranks 0, 2 and 3 raise the same error the same way; rank 1 raises another.
+    same = {"stack": "Traceback...\n  File 'train.py', line 3\nValueError: no class 'Blok'"}
+    outcome = failures.describe_failures(
+        {
+            0: _Failure(0, 1, 100, error_file_data=_raised("ValueError: no class 'Blok'", 100.4, **same)),
+            1: _Failure(1, 1, 100, error_file_data=_raised("RuntimeError: other", 100.5)),
+            2: _Failure(2, 1, 100, error_file_data=_raised("ValueError: no class 'Blok'", 100.1, **same)),
+            3: _Failure(3, 1, 100, error_file_data=_raised("ValueError: no class 'Blok'", 100.3, **same)),
+        }
+    )
+    # - Check: the message and traceback once, naming the ranks; the different failure on its own line.
+    lines = outcome.message.splitlines()
+    assert lines[0].startswith("fullshard launch: rank 2 failed first (exit code 1)")
+    assert lines[1] == "  error (the same on ranks 0, 2, 3): ValueError: no class 'Blok'"
+    assert lines[2] == "  traceback of ranks 0, 2, 3:"
+    assert outcome.message.count("no class 'Blok'") == 2  # the error line and the traceback's last line
+    assert lines[-1] == "  then rank 1 failed (exit code 1, after RuntimeError: other)"
+    assert len(lines) == 7
+
+
+def test_a_traceback_already_printed_on_this_machine_names_the_rank_that_printed_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(failures.STATUS_DIR_VAR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    assert worker._printed_by("Traceback...\nValueError: x") is None  # the first: rank 3 prints it
+    monkeypatch.setenv("RANK", "1")
+    assert worker._printed_by("Traceback...\nValueError: x") == 3
+    assert worker._printed_by("Traceback...\nValueError: y") is None  # another traceback is printed
+    assert sorted(p.name.startswith("printed-") for p in tmp_path.iterdir()) == [True, True]
+    monkeypatch.delenv(failures.STATUS_DIR_VAR)
+    assert worker._printed_by("Traceback...\nValueError: x") is None  # no launcher: every rank prints

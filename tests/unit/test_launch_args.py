@@ -8,8 +8,12 @@ import re
 import pytest
 import torch.distributed.run as torchrun
 
+from fullshard.cli.commands.config import default_config
+from fullshard.cli.commands.launch import torchrun_spellings
 from fullshard.cli.config_file import LaunchConfig, override
-from fullshard.cli.launch import build_launch
+from fullshard.cli.launch import build_launch, launch_env
+from fullshard.frontend import env
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 
 
 def _parsed(argv: list[str]) -> argparse.Namespace:
@@ -125,3 +129,51 @@ def test_processes_must_divide_over_machines() -> None:
         ValueError, match=re.escape("num_processes=3 with num_machines=2: num_processes counts the processes of all")
     ):
         build_launch(cfg, "t.py")
+
+
+# --- torchrun's spellings and the default FSDP version ------------------------------------------------------
+
+
+def test_torchrun_spellings_become_fullshards() -> None:
+    flags = {"nproc_per_node": 2, "nnodes": 3, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 6000}
+    assert torchrun_spellings(flags, machines_in_file=1) == {
+        "num_processes": 6,  # 2 per machine on 3 machines
+        "num_machines": 3,
+        "machine_rank": 1,
+        "main_process_ip": "10.0.0.1",
+        "main_process_port": 6000,
+    }
+    # Per machine times the machines of the config file when no flag gives them; the other flags pass through.
+    assert torchrun_spellings({"nproc_per_node": 4, "use_fsdp": True}, machines_in_file=2) == {
+        "use_fsdp": True,
+        "num_processes": 8,
+    }
+    assert torchrun_spellings({"rdzv_endpoint": "host-a:29400"}, machines_in_file=1) == {
+        "main_process_ip": "host-a",
+        "main_process_port": 29400,
+    }
+    # Both spellings with one value is fine; with two values, the error names both.
+    assert torchrun_spellings({"num_machines": 2, "nnodes": 2}, 1) == {"num_machines": 2}
+    with pytest.raises(ValueError, match=re.escape("--num_processes 4 and --nproc_per_node 1 x 2 machines = 2 set")):
+        torchrun_spellings({"num_processes": 4, "num_machines": 2, "nproc_per_node": 1}, 1)
+    with pytest.raises(ValueError, match=re.escape("--rdzv_endpoint 'host-a': expected HOST:PORT")):
+        torchrun_spellings({"rdzv_endpoint": "host-a"}, 1)
+
+
+def test_rdzv_id_and_conf_reach_torchrun() -> None:
+    single = _parsed(build_launch(LaunchConfig(), "t.py", rdzv_id="job7", rdzv_conf="timeout=60").argv)
+    assert (single.rdzv_id, single.rdzv_conf) == ("job7", "timeout=60")
+    cfg = LaunchConfig(num_processes=2, num_machines=2, machine_rank=1, main_process_ip="h", rdzv_backend="c10d")
+    # c10d on several machines: fullshard's is_host entry is added unless the given conf sets it.
+    assert _parsed(build_launch(cfg, "t.py", rdzv_conf="timeout=60").argv).rdzv_conf == "is_host=false,timeout=60"
+    assert _parsed(build_launch(cfg, "t.py", rdzv_conf="is_host=true").argv).rdzv_conf == "is_host=true"
+
+
+def test_one_default_fsdp_version() -> None:
+    # Accelerate 1.15's plugin and `accelerate launch` take FSDP version 1 when nothing names one; so do
+    # fullshard's plugin, `fullshard launch --use_fsdp` without a config file, and `fullshard config default`.
+    assert env.DEFAULT_FSDP_VERSION == 1
+    assert FullyShardedDataParallelPlugin().fsdp_version == 1
+    assert launch_env(LaunchConfig(distributed_type="FSDP"))["FSDP_VERSION"] == "1"
+    assert default_config().fsdp_config["fsdp_version"] == 1
+    assert launch_env(default_config())["FSDP_VERSION"] == "1"

@@ -15,7 +15,7 @@ __all__ = ["write_basic_config"]
 def write_basic_config(
     mixed_precision: str = "no", save_location: str | os.PathLike[str] | None = None, use_xpu: bool = False
 ) -> Path | bool:
-    """Write the basic config (FSDP2 over this machine's accelerators, or one CPU process) to ``save_location``
+    """Write the basic config (FSDP version 1 on every accelerator, or one CPU process) to ``save_location``
     (default: ``fullshard``'s default config file) and return its path.
 
     An existing file is left alone and ``False`` returned, as Accelerate does. ``use_xpu`` is accepted for

@@ -1,4 +1,4 @@
-"""Config files: YAML ↔ :class:`LaunchConfig`, in Accelerate's format (seed 001).
+"""Config files: YAML ↔ :class:`LaunchConfig`, in Accelerate's format.
 
 An Accelerate config file loads as it is: fullshard's keys are Accelerate's, the ``fsdp_config`` keys are
 the config keys of the table in :mod:`fullshard.frontend.env`, and Accelerate keys that fullshard has no use
@@ -13,6 +13,7 @@ The default file is ``$FULLSHARD_HOME/default_config.yaml``, with ``FULLSHARD_HO
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,9 @@ __all__ = [
     "DISTRIBUTED_TYPES",
     "RDZV_BACKENDS",
     "LaunchConfig",
+    "accelerate_default_config_path",
     "default_config_path",
+    "did_you_mean",
     "load_config",
     "override",
     "save_config",
@@ -97,8 +100,8 @@ class LaunchConfig:
         unknown = sorted(set(data) - own - ACCELERATE_ONLY_KEYS)
         if unknown:
             raise ValueError(
-                f"{source}: unknown keys {unknown}. Remove them or fix their spelling; known keys are "
-                f"{', '.join(sorted(own | ACCELERATE_ONLY_KEYS))}."
+                f"{source}: unknown keys {unknown}{did_you_mean(unknown, own)}. Remove them or fix their spelling; "
+                f"known keys are {', '.join(sorted(own | ACCELERATE_ONLY_KEYS))}."
             )
         kwargs = {k: v for k, v in data.items() if k in own and v is not None}
         extra = {k: v for k, v in data.items() if k in ACCELERATE_ONLY_KEYS}
@@ -118,6 +121,12 @@ class LaunchConfig:
         if not data["fsdp_config"]:
             del data["fsdp_config"]
         return {**self.extra, **data}
+
+
+def did_you_mean(wrong: list[str], known: Any) -> str:
+    """`` (did you mean X?)`` for the known names closest to each of ``wrong``, or ``""`` when none is close."""
+    close = [match for name in wrong for match in difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)]
+    return f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
 
 
 def _yaml_value(value: Any) -> Any:
@@ -161,8 +170,11 @@ def _coerce_fsdp_config(value: Any) -> dict[str, Any]:
     for key, item in value.items():
         var = env.by_config_key(str(key)) or next((v for v in env.FSDP_VARS if v.field == key), None)
         if var is None:
-            known = ", ".join(v.config_key for v in env.FSDP_VARS)
-            raise ValueError(f"fsdp_config has an unknown key {key!r}. Remove it or use one of: {known}.")
+            keys = [v.config_key for v in env.FSDP_VARS]
+            raise ValueError(
+                f"fsdp_config has an unknown key {key!r}{did_you_mean([str(key)], keys)}. Remove it or use one of: "
+                f"{', '.join(keys)}."
+            )
         if var.field in result:
             raise ValueError(f"fsdp_config sets {var.config_key} twice (as {key!r}). Keep one of them.")
         if item is not None:
@@ -190,6 +202,14 @@ def default_config_path() -> Path:
     if not home:
         home = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fullshard")
     return Path(home) / "default_config.yaml"
+
+
+def accelerate_default_config_path() -> Path:
+    """Where ``accelerate config`` writes its default file: ``$HF_HOME/accelerate/default_config.yaml``
+    (``HF_HOME`` defaulting to ``$XDG_CACHE_HOME/huggingface``, ``~/.cache/huggingface``). ``fullshard launch``
+    does not read it unless it is passed with ``--config_file``."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> tuple[LaunchConfig, Path | None]:

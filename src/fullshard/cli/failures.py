@@ -86,16 +86,31 @@ def describe_failures(failures: Mapping[int, object], log_dir: str | None = None
     first = failures[first_rank]
     exitcode = int(getattr(first, "exitcode", 1))
     text, stack, _ = _error(first)
+    same = [rank for rank in order[1:] if text and _same_failure(failures[rank], first)]
+    ranks = _ranks([first_rank, *same])
     lines = [f"fullshard launch: rank {first_rank} failed first ({_how(exitcode)}); {_log_of(first, log_dir)}"]
     if text:
-        lines.append(f"  error: {text}")
+        lines.append(f"  error{f' (the same on {ranks})' if same else ''}: {text}")
     if stack:
-        lines += [f"  traceback of rank {first_rank}:", *("    " + line for line in stack.rstrip().splitlines())]
+        lines += [f"  traceback of {ranks}:", *("    " + line for line in stack.rstrip().splitlines())]
     for rank in order[1:]:
+        if rank in same:
+            continue
         other_text, _, _ = _error(failures[rank])
         other = _how(int(getattr(failures[rank], "exitcode", 1))) + (f", after {other_text}" if other_text else "")
         lines.append(f"  then rank {rank} failed ({other.splitlines()[0]})")
     return Outcome("\n".join(lines), exit_code_of(exitcode) or 1)
+
+
+def _same_failure(one: object, other: object) -> bool:
+    """Whether two ranks failed the same way: the same exit, error message and traceback."""
+    same_exit = getattr(one, "exitcode", 1) == getattr(other, "exitcode", 1)
+    return same_exit and _error(one)[:2] == _error(other)[:2]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 3``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
 
 
 # --- a stop requested by a signal to the launcher ---------------------------------------------------------

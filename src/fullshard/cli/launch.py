@@ -66,9 +66,20 @@ def build_launch(
     module: bool = False,
     log_dir: str | None = None,
     shutdown_timeout: int | None = None,
+    rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> LaunchPlan:
     """The torchrun arguments and the worker environment for ``cfg`` (no side effects)."""
-    argv = torchrun_argv(cfg, script, script_args, module=module, log_dir=log_dir, shutdown_timeout=shutdown_timeout)
+    argv = torchrun_argv(
+        cfg,
+        script,
+        script_args,
+        module=module,
+        log_dir=log_dir,
+        shutdown_timeout=shutdown_timeout,
+        rdzv_id=rdzv_id,
+        rdzv_conf=rdzv_conf,
+    )
     local = cfg.num_processes // cfg.num_machines
     return LaunchPlan(argv=argv, env=launch_env(cfg), local_world_size=local, verbose=bool(cfg.debug), log_dir=log_dir)
 
@@ -81,11 +92,15 @@ def torchrun_argv(
     module: bool = False,
     log_dir: str | None = None,
     shutdown_timeout: int | None = None,
+    rdzv_id: str | None = None,
+    rdzv_conf: str | None = None,
 ) -> list[str]:
     """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, logs, then the worker.
 
     ``log_dir`` keeps each rank's stdout and stderr in ``log_dir/<run>/attempt_<n>/<local rank>/`` and on the
     console; ``shutdown_timeout`` is the grace period (seconds) between SIGTERM and SIGKILL when workers stop.
+    ``rdzv_id`` and ``rdzv_conf`` (``KEY=VALUE,...``) go to torch's launcher as they are, except that on several
+    machines with c10d the ``is_host`` entry is fullshard's unless ``rdzv_conf`` sets it.
     """
     if cfg.num_processes % cfg.num_machines:
         raise ValueError(
@@ -94,7 +109,9 @@ def torchrun_argv(
             f"--num_processes {cfg.num_machines * max(1, cfg.num_processes // cfg.num_machines)}."
         )
     per_node = str(cfg.num_processes // cfg.num_machines)
-    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg)]
+    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg, rdzv_conf)]
+    if rdzv_id:
+        argv += ["--rdzv_id", rdzv_id]
     argv += ["--max_restarts", str(cfg.max_restarts)]
     if log_dir:
         argv += ["--log_dir", log_dir, "--tee", "3"]
@@ -103,11 +120,12 @@ def torchrun_argv(
     return [*argv, "--module", WORKER_MODULE, *(["-m"] if module else []), script, *script_args]
 
 
-def _rendezvous_args(cfg: LaunchConfig) -> list[str]:
+def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:
+    given = ["--rdzv_conf", conf] if conf else []
     port = cfg.main_process_port
     if cfg.num_machines == 1:
         if not port:  # None or 0: let torch find a free port
-            return ["--standalone"]
+            return ["--standalone", *given]
         return [
             "--rdzv_backend",
             "static",
@@ -115,6 +133,7 @@ def _rendezvous_args(cfg: LaunchConfig) -> list[str]:
             cfg.main_process_ip or "127.0.0.1",
             "--master_port",
             str(port),
+            *given,
         ]
     if not cfg.main_process_ip:
         raise ValueError(
@@ -124,18 +143,23 @@ def _rendezvous_args(cfg: LaunchConfig) -> list[str]:
     port = port or DEFAULT_PORT
     if cfg.rdzv_backend == "static":
         addr = ["--master_addr", cfg.main_process_ip, "--master_port", str(port)]
-        return ["--node_rank", str(cfg.machine_rank), "--rdzv_backend", "static", *addr]
+        return ["--node_rank", str(cfg.machine_rank), "--rdzv_backend", "static", *addr, *given]
     is_host = "true" if cfg.machine_rank == 0 else "false"
     endpoint = f"{cfg.main_process_ip}:{port}"
-    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf", f"is_host={is_host}"]
+    entries = [item for item in (conf or "").split(",") if item.strip()]
+    if not any(item.split("=")[0].strip() == "is_host" for item in entries):
+        entries.insert(0, f"is_host={is_host}")
+    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf", ",".join(entries)]
 
 
 def launch_env(cfg: LaunchConfig) -> dict[str, str]:
-    """``ACCELERATE_*`` launch variables, and the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on."""
+    """``ACCELERATE_*`` launch variables, and the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on
+    (``FSDP_VERSION`` always: :data:`env.DEFAULT_FSDP_VERSION` when the config gives none, as the plugin would)."""
     launch = {"use_fsdp": cfg.use_fsdp, "mixed_precision": cfg.mixed_precision, "use_cpu": cfg.use_cpu}
     variables = env.format_env({**launch, "debug": cfg.debug or None}, env.LAUNCH_VARS)
     if cfg.use_fsdp:
-        variables.update(env.format_env(_fsdp_settings(cfg.fsdp_config)))
+        fsdp = {"fsdp_version": env.DEFAULT_FSDP_VERSION, **_fsdp_settings(cfg.fsdp_config)}
+        variables.update(env.format_env(fsdp))
     return variables
 
 

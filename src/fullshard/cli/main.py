@@ -14,15 +14,28 @@ from fullshard.cli.commands.verify import verify_command
 __all__ = ["cli", "main"]
 
 
-@click.group("fullshard", context_settings={"help_option_names": ["-h", "--help"]})
+_COMMANDS = (config_command, launch_command, env_command, merge_command, verify_command, estimate_command)
+
+
+@click.group(
+    "fullshard",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Run `fullshard COMMAND --help` for a command's arguments; docs/cli.md describes them all.",
+)
 def cli() -> None:
     """fullshard: Fully Sharded Data Parallel training for PyTorch.
 
-    Commands: config, launch, env, merge-weights, estimate-memory.
+    \b
+    fullshard config default                        write a basic config file
+    fullshard launch --num_processes 2 train.py     start 2 workers of train.py
+    fullshard env                                   versions and the config in use
+    fullshard verify runs/x/checkpoints/checkpoint_3
+    fullshard merge-weights runs/x/checkpoints/checkpoint_3/pytorch_model_fsdp_0 out/
+    fullshard estimate-memory gpt2 --num_processes 8
     """
 
 
-for _command in (config_command, launch_command, env_command, merge_command, estimate_command, verify_command):
+for _command in _COMMANDS:
     cli.add_command(_command)
 
 

@@ -10,6 +10,10 @@ default action (the launcher reports it). The worker's state (``running``, then 
 it forwarded a signal (torch's agent does not report it). The script runs as ``__main__`` with ``sys.argv`` = its own
 arguments, as under ``python SCRIPT``.
 
+A traceback that another rank of this machine already printed (the same error raised the same way on every
+rank, such as a misspelt class name) is not printed again: the rank prints one line naming the rank that
+printed it (see :func:`_printed_by`).
+
 [Note: ending a worker] After the script, the worker ends the way a forked ``multiprocessing`` child does:
 it joins the script's non-daemon threads, runs the ``atexit`` handlers, flushes stdout/stderr and calls
 ``os._exit`` -- it skips the interpreter's own teardown. Why: torch's collective threads (gloo's workers)
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import runpy
@@ -38,7 +43,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from fullshard.cli.failures import PEER_LOST, write_status
+from fullshard.cli.failures import PEER_LOST, STATUS_DIR_VAR, write_status
 
 __all__ = ["main"]
 
@@ -70,6 +75,32 @@ def _script_traceback(exc: BaseException) -> str:
 def _lost_peer(exc: BaseException) -> bool:
     """A collective failed because another rank went away: a consequence, reported by the launcher."""
     return any(pattern in str(exc).lower() for pattern in PEER_LOST)
+
+
+def _printed_by(report: str) -> int | None:
+    """The rank of this machine that already printed ``report``, or ``None`` after claiming it for this rank.
+
+    The claim is a file named after the report's hash in the launcher's status folder, made by ``os.link`` (which
+    fails if the name exists), so two ranks failing at once cannot both print. Without the folder: ``None``.
+    """
+    folder = os.environ.get(STATUS_DIR_VAR)
+    if not folder:
+        return None
+    claim = os.path.join(folder, "printed-" + hashlib.sha256(report.encode()).hexdigest()[:16])
+    mine = f"{claim}.{_rank()}"
+    try:
+        with open(mine, "w") as fp:
+            fp.write(str(_rank()))
+        try:
+            os.link(mine, claim)
+        except FileExistsError:
+            with open(claim) as fp:
+                return int(fp.read())
+        finally:
+            os.unlink(mine)
+    except (OSError, ValueError):  # the folder is gone or unreadable: print, as without a launcher
+        return None
+    return None
 
 
 def _rank() -> int:
@@ -132,6 +163,8 @@ def _run(target: str, as_module: bool) -> int:
         if _lost_peer(exc):  # one line, so that the first failure's traceback is not buried under these
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             sys.stderr.write(f"[rank {_rank()}] stopped: a peer is gone ({type(exc).__name__}: {first_line})\n")
+        elif (first := _printed_by(_script_traceback(exc))) is not None:
+            sys.stderr.write(f"[rank {_rank()}] {type(exc).__name__}: the same error and traceback as rank {first}\n")
         else:
             sys.stderr.write(f"[rank {_rank()}] {type(exc).__name__} in {target}:\n{_script_traceback(exc)}")
         sys.stderr.flush()

@@ -27,6 +27,7 @@ from fullshard.engine.api import BackwardPrefetch, ShardingStrategy, StateDictTy
 __all__ = [
     "AUTO_WRAP_POLICIES",
     "BACKWARD_PREFETCH_CHOICES",
+    "DEFAULT_FSDP_VERSION",
     "FSDP_VARS",
     "LAUNCH_VARS",
     "MIXED_PRECISION_CHOICES",
@@ -189,6 +190,12 @@ def _choice_var(field: str, env: str, key: str, choices: tuple[str, ...], help: 
     return _var(field, env, key, _choice_parser(choices), help, choices=choices, **kw)
 
 
+DEFAULT_FSDP_VERSION = 1
+"""The FSDP version when nothing sets one: Accelerate 1.15's plugin reads ``FSDP_VERSION`` with default 1, and
+``accelerate launch --fsdp_version`` defaults to 1. The plugin, ``fullshard launch`` and ``fullshard config``
+all use this one value."""
+
+
 def _version(value: object, *, where: str = "value") -> int:
     version = parse_int(value, where=where)
     if version not in (1, 2):
@@ -197,7 +204,8 @@ def _version(value: object, *, where: str = "value") -> int:
 
 
 FSDP_VARS: tuple[EnvVar, ...] = (
-    _var("fsdp_version", "FSDP_VERSION", "fsdp_version", _version, "FSDP version: 1 (wrapper) or 2 (per-module)."),
+    _var("fsdp_version", "FSDP_VERSION", "fsdp_version", _version,
+         "FSDP version: 1 (wrapper, the default) or 2 (per-module)."),
     _choice_var(
         "sharding_strategy", "FSDP_SHARDING_STRATEGY", "fsdp_sharding_strategy", SHARDING_STRATEGY_CHOICES,
         "Sharding strategy (FSDP1; superseded by fsdp_reshard_after_forward).",

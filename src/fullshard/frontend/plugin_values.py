@@ -63,9 +63,9 @@ def error(field: str, value: object, problem: str, fix: str, cls: type[Exception
 
 
 def parse_version(value: object) -> int:
-    """``fsdp_version``: 1 or 2 (``None``: 1)."""
+    """``fsdp_version``: 1 or 2 (``None``: :data:`env.DEFAULT_FSDP_VERSION`, 1 as in Accelerate)."""
     if value is None:
-        return 1
+        return env.DEFAULT_FSDP_VERSION
     return env.by_field("fsdp_version").parse(value, where=f"{PLUGIN}.fsdp_version")
 
 

@@ -105,7 +105,7 @@ QUESTIONS: tuple[Question, ...] = (
     Question("rdzv_backend", "What rendezvous backend will you use?", _choice(RDZV_BACKENDS), "static", _multi,
              RDZV_BACKENDS),
     Question("use_fsdp", "Do you want to use FullyShardedDataParallel?", env.parse_bool, True),
-    _table("fsdp_version", "What should be your FSDP version?", 2, _fsdp, choices=("1", "2")),
+    _table("fsdp_version", "What should be your FSDP version?", env.DEFAULT_FSDP_VERSION, _fsdp, choices=("1", "2")),
     _table("fsdp_reshard_after_forward", "What should be your sharding strategy?", "FULL_SHARD", _v1,
            choices=env.SHARDING_STRATEGY_CHOICES),
     _table("fsdp_reshard_after_forward", "Do you want to enable resharding after forward?", True, _v2, choices=()),
@@ -168,7 +168,7 @@ def _prompt(question: Question, answers: Answers) -> Any:
 
 
 def config_from_answers(answers: Answers) -> LaunchConfig:
-    """The config file that the answers describe, with seed 001's Accelerate keys."""
+    """The config file that the answers describe, with the keys Accelerate's ``accelerate config`` writes."""
     fsdp = {k: v for k, v in answers.items() if k.startswith("fsdp_") and v is not None}
     if fsdp.get("fsdp_version") == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading"):
         fsdp["fsdp_sync_module_states"] = True
@@ -198,7 +198,8 @@ def config_from_answers(answers: Answers) -> LaunchConfig:
 
 
 def default_config(mixed_precision: str = "no") -> LaunchConfig:
-    """A basic config: FSDP2 over every accelerator of this machine, or one CPU process if it has none.
+    """A basic config: FSDP (version :data:`env.DEFAULT_FSDP_VERSION`, as ``fullshard launch --use_fsdp`` and
+    Accelerate use when none is given) over every accelerator of this machine, or one CPU process if it has none.
 
     No auto wrap and no RAM-efficient loading: both depend on the model, so the basic file works with any.
     """
@@ -209,26 +210,41 @@ def default_config(mixed_precision: str = "no") -> LaunchConfig:
 
 
 def _question_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One ``--<key> VALUE`` option per question: its answer, so that the question is not asked."""
     seen: set[str] = set()
     for question in reversed(QUESTIONS):
         if question.key in seen:
             continue
         seen.add(question.key)
-        func = click.option(f"--{question.key}", question.key, default=None, help=question.text)(func)
+        answer = f"The answer to: {question.text}"
+        metavar = "|".join(question.choices) if question.choices else _METAVARS.get(question.parse, "TEXT")
+        func = click.option(f"--{question.key}", question.key, default=None, metavar=metavar, help=answer)(func)
     return func
+
+
+_METAVARS: dict[Callable[..., Any], str] = {env.parse_bool: "true|false", env.parse_int: "INTEGER"}
 
 
 def _target(config_file: str | None) -> Path:
     return Path(config_file) if config_file else default_config_path()
 
 
-@click.group("config", invoke_without_command=True, short_help="Write a config file for fullshard launch.")
-@click.option("--config_file", "--config-file", "config_file", default=None, help="Where to write it.")
-@click.option("--non_interactive", "--non-interactive", "non_interactive", is_flag=True, help="Take defaults.")
+@click.group(
+    "config",
+    invoke_without_command=True,
+    short_help="Write a config file for fullshard launch.",
+    epilog="Example: fullshard config --non_interactive --num_processes 2 --use_cpu true --fsdp_version 2",
+)
+@click.option("--config_file", "--config-file", "config_file", default=None, metavar="FILE",
+              help="Where to write it (default: $FULLSHARD_HOME/default_config.yaml, "
+              "~/.cache/fullshard/default_config.yaml unless set).")  # fmt: skip
+@click.option("--non_interactive", "--non-interactive", "non_interactive", is_flag=True,
+              help="Ask nothing: the questions not answered by an option take their default answer.")  # fmt: skip
 @_question_options
 @click.pass_context
 def config_command(ctx: click.Context, config_file: str | None, non_interactive: bool, **given: Any) -> None:
-    """Ask Accelerate's questions and write the answers as a config file (seed 001's YAML)."""
+    """Ask Accelerate's questions and write the answers as a YAML config file that `fullshard launch` and
+    `accelerate launch` both read. Every question can be answered by its option instead."""
     if ctx.invoked_subcommand is not None:
         return
     try:
@@ -239,18 +255,26 @@ def config_command(ctx: click.Context, config_file: str | None, non_interactive:
     click.echo(f"fullshard configuration saved at {path}")
 
 
-@config_command.command("default", short_help="Write a basic config file without questions.")
-@click.option("--config_file", "--config-file", "config_file", default=None, help="Where to write it.")
+@config_command.command(
+    "default",
+    short_help="Write a basic config file without questions.",
+    epilog="Example: fullshard config default --mixed_precision bf16",
+)
+@click.option("--config_file", "--config-file", "config_file", default=None, metavar="FILE",
+              help="Where to write it (default: $FULLSHARD_HOME/default_config.yaml).")  # fmt: skip
 @click.option(
     "--mixed_precision",
     "--mixed-precision",
     "mixed_precision",
     type=click.Choice(env.MIXED_PRECISION_CHOICES, case_sensitive=False),
     default="no",
+    show_default=True,
+    help="Compute precision the file sets.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing file.")
 def default_command(config_file: str | None, mixed_precision: str, overwrite: bool) -> None:
-    """Write a basic config file: FSDP2 on this machine's accelerators, or one CPU process."""
+    """Write a basic config file: FSDP version 1 (the default of fullshard launch and of Accelerate), no auto
+    wrap, over every accelerator of this machine, or one CPU process if it has none."""
     path = _target(config_file)
     if path.exists() and not overwrite:
         raise click.ClickException(

@@ -6,11 +6,12 @@ import os
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import click
 
-from fullshard.cli.config_file import load_config
+from fullshard.cli.config_file import accelerate_default_config_path, default_config_path, load_config
 from fullshard.frontend import env
 
 __all__ = ["env_command", "environment_rows"]
@@ -42,18 +43,21 @@ def _device_rows() -> list[tuple[str, str]]:
 
 def environment_rows(config_file: str | None = None) -> list[tuple[str, str]]:
     """(name, value) rows: versions, devices, the config file in use and its settings, launch variables set."""
+    import fullshard
+
     rows = [
-        ("fullshard", _version("fullshard")),
+        ("fullshard", fullshard.__version__),
         ("Python", sys.version.split()[0]),
         ("Platform", platform.platform()),
         *_device_rows(),
-        *((name, _version(name)) for name in ("click", "PyYAML", "rich", "safetensors")),
+        *((name, _version(name)) for name in ("transformers", "accelerate", "numpy", "safetensors")),
+        *((name, _version(name)) for name in ("click", "PyYAML", "rich")),
+        *_config_file_rows(config_file),
     ]
     try:
-        cfg, path = load_config(config_file)
+        cfg, _ = load_config(config_file)
     except ValueError as exc:
-        return [*rows, ("Config file", f"error: {exc}")]
-    rows.append(("Config file", str(path) if path else "none (defaults)"))
+        return [*rows, ("Config error", str(exc))]
     settings: dict[str, Any] = cfg.to_dict()
     for key, value in settings.pop("fsdp_config", {}).items():
         settings[f"fsdp_config.{key}"] = value
@@ -62,10 +66,37 @@ def environment_rows(config_file: str | None = None) -> list[tuple[str, str]]:
     return rows
 
 
-@click.command("env", short_help="Print versions, devices and the configuration in use.")
-@click.option("--config_file", "--config-file", "config_file", default=None, help="Config file to show.")
+def _config_file_rows(config_file: str | None) -> list[tuple[str, str]]:
+    """Which config file `fullshard launch` reads (given or the default, found or not), and Accelerate's."""
+    if config_file is not None:
+        found = "found" if Path(config_file).is_file() else "not found"
+        rows = [("Config file", f"{config_file} (given with --config_file; {found})")]
+    else:
+        default = default_config_path()
+        used = "found, used" if default.is_file() else "not found, so launch uses its defaults: 1 process, no FSDP"
+        rows = [("Config file", f"{default} (the default; {used})")]
+    theirs = accelerate_default_config_path()
+    if theirs.is_file():
+        used = "used" if config_file and Path(config_file).resolve() == theirs.resolve() else "not used"
+        state = f"exists, {used}" + ("" if used == "used" else f": pass --config_file {theirs} to use it")
+    else:
+        state = "none"
+    return [*rows, ("Accelerate's default config", f"{theirs} ({state})")]
+
+
+@click.command(
+    "env",
+    short_help="Print versions, devices and the configuration in use.",
+    epilog="Example: fullshard env --config_file accelerate.yaml",
+)
+@click.option("--config_file", "--config-file", "config_file", default=None, metavar="FILE",
+              help="Config file to show (default: the one fullshard launch reads, "
+              "$FULLSHARD_HOME/default_config.yaml).")  # fmt: skip
 def env_command(config_file: str | None) -> None:
-    """Print versions, devices, the config file in use and the launch variables set, as a table."""
+    """Print, as a table to paste into a bug report: the versions of fullshard, Python, torch, transformers,
+    accelerate, numpy and safetensors; the devices; the config file `fullshard launch` reads (and whether it
+    exists), whether Accelerate's default config file exists and is used; its settings; the FSDP_* and
+    ACCELERATE_* variables set."""
     from rich.console import Console
     from rich.table import Table
 

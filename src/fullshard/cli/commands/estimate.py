@@ -5,7 +5,11 @@ MODEL, built on the meta device so that nothing is allocated, is one of:
   arguments of ``--model-arg KEY=VALUE`` (repeatable; values are JSON, else strings) and of
   ``--model-config FILE.json`` (an object), e.g. ``fullshard.testing.models:gpt --model-arg n_layer=16``;
 - the path of a Hugging Face ``config.json`` or its folder, or a Hub model name (``org/name``, which needs
-  the network, as Accelerate's ``estimate-memory`` does); both need ``transformers``.
+  the network, as Accelerate's ``estimate-memory`` does); both need ``transformers``. The model is the class
+  the config's ``architectures`` names (``LlamaForCausalLM``, with its LM head), else ``AutoModel``'s.
+
+The hybrid strategies are shown only with ``--num_machines`` above 1 (on one machine they are FULL_SHARD and
+SHARD_GRAD_OP), unless ``--sharding_strategy`` asks for them.
 
 The figures come from :mod:`fullshard.frontend.estimate` (state, gathered units, gradient buffer, process
 baseline) and :mod:`fullshard.frontend.activations` (one meta forward of ``--batch-size`` x ``--seq-len``
@@ -107,7 +111,17 @@ def _from_hf(name_or_path: str) -> nn.Module:
             "config.json or its folder, a Hub name reachable from here, or package.module:factory."
         ) from None
     with torch.device("meta"):
-        return transformers.AutoModel.from_config(config)
+        return _model_class(transformers, config)(config)
+
+
+def _model_class(transformers: Any, config: Any) -> Any:
+    """The class ``config.json`` names in ``architectures`` (``LlamaForCausalLM``: the model with its LM head,
+    which the training script trains), else the base model ``AutoModel`` builds for this config."""
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            return cls
+    return lambda config: transformers.AutoModel.from_config(config)
 
 
 def load_model_spec(spec: str, kwargs: dict[str, Any] | None = None) -> nn.Module:
@@ -178,7 +192,13 @@ def _default_seq(model: nn.Module) -> int:
     raise click.UsageError(f"{type(model).__name__} names no sequence length in its config: pass --seq-len.")
 
 
-@click.command("estimate-memory", short_help="Predict per-rank peak memory of sharded training for a model.")
+@click.command(
+    "estimate-memory",
+    short_help="Predict per-rank peak memory of sharded training for a model.",
+    epilog="Examples: fullshard estimate-memory fullshard.testing.models:gpt --model-arg n_layer=16 --wrap Block; "
+    "fullshard estimate-memory path/to/model_folder --num_processes 2,4,8 --budget 24GiB; "
+    "fullshard estimate-memory meta-llama/Llama-3.2-1B --num_machines 2 --num_processes 16",
+)
 @click.argument("model_spec", metavar="MODEL")
 @click.option("--model-arg", "--model_arg", "model_args", multiple=True, metavar="KEY=VALUE",
               help="Keyword argument of the factory (repeatable), e.g. n_layer=16.")  # fmt: skip
@@ -187,10 +207,10 @@ def _default_seq(model: nn.Module) -> int:
 @click.option("--num_processes", "--num-processes", "num_processes", default="2", show_default=True,
               help="Processes (world size); several as 1,2,4.")  # fmt: skip
 @click.option("--num_machines", "--num-machines", "num_machines", type=int, default=1, show_default=True,
-              help="Machines, for the hybrid strategies (shard within a machine).")  # fmt: skip
+              help="Machines; above 1 adds the hybrid strategies (shard within a machine).")  # fmt: skip
 @click.option("--sharding_strategy", "--sharding-strategy", "strategies", multiple=True,
               type=click.Choice(_STRATEGIES, case_sensitive=False),
-              help="Strategies to show, repeatable (default: all).")  # fmt: skip
+              help="Strategies to show, repeatable (default: all; hybrid ones if --num_machines > 1).")  # fmt: skip
 @click.option("--batch-size", "--batch_size", "batch", type=int, default=1, show_default=True,
               help="Sequences per rank per step.")  # fmt: skip
 @click.option("--seq-len", "--seq_len", "seq", type=int, default=None,
@@ -200,7 +220,7 @@ def _default_seq(model: nn.Module) -> int:
 @click.option("--no-prefetch", "--no_prefetch", "no_prefetch", is_flag=True,
               help="One gathered unit at a time (backward_prefetch=None) instead of two.")  # fmt: skip
 @click.option("--mixed_precision", "--mixed-precision", "mixed_precision", default="no", show_default=True,
-              type=click.Choice(("no", "bf16", "fp16")))  # fmt: skip
+              type=click.Choice(("no", "bf16", "fp16")), help="Compute precision of the gathered units.")  # fmt: skip
 @click.option("--cpu_offload", "--cpu-offload", "cpu_offload", is_flag=True, help="Parameters and states on the CPU.")
 @click.option("--transformer_layer_cls_to_wrap", "--wrap", "wrap", default=None,
               help="Comma-separated block classes that become units (default: _no_split_modules).")  # fmt: skip
@@ -224,7 +244,14 @@ def estimate_command(
     budget: str | None,
     baseline: str | None,
 ) -> None:
-    """Print per-rank peak memory of training MODEL: state, gathered units, activations, baseline."""
+    """Print per-rank peak memory of training MODEL: state, gathered units, activations, baseline.
+
+    MODEL is one of: package.module:factory, a class or function returning the nn.Module (keyword arguments
+    from --model-arg / --model-config); the path of a Hugging Face config.json or of the folder holding it; or a
+    Hugging Face Hub name such as org/model (needs the network). The last two need transformers and build the
+    class named in config.json's "architectures" (e.g. LlamaForCausalLM, LM head included), else AutoModel's.
+    Nothing is allocated: the model is built on the meta device.
+    """
     from rich.console import Console
 
     budget_bytes = parse_size(budget) if budget is not None else None
@@ -240,7 +267,7 @@ def estimate_command(
         estimates = [
             estimate_memory(units, n, _strategy(s), activations=profile, checkpointing=checkpointing,
                             baseline=baseline_bytes, units_in_flight=1 if no_prefetch else 2, **options)
-            for n in counts for s in strategies or _STRATEGIES
+            for n in counts for s in strategies or _default_strategies(num_machines)
         ]  # fmt: skip
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
@@ -259,6 +286,12 @@ def estimate_command(
             else f"Nothing fits {budget} per rank: "
             "add processes, --activation-checkpointing, a smaller --batch-size, or --cpu_offload (on GPUs)."
         )
+
+
+def _default_strategies(num_machines: int) -> tuple[str, ...]:
+    """Every strategy; the hybrid ones (shard within a machine, replicate across) only with several machines,
+    where they differ from FULL_SHARD and SHARD_GRAD_OP."""
+    return _STRATEGIES if num_machines > 1 else tuple(s for s in _STRATEGIES if not s.startswith("HYBRID"))
 
 
 def _strategy(name: str) -> ShardingStrategy:

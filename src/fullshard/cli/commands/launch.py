@@ -2,7 +2,10 @@
 
 The config file (default: the one ``fullshard config`` wrote) gives the settings; flags override it. Every
 ``--fsdp_*`` flag comes from the table in :mod:`fullshard.frontend.env`, so the flags, the config keys and the
-variables the workers read never disagree.
+variables the workers read never disagree. torchrun's spellings (``--nproc_per_node``, ``--nnodes``,
+``--node_rank``, ``--master_addr``, ``--master_port``, ``--rdzv_*``) are accepted too: :func:`torchrun_spellings`
+turns them into fullshard's. An option this command does not know is reported as one, with the closest known
+spellings; only after SCRIPT is everything passed to the script as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +21,54 @@ from fullshard.cli.config_file import RDZV_BACKENDS, load_config, override
 from fullshard.cli.launch import build_launch, run_launch
 from fullshard.frontend import env
 
-__all__ = ["launch_command"]
+__all__ = ["TORCHRUN_SPELLINGS", "launch_command", "torchrun_spellings"]
+
+TORCHRUN_SPELLINGS = {
+    "nnodes": "num_machines",
+    "node_rank": "machine_rank",
+    "master_addr": "main_process_ip",
+    "master_port": "main_process_port",
+}
+"""torchrun's option → the fullshard option that means the same (``--nproc_per_node`` and ``--rdzv_endpoint``
+need arithmetic or splitting, see :func:`torchrun_spellings`)."""
+
+
+def torchrun_spellings(flags: dict[str, Any], machines_in_file: int) -> dict[str, Any]:
+    """``flags`` with torchrun's options (``None`` when not given) turned into fullshard's.
+
+    ``nproc_per_node`` (per machine) becomes ``num_processes`` (all machines: times ``--num_machines``, else
+    ``--nnodes``, else ``machines_in_file``); ``rdzv_endpoint`` ``HOST:PORT`` becomes ``main_process_ip`` and
+    ``main_process_port``. Raises ``ValueError`` when both spellings of one setting are given different values.
+    """
+    flags = dict(flags)
+    given: dict[str, tuple[str, Any]] = {}  # fullshard key -> (the flag that gave it, value)
+
+    def take(key: str, flag: str, value: Any) -> None:
+        if value is None:
+            return
+        if key in given and given[key][1] != value:
+            raise ValueError(
+                f"{given[key][0]} {given[key][1]} and {flag} {value} set the same thing ({key}) to different "
+                f"values. Give one of them."
+            )
+        given[key] = (flag, value)
+
+    for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
+        take(key, f"--{key}", flags.pop(key, None))
+    for torchrun_key, key in TORCHRUN_SPELLINGS.items():
+        take(key, f"--{torchrun_key}", flags.pop(torchrun_key, None))
+    endpoint = flags.pop("rdzv_endpoint", None)
+    if endpoint is not None:
+        host, sep, port = str(endpoint).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"--rdzv_endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29500.")
+        take("main_process_ip", "--rdzv_endpoint", host)
+        take("main_process_port", "--rdzv_endpoint", int(port))
+    per_node = flags.pop("nproc_per_node", None)
+    if per_node is not None:
+        machines = given.get("num_machines", ("", machines_in_file))[1]
+        take("num_processes", f"--nproc_per_node {per_node} x {machines} machines =", per_node * machines)
+    return {**flags, **{key: value for key, (_, value) in given.items()}}
 
 
 def _parsed_by(var: env.EnvVar) -> Callable[[click.Context, click.Parameter, Any], Any]:
@@ -53,27 +103,53 @@ def _opt(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..
     return click.option(*spellings, name, **kwargs)
 
 
+def _torchrun_opt(name: str, meaning: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return _opt(name, default=None, help=f"torchrun's spelling: {meaning}", **kwargs)
+
+
 @click.command(
     "launch",
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    context_settings={"allow_interspersed_args": False},
     short_help="Start the worker processes of a training script.",
+    epilog="Example: fullshard launch --num_processes 2 examples/train_gpt.py --steps 100",
 )
-@_opt("config_file", type=click.Path(dir_okay=False), default=None, help="Config file (default: fullshard's).")
-@_opt("num_processes", type=int, default=None, help="Worker processes in total, over all machines.")
-@_opt("num_machines", type=int, default=None, help="Number of machines.")
-@_opt("machine_rank", type=int, default=None, help="Rank of this machine (0 hosts the main process).")
-@_opt("main_process_ip", default=None, help="Address of machine 0.")
-@_opt("main_process_port", type=int, default=None, help="Port on machine 0 (default: a free one on 1 machine).")
-@_opt("rdzv_backend", type=click.Choice(RDZV_BACKENDS), default=None, help="Rendezvous between machines.")
-@_opt("max_restarts", type=int, default=None, help="Restarts of the workers after a failure.")
-@_opt("mixed_precision", type=click.Choice(env.MIXED_PRECISION_CHOICES, case_sensitive=False), default=None)
-@_opt("use_fsdp", is_flag=True, default=False, help="Shard the model with FSDP.")
+@_opt("config_file", type=click.Path(dir_okay=False), default=None,
+      help="Config file to read (default: the one `fullshard config` writes, "
+      "$FULLSHARD_HOME/default_config.yaml, if it exists).")  # fmt: skip
+@_opt("num_processes", type=int, default=None, help="Worker processes in total, over all machines (default 1).")
+@_opt("num_machines", type=int, default=None, help="Number of machines (default 1).")
+@_opt("machine_rank", type=int, default=None, help="Rank of this machine, 0 to num_machines - 1 (0 hosts the "
+      "main process).")  # fmt: skip
+@_opt("main_process_ip", default=None, help="Address of machine 0 (needed with several machines).")
+@_opt("main_process_port", type=int, default=None, help="Port on machine 0 (default: a free one on 1 machine, "
+      "29500 on several).")  # fmt: skip
+@_opt(
+    "rdzv_backend",
+    type=click.Choice(RDZV_BACKENDS),
+    default=None,
+    help="How machines meet: static (fixed machine ranks, the default) or c10d (ranks in the order they join).",
+)
+@_torchrun_opt("nproc_per_node", "worker processes on each machine (num_processes / num_machines).", type=int)
+@_torchrun_opt("nnodes", "--num_machines.", type=int)
+@_torchrun_opt("node_rank", "--machine_rank.", type=int)
+@_torchrun_opt("master_addr", "--main_process_ip.")
+@_torchrun_opt("master_port", "--main_process_port.", type=int)
+@_torchrun_opt("rdzv_endpoint", "HOST:PORT, --main_process_ip HOST --main_process_port PORT.")
+@_torchrun_opt("rdzv_id", "the job's id in the rendezvous (passed to torch's launcher).")
+@_torchrun_opt("rdzv_conf", "KEY=VALUE,... rendezvous options (passed to torch's launcher), e.g. timeout=900.")
+@_opt("max_restarts", type=int, default=None, help="Restarts of the workers after a failure (default 0).")
+@_opt("mixed_precision", type=click.Choice(env.MIXED_PRECISION_CHOICES, case_sensitive=False), default=None,
+      help="Compute in this precision (default no: float32).")  # fmt: skip
+@_opt("use_fsdp", is_flag=True, default=False,
+      help=f"Shard the model with FSDP (version {env.DEFAULT_FSDP_VERSION} unless --fsdp_version or the config "
+      "file says otherwise, as in Accelerate).")  # fmt: skip
 @_opt("cpu", is_flag=True, default=False, help="Train on the CPU (gloo), even if an accelerator is present.")
 @_opt("debug", is_flag=True, default=None, help="Check distributed operations for errors.")
 @_opt("log_dir", type=click.Path(file_okay=False), default=None, help="Keep each rank's output in files here too.")
 @_opt("shutdown_timeout", type=click.IntRange(min=0), default=None,
       help="Seconds between SIGTERM and SIGKILL when the workers are stopped (default 30).")  # fmt: skip
-@click.option("-m", "--module", is_flag=True, default=False, help="Run the script as a module (python -m).")
+@click.option("-m", "--module", is_flag=True, default=False,
+              help="SCRIPT is a module name, run as `python -m SCRIPT`.")  # fmt: skip
 @_table_options(env.FSDP_VARS)
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -84,13 +160,30 @@ def launch_command(
     module: bool,
     log_dir: str | None,
     shutdown_timeout: int | None,
+    rdzv_id: str | None,
+    rdzv_conf: str | None,
     **flags: Any,
 ) -> None:
-    """Run SCRIPT with its ARGS on every worker process, as torch's elastic launcher starts them."""
+    """Run SCRIPT (a Python file, or a module with -m) with SCRIPT_ARGS on every worker process.
+
+    Options go before SCRIPT; everything after it is passed to the script unchanged. Without a config file
+    and without flags, one process runs without FSDP; --use_fsdp without --fsdp_version uses FSDP version 1,
+    as Accelerate does. Exit code: 0 when every worker succeeds, else the first failed worker's exit code
+    (128 + N when killed by signal N); 2 for a usage error.
+    """
     try:
         cfg, _ = load_config(config_file)
-        cfg = override(cfg, flags)
-        plan = build_launch(cfg, script, script_args, module=module, log_dir=log_dir, shutdown_timeout=shutdown_timeout)
+        cfg = override(cfg, torchrun_spellings(flags, cfg.num_machines))
+        plan = build_launch(
+            cfg,
+            script,
+            script_args,
+            module=module,
+            log_dir=log_dir,
+            shutdown_timeout=shutdown_timeout,
+            rdzv_id=rdzv_id,
+            rdzv_conf=rdzv_conf,
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not module and not Path(script).is_file():

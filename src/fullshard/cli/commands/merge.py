@@ -2,7 +2,8 @@
 
 Every error is one line on stderr naming what was wrong and what to do, with exit code 2 (no traceback):
 see :func:`checkpoint_errors`; a failed merge leaves nothing behind that was not there before. On success it
-prints each file it wrote, with its size.
+prints each file it wrote, with its size. The helpers that ``verify`` shares live here too:
+:func:`checkpoints_under` lists the checkpoints of a folder given in place of one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from pathlib import Path
 
 import click
 
-__all__ = ["CheckpointCommandError", "checkpoint_errors", "merge_command"]
+from fullshard.checkpoint.manifest import CHECKPOINT_MANIFEST, is_complete_checkpoint
+from fullshard.checkpoint.names import DCP_METADATA_FILE, model_folder_name
+from fullshard.checkpoint.rotation import CHECKPOINTS_FOLDER, checkpoint_index
+
+__all__ = [
+    "CheckpointCommandError",
+    "checkpoint_errors",
+    "checkpoints_under",
+    "merge_command",
+    "not_a_checkpoint_but_holds",
+]
 
 
 class CheckpointCommandError(click.ClickException):
@@ -58,6 +69,48 @@ def checkpoint_errors() -> Iterator[None]:
         raise CheckpointCommandError(str(exc)) from None
 
 
+_MARKS = (CHECKPOINT_MANIFEST, DCP_METADATA_FILE, "random_states_0.pkl")  # a folder holding one is a checkpoint
+_PARTS = ("pytorch_model_fsdp", "optimizer")
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """A checkpoint folder, or a folder of sharded parts (``pytorch_model_fsdp_0``, ``optimizer_0``, ...)."""
+    parts = any(p.name.startswith(_PARTS) for p in folder.iterdir() if p.is_dir())
+    return parts or any((folder / mark).is_file() for mark in _MARKS)
+
+
+def checkpoints_under(folder: str | Path) -> list[Path]:
+    """The checkpoint folders directly in ``folder`` or in its ``checkpoints/`` (``checkpoint_<i>`` in the order
+    of ``i``, then others by name); empty when ``folder`` is a checkpoint itself or holds none."""
+    root = Path(folder)
+    if not root.is_dir() or _is_checkpoint(root):
+        return []
+    places = [root, root / CHECKPOINTS_FOLDER] if (root / CHECKPOINTS_FOLDER).is_dir() else [root]
+    found = [sub for place in places for sub in place.iterdir() if sub.is_dir() and _is_checkpoint(sub)]
+    return sorted(found, key=lambda p: (checkpoint_index(p) is None, checkpoint_index(p) or 0, str(p)))
+
+
+def not_a_checkpoint_but_holds(
+    folder: str | Path, command: str, *, sub: str = "", then: str = ""
+) -> CheckpointCommandError | None:
+    """The error for ``fullshard COMMAND FOLDER`` when FOLDER holds checkpoints rather than being one, else ``None``.
+
+    It lists them (``(incomplete)`` after a ``checkpoint_<i>`` whose save did not finish) and suggests the latest
+    complete one, followed by its subfolder ``sub`` when it has one and by ``then`` (the other arguments)."""
+    root = Path(folder)
+    found = checkpoints_under(root)
+    if not found:
+        return None
+    complete = [p for p in found if checkpoint_index(p) is None or is_complete_checkpoint(p)]
+    names = ", ".join(str(p.relative_to(root)) + ("" if p in complete else " (incomplete)") for p in found)
+    pick = (complete or found)[-1]
+    pick = pick / sub if sub and (pick / sub).is_dir() else pick
+    return CheckpointCommandError(
+        f"'{folder}' is not a checkpoint; it holds {len(found)}: {names}. Pass one of them, e.g. "
+        f"fullshard {command} {pick}{then}"
+    )
+
+
 def _check_output(output: Path) -> None:
     """Fail before reading anything if OUTPUT_PATH cannot be a folder we write into."""
     if output.exists() and not output.is_dir():
@@ -77,7 +130,11 @@ def _check_output(output: Path) -> None:
         pass
 
 
-@click.command("merge-weights", short_help="Merge a sharded FSDP checkpoint into one weights file.")
+@click.command(
+    "merge-weights",
+    short_help="Merge a sharded FSDP checkpoint into one weights file.",
+    epilog="Example: fullshard merge-weights runs/train_gpt/checkpoints/checkpoint_3/pytorch_model_fsdp_0 merged/",
+)
 @click.argument("checkpoint_dir", type=click.Path())
 @click.argument("output_path", type=click.Path())
 @click.option(
@@ -98,7 +155,11 @@ def _check_output(output: Path) -> None:
 def merge_command(
     checkpoint_dir: str, output_path: str, unsafe_serialization: bool, remove_checkpoint_dir: bool, verify: bool
 ) -> None:
-    """Merge the shards in CHECKPOINT_DIR (a SHARDED_STATE_DICT model or optimizer folder) into OUTPUT_PATH."""
+    """Merge the shards in CHECKPOINT_DIR (a SHARDED_STATE_DICT model or optimizer folder, such as
+    checkpoint_3/pytorch_model_fsdp_0) into model.safetensors (or pytorch_model.bin) in the folder OUTPUT_PATH.
+
+    Exit code: 0 on success, 2 with one line saying what is wrong (given a folder that holds checkpoints, it
+    lists them)."""
     try:  # imported here: it pulls in the checkpoint code, which the other commands do not need
         from fullshard.checkpoint.files import new_folders, remove_new_folders
         from fullshard.checkpoint.merge import merge_fsdp_weights
@@ -116,6 +177,10 @@ def merge_command(
                     f"CHECKPOINT_DIR '{checkpoint_dir}' {what}; pass a sharded checkpoint folder such as "
                     "ckpt/pytorch_model_fsdp_0."
                 )
+            model = model_folder_name(0)
+            holds = not_a_checkpoint_but_holds(checkpoint_dir, "merge-weights", sub=model, then=" OUTPUT_PATH")
+            if holds is not None:
+                raise holds
             if verify:
                 verify_checkpoint(checkpoint_dir)
             _check_output(output)

@@ -1,25 +1,40 @@
 """``fullshard verify CHECKPOINT``: check every file of a checkpoint against what was recorded when it was written.
 
 Exit code 0 and one summary line when the checkpoint is whole; exit code 2 and one line naming the first bad
-file and what is wrong otherwise (see ``fullshard.checkpoint.verify``).
+file and what is wrong otherwise (see ``fullshard.checkpoint.verify``). A folder that is not a checkpoint but
+holds some (a project folder, its ``checkpoints/``, a folder of saves) is answered with the list of those, and
+exit code 2: see :func:`~fullshard.cli.commands.merge.checkpoints_under`.
 """
 
 from __future__ import annotations
 
 import click
 
-from fullshard.cli.commands.merge import checkpoint_errors
+from fullshard.cli.commands.merge import checkpoint_errors, not_a_checkpoint_but_holds
 
 __all__ = ["verify_command"]
 
 
-@click.command("verify", short_help="Check a checkpoint's files (presence, sizes, checksums, all ranks).")
+@click.command(
+    "verify",
+    short_help="Check a checkpoint's files (presence, sizes, checksums, all ranks).",
+    epilog="Example: fullshard verify runs/train_gpt/checkpoints/checkpoint_3",
+)
 @click.argument("checkpoint", type=click.Path())
 def verify_command(checkpoint: str) -> None:
-    """Check CHECKPOINT (a save_state folder, or one sharded folder such as ckpt/pytorch_model_fsdp_0)."""
+    """Check CHECKPOINT: a folder that save_state wrote (such as runs/x/checkpoints/checkpoint_3) or one
+    sharded folder in it (such as checkpoint_3/pytorch_model_fsdp_0). Every file must be present with the size
+    and CRC-32 recorded at save, every rank's files present, the sharded folders' metadata whole.
+
+    Given a folder that holds checkpoints (a project folder or its checkpoints/), it lists them. Exit code: 0
+    when the checkpoint is whole, 2 otherwise (one line naming the first bad file, or the folders to pass).
+    """
     from fullshard.checkpoint.verify import verify_checkpoint
 
     with checkpoint_errors():
+        holds = not_a_checkpoint_but_holds(checkpoint, "verify")
+        if holds is not None:
+            raise holds
         report = verify_checkpoint(checkpoint)
     if report.note:
         click.echo(f"{report.note}.")
