@@ -28,11 +28,12 @@ from fullshard.engine.api import (
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
-from fullshard.frontend.big_modeling import init_empty_weights
+from fullshard.frontend.bigmodel.empty import init_empty_weights
 from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model
 from fullshard.frontend.bigmodel.sizes import infer_auto_device_map
 from fullshard.frontend.data import skip_first_batches, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.enums import DistributedType
 from fullshard.frontend.handlers import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
@@ -40,10 +41,9 @@ from fullshard.frontend.handlers import (
     InitProcessGroupKwargs,
     ProfileKwargs,
 )
-from fullshard.frontend.modules import find_executable_batch_size
+from fullshard.frontend.memory import find_executable_batch_size
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
-from fullshard.frontend.types import DistributedType
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from accelerate import utils as acc
 from torch import nn
 
 from fullshard.checkpoint import save_weights
-from fullshard.frontend.modules import compute_module_sizes
+from fullshard.frontend.bigmodel.sizes import compute_module_sizes
 from fullshard.utils import (
     find_tied_parameters,
     get_balanced_memory,

@@ -24,19 +24,17 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
-from fullshard.frontend import env, model_state, ops, preemption, runtime, state_io, training
+from fullshard.frontend import env, memory, model_state, ops, preemption, processes, runtime, state_io, training
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
-from fullshard.frontend.environment.enums import DynamoBackend
+from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
 from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
-from fullshard.frontend.operations import gradients, memory, processes
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
-from fullshard.frontend.types import DistributedType, PrecisionType
 
 __all__ = ["Accelerator"]
 
@@ -531,15 +529,15 @@ class Accelerator:
 
     clear = free_memory
 
-    # --- more training-step helpers (operations/gradients.py, handlers/profiling.py) ----------------
+    # --- more training-step helpers (training.py, handlers/profiling.py) ----------------
 
     def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return gradients.trigger_sync(model)
+        return training.trigger_sync(model)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
         """Clamp gradients into ``[-clip_value, clip_value]`` (after fp16 unscaling); exact on shards."""
         self.unscale_gradients()
-        gradients.clip_grad_value(parameters, clip_value)
+        training.clip_grad_value(parameters, clip_value)
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from fullshard.frontend.enums import DynamoBackend
 from fullshard.frontend.env import parse_bool
-from fullshard.frontend.environment.enums import DynamoBackend
 
 __all__ = ["TorchDynamoPlugin", "compile_model", "resolve_dynamo_plugin"]
 

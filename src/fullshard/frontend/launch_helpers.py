@@ -4,27 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from fullshard.frontend.types import DistributedType
+from fullshard.frontend import env
+from fullshard.frontend.enums import DistributedType
 
 __all__ = ["PrepareForLaunch", "patch_environment"]
 
 
-@contextlib.contextmanager
-def patch_environment(**kwargs: Any) -> Iterator[None]:
+def patch_environment(**kwargs: Any) -> contextlib.AbstractContextManager[None]:
     """Set ``os.environ[KEY.upper()] = str(value)`` for the block; afterwards every key is as it was before."""
-    saved = {key.upper(): os.environ.get(key.upper()) for key in kwargs}
-    os.environ.update({key.upper(): str(value) for key, value in kwargs.items()})
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return env.patched({key.upper(): str(value) for key, value in kwargs.items()})
 
 
 class PrepareForLaunch:

@@ -20,6 +20,9 @@ from fullshard.ranks import gather_from_ranks, global_rank, rank_and_world
 
 __all__ = [
     "broadcast",
+    "convert_to_fp32",
+    "listify",
+    "slice_tensors",
     "broadcast_object_list",
     "concatenate",
     "gather",
@@ -246,3 +249,31 @@ def save(
         save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
     else:
         torch.save(obj, f)
+
+
+# --- per-tensor transforms (no communication) -------------------------------------------------------
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def convert_to_fp32(tensor: Any) -> Any:
+    """Every float16 / bfloat16 tensor in ``tensor`` as float32 (others untouched, not copied)."""
+    return recursively_apply(
+        lambda t: t.float(), tensor, test_type=lambda t: hasattr(t, "dtype") and getattr(t, "dtype", None) in _HALF
+    )
+
+
+def _to_list(t: torch.Tensor) -> Any:
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).tolist()  # tolist() has no bfloat16 path via numpy
+
+
+def listify(data: Any) -> Any:
+    """Every tensor in ``data`` as Python numbers (``tensor.tolist()``: a number for a 0-d tensor)."""
+    return recursively_apply(_to_list, data)
+
+
+def slice_tensors(data: Any, tensor_slice: Any, process_index: int | None = None, num_processes: int | None = None):
+    """``t[tensor_slice]`` for every tensor in ``data`` (``process_index`` / ``num_processes`` are unused, as in
+    Accelerate, where they serve its TPU path)."""
+    return recursively_apply(lambda t: t[tensor_slice], data)

@@ -15,13 +15,16 @@ from torch import nn
 
 from fullshard.engine import grad_norm
 from fullshard.engine.fully_shard import FSDPModule
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.param import local_tensor
+from fullshard.engine.state import gradient_sync, unit_states_in
 from fullshard.engine.wrapper import FullyShardedDataParallel
 from fullshard.frontend import ops
 from fullshard.frontend.data import GradientState
-from fullshard.frontend.types import PrecisionType
+from fullshard.frontend.enums import PrecisionType
 
 __all__ = [
+    "clip_grad_value",
+    "trigger_sync",
     "advance_step",
     "autocast_context",
     "clip_grad_norm",
@@ -87,14 +90,6 @@ def autocast_context(precision: PrecisionType, device: torch.device) -> contextl
     return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
 
 
-def _to_fp32(output: Any) -> Any:
-    return ops.recursively_apply(
-        lambda t: t.float(),
-        output,
-        test_type=lambda t: torch.is_tensor(t) and t.dtype in (torch.float16, torch.bfloat16),
-    )
-
-
 def needs_autocast(precision: PrecisionType, policy: object) -> bool:
     """Whether the forward must also run under ``torch.autocast`` for the run's ``precision``.
 
@@ -125,7 +120,7 @@ def wrap_forward_for_precision(
     def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
         with context(precision, device):
             output = forward(*args, **kwargs)
-        return _to_fp32(output)
+        return ops.convert_to_fp32(output)
 
     model.forward = forward_in_precision  # type: ignore[method-assign]
 
@@ -154,3 +149,30 @@ def truncate_for_metrics(data: Any, state: GradientState, *, objects: bool) -> A
     if objects:
         return data[: state.remainder]
     return ops.recursively_apply(lambda t: t[: state.remainder], data)
+
+
+# --- forcing a reduction, clipping by value --------------------------------------------------------
+# Gradient helpers of the ``Accelerator`` beyond ``training.py``: forcing a reduction, clipping by value.
+#
+# - :func:`trigger_sync`: inside ``no_sync`` (or an accumulation step of ``accumulate``), the backward run in
+#   this block reduces gradients anyway, as Accelerate's ``trigger_sync_in_backward`` does for DDP. Under FSDP
+#   Accelerate does nothing there; here every unit of the model reduces in that backward, so a loop that must
+#   synchronise on a step of its choosing (e.g. before an evaluation) can.
+# - :func:`clip_grad_value`: clamp every gradient element into ``[-clip_value, clip_value]``. The clamp is
+#   elementwise, so clamping each rank's shard equals clamping the full gradient: no communication is needed.
+#   (Accelerate refuses ``clip_grad_value_`` under FSDP; fullshard can do it exactly.)
+
+
+def trigger_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Reduce ``model``'s gradients in the backward run inside this block, whatever ``no_sync`` says outside it."""
+    return gradient_sync(model, True)
+
+
+def clip_grad_value(parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+    """Clamp the gradients of ``parameters`` in place (this rank's shard of each); see the module docstring."""
+    if not isinstance(clip_value, (int, float)) or isinstance(clip_value, bool) or clip_value < 0:
+        raise ValueError(f"clip_grad_value_(clip_value={clip_value!r}): expected a number >= 0.")
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    for p in params:
+        if p.grad is not None:
+            local_tensor(p.grad).clamp_(min=-clip_value, max=clip_value)

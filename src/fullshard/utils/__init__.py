@@ -35,6 +35,7 @@ from fullshard.frontend.availability import (
 from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model, load_state_dict, shard_checkpoint
 from fullshard.frontend.bigmodel.offload import load_offloaded_weights, offload_state_dict
 from fullshard.frontend.bigmodel.sizes import (
+    compute_module_sizes,
     get_balanced_memory,
     get_max_layer_size,
     get_max_memory,
@@ -49,8 +50,14 @@ from fullshard.frontend.bigmodel.tied import (
 from fullshard.frontend.compile import TorchDynamoPlugin
 from fullshard.frontend.data import synchronize_rng_state, synchronize_rng_states
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration
-from fullshard.frontend.environment.enums import ComputeEnvironment, DynamoBackend, RNGType, SageMakerDistributedType
-from fullshard.frontend.environment.introspection import compare_versions, get_pretty_name, is_torch_version
+from fullshard.frontend.enums import (
+    ComputeEnvironment,
+    DistributedType,
+    DynamoBackend,
+    PrecisionType,
+    RNGType,
+    SageMakerDistributedType,
+)
 from fullshard.frontend.handlers import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
@@ -61,21 +68,22 @@ from fullshard.frontend.handlers import (
 )
 from fullshard.frontend.handlers.base import KwargsHandler
 from fullshard.frontend.launch_helpers import PrepareForLaunch, patch_environment
-from fullshard.frontend.modules import compute_module_sizes, find_executable_batch_size
-from fullshard.frontend.operations.memory import release_memory
-from fullshard.frontend.operations.nested import convert_to_fp32, listify, slice_tensors
+from fullshard.frontend.memory import find_executable_batch_size, release_memory
 from fullshard.frontend.ops import (
     broadcast,
     broadcast_object_list,
     concatenate,
+    convert_to_fp32,
     gather,
     gather_object,
+    listify,
     pad_across_processes,
     recursively_apply,
     reduce,
     save,
     send_to_device,
     set_seed,
+    slice_tensors,
     wait_for_everyone,
 )
 from fullshard.frontend.placeholders import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
@@ -93,7 +101,7 @@ from fullshard.frontend.process_output import tqdm
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.tracking import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
-from fullshard.frontend.types import DistributedType, PrecisionType
+from fullshard.frontend.versions import compare_versions, get_pretty_name, is_torch_version
 
 __all__ = [
     "ComputeEnvironment",

@@ -28,9 +28,9 @@ from torch import nn
 
 from fullshard.checkpoint.export import parse_size
 from fullshard.frontend.bigmodel.tied import find_tied_parameters
-from fullshard.frontend.modules import compute_module_sizes
 
 __all__ = [
+    "compute_module_sizes",
     "clean_device_map",
     "get_balanced_memory",
     "get_max_layer_size",
@@ -39,6 +39,33 @@ __all__ = [
 ]
 
 Entry = tuple[str, Any]  # (full name, module or tensor)
+
+
+def compute_module_sizes(
+    model: nn.Module, dtype: str | torch.dtype | None = None, special_dtypes: dict[str, Any] | None = None
+) -> dict[str, int]:
+    """Bytes of the parameters and buffers under every module name ("" is the whole model).
+
+    ``dtype`` counts floating-point tensors at that dtype's size (as if cast); ``special_dtypes`` maps a tensor
+    name to the dtype to count it at.
+    """
+
+    def size_of(name: str, tensor: torch.Tensor) -> int:
+        target = (special_dtypes or {}).get(name, dtype)
+        if isinstance(target, str):
+            target = getattr(torch, target.replace("torch.", ""))
+        if target is not None and tensor.is_floating_point():
+            return tensor.numel() * torch.empty((), dtype=target).element_size()
+        return tensor.numel() * tensor.element_size()
+
+    sizes: dict[str, int] = defaultdict(int)
+    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    for name, tensor in tensors:
+        size = size_of(name, tensor)
+        parts = name.split(".")
+        for i in range(len(parts) + 1):
+            sizes[".".join(parts[:i])] += size
+    return dict(sizes)
 
 
 def get_max_layer_size(

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fullshard.frontend import ops
-from fullshard.frontend.environment.enums import ContainsByValue
-from fullshard.frontend.operations.nested import listify
+from fullshard.frontend.enums import ContainsByValue
+from fullshard.frontend.ops import listify
 
 __all__ = ["GeneralTracker", "JSONLinesTracker", "LoggerType", "TensorBoardTracker", "on_main_process"]
 

@@ -1,45 +1,30 @@
-"""Small model helpers of ``accelerate.utils``: module sizes and retrying with smaller batches on OOM."""
+"""Memory helpers of ``accelerate.utils``: releasing references, retrying with smaller batches on OOM."""
 
 from __future__ import annotations
 
 import functools
 import gc
 import inspect
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-__all__ = ["compute_module_sizes", "find_executable_batch_size"]
+__all__ = ["find_executable_batch_size", "release_memory"]
 
 
-def compute_module_sizes(
-    model: nn.Module, dtype: str | torch.dtype | None = None, special_dtypes: dict[str, Any] | None = None
-) -> dict[str, int]:
-    """Bytes of the parameters and buffers under every module name ("" is the whole model).
+def release_memory(*objects: Any) -> list[None]:
+    """Return ``[None] * len(objects)`` after a garbage collection and emptying the CUDA cache.
 
-    ``dtype`` counts floating-point tensors at that dtype's size (as if cast); ``special_dtypes`` maps a tensor
-    name to the dtype to count it at.
+    Rebind the names to the result (``model, opt = release_memory(model, opt)``): the caller's references are
+    what keep the tensors alive, and only the caller can drop them.
     """
-
-    def size_of(name: str, tensor: torch.Tensor) -> int:
-        target = (special_dtypes or {}).get(name, dtype)
-        if isinstance(target, str):
-            target = getattr(torch, target.replace("torch.", ""))
-        if target is not None and tensor.is_floating_point():
-            return tensor.numel() * torch.empty((), dtype=target).element_size()
-        return tensor.numel() * tensor.element_size()
-
-    sizes: dict[str, int] = defaultdict(int)
-    tensors = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
-    for name, tensor in tensors:
-        size = size_of(name, tensor)
-        parts = name.split(".")
-        for i in range(len(parts) + 1):
-            sizes[".".join(parts[:i])] += size
-    return dict(sizes)
+    released: list[None] = [None] * len(objects)
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return released
 
 
 def _is_oom(exc: BaseException) -> bool:

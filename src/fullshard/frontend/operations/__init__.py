@@ -1,1 +1,0 @@
-"""Operations on nested data and on the process set that ``ops.py`` does not hold (see each module)."""
