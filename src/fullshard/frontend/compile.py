@@ -1,11 +1,12 @@
 """``torch.compile`` through the Accelerator: ``TorchDynamoPlugin``, ``dynamo_backend=`` and the launcher's
 ``ACCELERATE_DYNAMO_*`` variables, as Accelerate 1.15 takes them.
 
-The model is compiled after it is sharded, in place (``module.compile()``): the engine's forward hooks are
-disabled for dynamo (see [Note: hooks outside compiled graphs] in ``engine/state.py``), so they run eagerly
-between compiled graphs, and the prepared model stays the object the rest of the front end knows (its state
-dict, ``unwrap_model``, ``save_model``). Accelerate's FSDP2 path returns an ``OptimizedModule`` for a whole-model
-compile instead; here ``model._orig_mod`` does not exist and ``model.forward`` is the original one.
+Unset fields are read from the ``ACCELERATE_DYNAMO_*`` variables of ``env.DYNAMO_VARS``. The model is compiled
+after it is sharded, in place (``module.compile()``): the engine's forward hooks are disabled for dynamo (see
+[Note: hooks outside compiled graphs] in ``engine/state.py``), so they run eagerly between compiled graphs, and
+the prepared model stays the object the rest of the front end knows (its state dict, ``unwrap_model``,
+``save_model``). Accelerate's FSDP2 path returns an ``OptimizedModule`` for a whole-model compile instead; here
+``model._orig_mod`` does not exist and ``model.forward`` is the original one.
 
 With ``use_regional_compilation`` every run of repeated blocks (an ``nn.ModuleList`` whose children share one
 class) has each block compiled with the same arguments, so dynamo compiles the block's code once and reuses it
@@ -15,18 +16,14 @@ for the others; every other leaf child is compiled on its own, as Accelerate doe
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from torch import nn
 
 from fullshard.frontend.enums import DynamoBackend
-from fullshard.frontend.env import parse_bool
+from fullshard.frontend.env import DYNAMO_MODES, read_dynamo_env
 
 __all__ = ["TorchDynamoPlugin", "compile_model", "resolve_dynamo_plugin"]
-
-_PREFIX = "ACCELERATE_DYNAMO_"
-_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclasses.dataclass
@@ -46,8 +43,8 @@ class TorchDynamoPlugin:
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
-        environ = os.environ
-        backend = self.backend if self.backend is not None else environ.get(_PREFIX + "BACKEND", "no")
+        from_env = read_dynamo_env()
+        backend = self.backend if self.backend is not None else from_env.get("backend", "no")
         text = str(getattr(backend, "value", backend)).strip().upper()
         if text not in DynamoBackend:
             raise ValueError(
@@ -55,13 +52,14 @@ class TorchDynamoPlugin:
                 f"{', '.join(b.lower() for b in DynamoBackend.list())} (e.g. 'inductor'), or 'no' to not compile."
             )
         self.backend = DynamoBackend(text)
-        self.mode = self.mode if self.mode is not None else environ.get(_PREFIX + "MODE", "default")
-        if self.mode not in _MODES:
-            raise ValueError(f"TorchDynamoPlugin(mode={self.mode!r}): use one of {', '.join(_MODES)}.")
-        self.fullgraph = _flag(self.fullgraph, "USE_FULLGRAPH", default=False)
-        self.use_regional_compilation = _flag(self.use_regional_compilation, "USE_REGIONAL_COMPILATION", default=False)
-        if self.dynamic is None and environ.get(_PREFIX + "USE_DYNAMIC") is not None:
-            self.dynamic = _flag(None, "USE_DYNAMIC", default=False)
+        self.mode = self.mode if self.mode is not None else from_env.get("mode", "default")
+        if self.mode not in DYNAMO_MODES:
+            raise ValueError(f"TorchDynamoPlugin(mode={self.mode!r}): use one of {', '.join(DYNAMO_MODES)}.")
+        for name in ("fullgraph", "use_regional_compilation"):
+            if getattr(self, name) is None:
+                setattr(self, name, from_env.get(name, False))
+        if self.dynamic is None:
+            self.dynamic = from_env.get("dynamic")
 
     @property
     def enabled(self) -> bool:
@@ -81,13 +79,6 @@ class TorchDynamoPlugin:
         if kwargs.get("options") is not None:
             kwargs.pop("mode")  # torch.compile takes one of mode and options
         return kwargs
-
-
-def _flag(value: bool | None, name: str, *, default: bool) -> bool:
-    if value is not None:
-        return bool(value)
-    text = os.environ.get(_PREFIX + name)
-    return default if text is None or not text.strip() else parse_bool(text, where=f"{_PREFIX}{name}")
 
 
 def resolve_dynamo_plugin(dynamo_backend: Any, dynamo_plugin: TorchDynamoPlugin | None) -> TorchDynamoPlugin:

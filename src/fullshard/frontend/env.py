@@ -28,6 +28,9 @@ __all__ = [
     "AUTO_WRAP_POLICIES",
     "BACKWARD_PREFETCH_CHOICES",
     "DEFAULT_FSDP_VERSION",
+    "DYNAMO_BACKENDS",
+    "DYNAMO_MODES",
+    "DYNAMO_VARS",
     "FSDP_VARS",
     "LAUNCH_VARS",
     "MIXED_PRECISION_CHOICES",
@@ -43,6 +46,7 @@ __all__ = [
     "patched",
     "set_variables",
     "read_env",
+    "read_dynamo_env",
     "read_launch_env",
     "write_field",
 ]
@@ -253,6 +257,29 @@ LAUNCH_VARS: tuple[EnvVar, ...] = (
 )  # fmt: skip
 
 
+# torch.compile settings: the config file's ``dynamo_config`` section (Accelerate's keys), which the launcher turns
+# into these variables; TorchDynamoPlugin reads them back for the fields it was not given.
+DYNAMO_BACKENDS: tuple[str, ...] = ("no", "eager", "aot_eager", "inductor", "cudagraphs", "onnxrt", "tvm")
+DYNAMO_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DYNAMO_VARS: tuple[EnvVar, ...] = (
+    _var("backend", "ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", _parse_text,
+         "torch.compile backend for the model (no, eager, aot_eager, inductor, ...; no: do not compile)."),
+    _choice_var("mode", "ACCELERATE_DYNAMO_MODE", "dynamo_mode", DYNAMO_MODES, "torch.compile mode."),
+    _var("fullgraph", "ACCELERATE_DYNAMO_USE_FULLGRAPH", "dynamo_use_fullgraph", parse_bool,
+         "Refuse graph breaks (true/false)."),
+    _var("dynamic", "ACCELERATE_DYNAMO_USE_DYNAMIC", "dynamo_use_dynamic", parse_bool,
+         "Trace with dynamic shapes (true/false)."),
+    _var("use_regional_compilation", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION",
+         "dynamo_use_regional_compilation", parse_bool,
+         "Compile each repeated block once and reuse it, instead of the whole model (true/false)."),
+)  # fmt: skip
+
+
+def read_dynamo_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """TorchDynamoPlugin field → value, for every ``ACCELERATE_DYNAMO_*`` variable set in ``environ``."""
+    return _read(DYNAMO_VARS, environ)
+
+
 def by_field(field: str, table: Iterable[EnvVar] = FSDP_VARS) -> EnvVar:
     """The table entry of a plugin field (``KeyError`` if it has none)."""
     for var in table:
@@ -322,7 +349,7 @@ def write_field(field: str, value: object, environ: MutableMapping[str, str] | N
 def set_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of both tables that are set in ``environ`` (default ``os.environ``), as raw text."""
     environ = os.environ if environ is None else environ
-    return {v.env: environ[v.env] for v in (*LAUNCH_VARS, *FSDP_VARS) if v.env in environ}
+    return {v.env: environ[v.env] for v in (*LAUNCH_VARS, *FSDP_VARS, *DYNAMO_VARS) if v.env in environ}
 
 
 @contextlib.contextmanager
