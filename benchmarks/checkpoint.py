@@ -601,7 +601,7 @@ def _scale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckscale")
     parser.add_argument("--dd-gb", type=float, default=2.0, help="GB each of the 2 dd streams writes and reads")
     parser.add_argument("--no-torch", action="store_true", help="skip torch's dcp.save / dcp.load phases")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoints (e.g. for bench_merge_scale)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints (for merge --checkpoint)")
 
 
 def _merge_args(parser: argparse.ArgumentParser) -> None:
