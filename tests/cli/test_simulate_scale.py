@@ -1,4 +1,4 @@
-"""``benchmarks/simulate_scale.py --quick``: fullshard under torch's fake process group, against the formulas.
+"""``benchmarks/simulate.py --quick``: fullshard under torch's fake process group, against the formulas.
 
 Set up: a tiny GPT (three blocks + root, every dim odd) on the meta device, world 8 (1-D) and a 2x4 mesh
 (2 replicas of 4 shards), one forward and backward; nothing is allocated and no data moves.
@@ -17,11 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
-from benchmarks.simulate_scale import QUICK_MODELS
 
 from fullshard.engine.api import ShardingStrategy
 from fullshard.frontend.estimate import estimate_memory, unit_parameters
-from fullshard.testing.models import Block, TinyGPT
+from fullshard.testing.models import Block, GPTConfig, TinyGPT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,13 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_small_plans_match_the_formulas(tmp_path: Path) -> None:
     out = tmp_path / "plans.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
-    script = ROOT / "benchmarks" / "simulate_scale.py"
+    script = ROOT / "benchmarks" / "simulate.py"
     done = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], env=env, timeout=300,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     plans = {p["mesh"]: p for p in json.loads(out.read_text())}
     assert set(plans) == {"8", "2x4"}
-    cfg, _ = QUICK_MODELS["tiny"]
+    assert plans["8"]["config"] == plans["2x4"]["config"]
+    cfg = GPTConfig(**plans["8"]["config"])  # the model the script simulated, as it recorded it
     with torch.device("meta"):
         model = TinyGPT(cfg)
     units = unit_parameters(model, {Block})

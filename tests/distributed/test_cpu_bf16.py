@@ -6,6 +6,7 @@ an AVX2-only machine and on one with AMX.
 
 from __future__ import annotations
 
+import platform
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import fullshard.engine.cpu_bf16 as cpu_bf16
 from fullshard import FSDP, MixedPrecision, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import WorkerPool
+from fullshard.testing.bench import cpu_flags
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -36,10 +38,13 @@ def test_native_bf16_from_capabilities(caps: dict, native: bool) -> None:
     assert cpu_bf16.has_native_bf16(caps) is native
 
 
-def test_this_machine_is_probed() -> None:
-    caps = cpu_bf16.cpu_capabilities()
-    assert "architecture" in caps
-    assert cpu_bf16.has_native_bf16() is cpu_bf16.has_native_bf16(caps)
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the kernel's x86 flag names")
+def test_this_machine_is_probed_as_the_kernel_reports_it() -> None:
+    """torch's cpuinfo probe (what the warning trusts) and the kernel's ``/proc/cpuinfo`` flags agree on this CPU."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this machine")
+    assert cpu_bf16.has_native_bf16() is bool({"avx512_bf16", "amx_bf16"} & flags), (cpu_bf16.cpu_capabilities(), flags)
 
 
 def _wrap_twice(rank: int, world: int, caps: dict, entry: str, param_dtype: torch.dtype | None) -> list[str]:

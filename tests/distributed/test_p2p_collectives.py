@@ -17,11 +17,11 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from benchmarks.bench_collectives import ring_reduce_scatter
 
 from fullshard.engine import p2p
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, reduce_scatter_flat
 from fullshard.testing import WorkerPool
+from fullshard.testing.bench import ring_reduce_scatter
 from fullshard.testing.parity import RunResult, TrainSpec, reference_run
 from tests.distributed.test_parity import assert_parity, run, wrap_fsdp
 

@@ -28,7 +28,7 @@ unsharding is registering views, and resharding frees nothing.
 [Note: packed and direct parameters]
 Gathering all of a unit in one collective needs a copy-out from the rank-major all-gather output into
 ``flat_full``; on gloo that copy and gloo's throughput on very large buffers cost more than the latency
-saved once a unit holds tens of MB (``benchmarks/bench_layout.py``). But a single parameter's padded full
+saved once a unit holds tens of MB (``benchmarks/train.py layout``). But a single parameter's padded full
 block *is* rank-major: an all-gather of its padded shard lands directly in its ``flat_full`` block, and a
 reduce-scatter reads its gradient block directly. So on gloo, parameters whose gathered size reaches
 ``DIRECT_MIN_BYTES`` are *direct*: laid out after the *packed* ones (a prefix of ``flat_shard`` and of the

@@ -111,7 +111,7 @@ def simulating() -> bool:
     (shards, gathered buffers and gradients have shapes and dtypes, no storage) while the engine issues its real
     collective schedule and records its bytes in ``COMM_STATS``. Only two engine decisions change
     (``resolve_device`` picks ``meta`` for an all-meta module, and the first forward does not refuse meta
-    parameters); everything else runs as on real ranks. ``benchmarks/simulate_scale.py`` drives it.
+    parameters); everything else runs as on real ranks. ``benchmarks/simulate.py`` drives it.
     """
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 

@@ -10,7 +10,7 @@ received into the output and this rank's added). The all-gather receives in plac
 
 Which one runs: :func:`use_p2p`, asked by ``engine/collectives.py`` before each collective; only gloo groups on
 CPU tensors come here (NCCL and the rest keep their own), from the crossovers in :data:`P2P_MIN_BYTES` measured
-by ``benchmarks/bench_collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's collectives, ``1`` the
+by ``benchmarks/collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's collectives, ``1`` the
 point-to-point ones, ``auto`` (or unset) the measured choice; other values are refused by name.
 
 Numerics: on 2 ranks the sum is one addition, which commutes, so results are bitwise gloo's. On 3 or more,
@@ -39,7 +39,7 @@ __all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "pairwise_all_gather", "pairwi
 ENV_VAR = "FULLSHARD_GLOO_P2P"
 
 # Smallest full-buffer size (bytes, all ranks' chunks) from which the point-to-point version beat gloo's, per
-# (collective, group size); larger groups use the largest size measured. From bench_collectives.py on the
+# (collective, group size); larger groups use the largest size measured. From benchmarks/collectives.py on the
 # 2-core AMD EPYC machine, 2026-11-23, under load average 19-30 from other jobs (docs/benchmarks.md). 2 ranks:
 # the pairwise reduce-scatter won at every size from 1 MB (0.30-0.81x gloo's time), the all-gather from 2 MB
 # in fp32 (0.13-0.53x; bf16 tied at 2 and 5 MB); below, gloo won or the gap was noise. 4 ranks: from 1 MB the

@@ -2,7 +2,7 @@
 
 Each unit frees its gathered parameters (``flat_full``'s storage) after use and allocates them again at its
 next gather. CUDA's caching allocator turns that into reuse; on CPU the C allocator maps fresh pages for
-buffers this large, which the kernel faults in and zeroes again (medium GPT of ``bench_engine.py``: up to
+buffers this large, which the kernel faults in and zeroes again (medium GPT of ``benchmarks/train.py steps``: up to
 30,000 minor faults per step and rank; DDP, which keeps its buckets, takes none). So a unit about to free
 asks whether the next unit to gather in the same direction needs exactly as many bytes (uniform blocks);
 if so the memory moves here, and that gather takes it. Memory moves between ``UntypedStorage`` objects by

@@ -4,7 +4,7 @@ Each phase body runs inside ``with phase(NAME):``, a ``torch.profiler.record_fun
 profiler running it costs two cheap dispatcher calls and records nothing. Ranges nest (``PRE_FORWARD``
 holds ``ALL_GATHER``, ``ALL_GATHER_WAIT`` and ``COPY_OUT``); the *leaf* ranges that block the compute
 thread on communication or move bytes, ``ALL_GATHER_WAIT``, ``REDUCE_WAIT``, ``COPY_OUT`` and ``COPY_IN``,
-never nest inside one another, so their times add up (``benchmarks/bench_engine.py --trace``).
+never nest inside one another, so their times add up (``benchmarks/train.py steps --trace``).
 
 Invariant: one range per occurrence of a phase that does work; calls that return at once (a unit already
 gathered, nothing to reduce) open no range, so counts in ``prof.key_averages()`` count real work.

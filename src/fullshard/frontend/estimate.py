@@ -197,7 +197,7 @@ def model_dtype_bytes(units: list[list[nn.Parameter]]) -> int:
 
 # RSS of a rank before its model exists: the interpreter, torch, fullshard and a gloo process group, plus what
 # the first step adds outside tensors (autograd engine, kernels' thread pools). Measured with
-# benchmarks/measure_peak.py on torch 2.13 CPU (docs/benchmarks.md, "estimate-memory against measured peaks").
+# benchmarks/train.py peak on torch 2.13 CPU (docs/benchmarks.md, "estimate-memory against measured peaks").
 PROCESS_BASELINE = 360 * 2**20
 
 

@@ -20,7 +20,7 @@ from fullshard.engine.fully_shard import fully_shard
 from fullshard.engine.summon import summon_full_params
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
-__all__ = ["RunResult", "TrainSpec", "fully_shard_blocks", "reference_run", "sharded_run"]
+__all__ = ["RunResult", "TrainSpec", "fully_shard_blocks", "reference_run", "sharded_run", "without_sync"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def sharded_run(
         micro = spec.micro_batches(step)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            ctx = _without_sync(model) if use_no_sync and not last else contextlib.nullcontext()
+            ctx = without_sync(model) if use_no_sync and not last else contextlib.nullcontext()
             with ctx:
                 loss = model(x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]) / spec.accumulate
                 loss.backward()
@@ -126,7 +126,7 @@ def sharded_run(
 
 
 @contextlib.contextmanager
-def _without_sync(model: nn.Module) -> Iterator[None]:
+def without_sync(model: nn.Module) -> Iterator[None]:
     """``no_sync()`` for a wrapper, ``set_requires_gradient_sync(False)`` for a ``fully_shard`` module."""
     if hasattr(model, "no_sync"):
         with model.no_sync():
@@ -139,8 +139,9 @@ def _without_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def fully_shard_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
-    """``fully_shard`` each of ``model.blocks`` and then ``model`` itself, all with ``kwargs``; return it."""
+def fully_shard_blocks(model: nn.Module, *, shard: Callable[..., nn.Module] = fully_shard, **kwargs: Any) -> nn.Module:
+    """``shard`` (fullshard's ``fully_shard`` by default, or a peer's with the same signature) each of
+    ``model.blocks`` and then ``model`` itself, all with ``kwargs``; return it."""
     for block in model.blocks:
-        fully_shard(block, **kwargs)
-    return fully_shard(model, **kwargs)
+        shard(block, **kwargs)
+    return shard(model, **kwargs)

@@ -1,7 +1,7 @@
-"""Pictures from ``bench_scale.py``'s JSON results (PNG, for docs/).
+"""Pictures from ``train.py memory``'s JSON results (PNG, for docs/); prints the file it wrote.
 
-    python benchmarks/plot_scale.py timeline RESULT.json [MORE.json ...] OUT.png [--labels before after ...]
-    python benchmarks/plot_scale.py sweep RESULT1.json RESULT2.json ... docs/scale_sweep.png
+    python benchmarks/plot.py timeline RESULT.json [MORE.json ...] OUT.png [--labels before after ...]
+    python benchmarks/plot.py sweep RESULT1.json RESULT2.json ... docs/scale_sweep.png
 
 ``timeline``: rank 0's RSS over one training step (the second by default: the optimizer state exists),
 one line per system, with the floor (and the floor plus the interpreter's RSS) drawn in and the start of
@@ -156,6 +156,7 @@ def main() -> None:
         timeline(merged, out, args.step, args.rank)
     else:
         sweep(results, out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

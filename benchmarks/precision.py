@@ -1,8 +1,9 @@
 """bf16 compute against fp32 compute on this CPU, in one run, interleaved: which mixed-precision choice to make.
 
-    python benchmarks/bench_precision.py [--quick] [--steps 8] [--layers 4] [--width 512]
+    python benchmarks/precision.py [--quick] [--steps 8] [--layers 4] [--width 512]
 
-Prints the machine (torch's CPU capability and whether it has native bf16: AVX-512 BF16 or AMX), then:
+Prints the machine (``fullshard.testing.bench.describe_machine``: the CPU's flags, native bf16 or not; and
+torch's own view: its CPU capability and whether :mod:`fullshard.engine.cpu_bf16` counts bf16 as native), then:
 1. a matmul (width x 4*width, batch*seq rows) in fp32 and in bf16, alternated, median time each;
 2. ``FullyShardedDataParallel`` FULL_SHARD on 2 gloo CPU ranks training a GPT three ways, one step of each in
    turn: fp32 throughout; bf16 compute (``param_dtype`` = ``reduce_dtype`` = bf16); and fp32 compute with bf16
@@ -23,12 +24,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from kit import ours_fsdp
 
-from fullshard import FSDP, MixedPrecision
-from fullshard.engine.cpu_bf16 import cpu_capabilities, has_native_bf16
-from fullshard.testing import WorkerPool
-from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard import MixedPrecision
+from fullshard.engine.cpu_bf16 import has_native_bf16
+from fullshard.testing.bench import describe_machine, on_fresh_ranks
+from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
 POLICIES = {
     "fp32": None,
@@ -38,11 +39,9 @@ POLICIES = {
 
 
 def machine() -> str:
-    caps = cpu_capabilities()
     return (
-        f"{caps.get('cpu_name', '?')} ({caps.get('architecture', '?')}), torch capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {has_native_bf16()} "
-        f"(avx512_bf16={caps.get('avx512_bf16')}, amx_bf16={caps.get('amx_bf16')}), torch {torch.__version__}"
+        f"{describe_machine()}; torch's CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native bf16 as fullshard sees it: {has_native_bf16()}"
     )
 
 
@@ -69,7 +68,7 @@ def _train(rank: int, world: int, cfg: GPTConfig, steps: int, batch: int) -> dic
     models, optims = {}, {}
     for name, mp in POLICIES.items():
         torch.manual_seed(0)
-        models[name] = FSDP(TinyGPT(cfg), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp)
+        models[name] = ours_fsdp(TinyGPT(cfg), mixed_precision=mp)
         optims[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
     times: dict[str, list[float]] = {name: [] for name in POLICIES}
     losses: dict[str, float] = {}
@@ -106,11 +105,7 @@ def main() -> None:
         f"matmul {args.batch * cfg.block_size}x{args.width} @ {args.width}x{4 * args.width}: "
         f"fp32 {mm['fp32'] * 1e3:.2f} ms, bf16 {mm['bf16'] * 1e3:.2f} ms, bf16/fp32 = {mm['bf16'] / mm['fp32']:.2f}"
     )
-    pool = WorkerPool(2, timeout_s=3600)  # bf16 steps on an AVX2-only CPU take minutes on a loaded machine
-    try:
-        results = pool.run(_train, cfg, args.steps, args.batch)
-    finally:
-        pool.close()
+    results = on_fresh_ranks(_train, cfg, args.steps, args.batch)  # bf16 on AVX2 only: minutes when loaded
     fp32 = max(r["fp32"][0] for r in results)
     print(f"FSDP FULL_SHARD, 2 gloo ranks, GPT {args.layers}x{args.width}, batch {args.batch}x{cfg.block_size}/rank:")
     print(f"  {'policy':34} {'step ms':>9} {'vs fp32':>8} {'last loss':>10}")

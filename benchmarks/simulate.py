@@ -1,6 +1,6 @@
 """Plan a 1,024-rank run on a laptop: fullshard's sharding and one step's collectives under a fake process group.
 
-    python benchmarks/simulate_scale.py [--quick] [--json OUT]
+    python benchmarks/simulate.py [--quick] [--json OUT]
 
 For each model (the issue's 840M GPT and a 7B-class GPT: 32 layers, width 4096, 32 heads, vocabulary 32000)
 and each layout (1-D meshes of 8, 64 and 1,024 ranks; a hybrid 2-D mesh of 8 replicas x 128 shards), this
@@ -13,7 +13,9 @@ It reports, per rank: the bytes of parameter shards (x4 for params, grads and Ad
 model state), the largest gathered unit, the collectives the engine issued in the step and the bytes it
 recorded in ``COMM_STATS``; beside them the formulas (state 16 Psi / N; traffic 3 x 4 Psi (N-1)/N for FULL_SHARD,
 with the hybrid mesh's all-reduce of the shard across replicas) and ``estimate-memory``'s peak for the same
-configuration. ``--quick`` runs the small cases the test keeps (a tiny GPT, world 8 and a 2x4 mesh).
+configuration, one row per (model, mesh) under the machine's description. ``--quick`` runs the small cases
+``tests/cli/test_simulate_scale.py`` checks (a tiny GPT, world 8 and a 2x4 mesh). ``--json`` writes every plan,
+with the model's ``GPTConfig`` fields, so that a reader can rebuild the model it describes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from fullshard.engine.api import ShardingStrategy
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_states_in
 from fullshard.frontend.estimate import estimate_training
+from fullshard.testing.bench import describe_machine
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 
 MODELS = {
@@ -49,6 +52,7 @@ QUICK_LAYOUTS = [(8,), (2, 4)]
 @dataclass
 class Plan:
     model: str
+    config: dict[str, int | bool]  # the GPTConfig's fields
     mesh: str
     world: int
     params: int  # Psi
@@ -100,8 +104,8 @@ def simulate(name: str, cfg: GPTConfig, batch: int, layout: tuple[int, ...]) -> 
     est = estimate_training(meta_model, {Block}, world, strategy, batch=batch, seq=cfg.block_size,
                             num_machines=replicas)  # fmt: skip
     return Plan(
-        name, "x".join(map(str, layout)), world, psi, 4 * shard_bytes, 16 * psi / shards, largest, calls, moved,
-        formula, est.peak, est.gathered, time.perf_counter() - start,
+        name, asdict(cfg), "x".join(map(str, layout)), world, psi, 4 * shard_bytes, 16 * psi / shards, largest,
+        calls, moved, formula, est.peak, est.gathered, time.perf_counter() - start,
     )  # fmt: skip
 
 
@@ -128,6 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     warnings.simplefilter("ignore", FutureWarning)
+    print(f"machine: {describe_machine()}")
     plans = run(QUICK_MODELS, QUICK_LAYOUTS) if args.quick else run(MODELS, LAYOUTS)
     report(plans)
     if args.json:

@@ -1,12 +1,12 @@
 """gloo's reduce-scatter and all-gather against point-to-point versions, and an alpha-beta model of this machine's gloo.
 
-    python benchmarks/bench_collectives.py [--quick] [--worlds 2 4] [--json bench_collectives.json]
+    python benchmarks/collectives.py [--quick] [--worlds 2 4] [--json bench_collectives.json]
 
 For each group size it spawns that many gloo CPU ranks (one thread each) and times, for full-buffer sizes
 from a few KB to 50 MB (MB = 10^6 bytes, the all-ranks size of one unit's buffer) in fp32 and bf16:
 
 - reduce-scatter: gloo's ``reduce_scatter_tensor`` (torch 2.13: an all-reduce of a clone, then a copy),
-  :func:`fullshard.engine.p2p.pairwise_reduce_scatter` and :func:`ring_reduce_scatter` (below);
+  :func:`fullshard.engine.p2p.pairwise_reduce_scatter` and :func:`fullshard.testing.bench.ring_reduce_scatter`;
 - all-gather: gloo's ``all_gather_into_tensor`` and :func:`~fullshard.engine.p2p.pairwise_all_gather`;
 - all-reduce: gloo's ``all_reduce`` (what DDP runs), for its CPU cost per byte;
 - a two-rank exchange (ranks 0 and 1 send each other ``m`` bytes at once), to which the alpha-beta model
@@ -23,7 +23,8 @@ prediction for that algorithm (``n`` ranks, ``B`` bytes):
     ring reduce-scatter, gloo all-gather   (n-1) alpha +   B (n-1)/n beta
     pairwise (all sends at once)           alpha +   B (n-1)/n beta
 
-It ends with the crossover per collective and group size (the smallest size from which the point-to-point
+It starts with the machine (``fullshard.testing.bench.describe_machine``) and ends with the crossover per
+collective and group size (the smallest size from which the point-to-point
 version wins at that size and every larger one), which ``P2P_MIN_BYTES`` in ``fullshard/engine/p2p.py``
 encodes, and the load average before and after. ``--json`` writes every median and the fit.
 
@@ -38,10 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.engine import p2p
-from fullshard.testing import WorkerPool
+from fullshard.testing.bench import describe_machine, machine, on_fresh_ranks, ring_reduce_scatter
 
 SIZES_MB = [0.004, 0.05, 0.2, 0.5, 1, 2, 5, 10, 20, 50]
 QUICK_SIZES_MB = [0.05, 0.2, 2, 20]
@@ -60,43 +59,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> p2p.P2PWork:
-    """``output`` becomes the sum over ranks of chunk ``rank`` of ``full``, in ``n - 1`` ring steps.
-
-    Step ``s`` sends the partial sum of chunk ``rank - s - 1`` to the right and receives that of chunk
-    ``rank - s - 2`` from the left, adding this rank's piece; the last one received is chunk ``rank``'s
-    complete sum (added from the rank after the owner round to the owner). Each step needs the previous one's
-    result, so the call posts the first and ``wait()`` runs the rest, where they cannot overlap with compute:
-    one reason the engine uses the pairwise exchange instead (for 2 ranks the two are the same).
-    """
-    n, rank = pg.size(), pg.rank()
-    chunks = full.view(n, -1)
-    if n == 1:
-        output.copy_(chunks[0])
-        return p2p.P2PWork([])
-    right, left = (rank + 1) % n, (rank - 1) % n
-    partial = torch.empty(2, chunks.shape[1], dtype=full.dtype)  # one being sent while the other is summed
-    incoming = torch.empty_like(partial)
-
-    def step(s: int, outgoing: torch.Tensor) -> list[dist.Work]:
-        tag = p2p.REDUCE_SCATTER_TAG
-        return [pg.send([outgoing], right, tag), pg.recv([incoming[s % 2]], left, tag)]
-
-    first = step(0, chunks[(rank - 1) % n])
-
-    def finish() -> None:
-        pending = first
-        for s in range(n - 1):
-            for work in pending:
-                work.wait()
-            last = s == n - 2
-            target = output if last else partial[s % 2]
-            torch.add(incoming[s % 2], chunks[(rank - s - 2) % n], out=target)
-            pending = [] if last else step(s + 1, target)
-
-    return p2p.P2PWork([], finish)
 
 
 Op = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], Any]
@@ -241,15 +203,6 @@ def _load() -> str:
     return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
 
 
-def _cpu() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
-
-
 def report(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -296,14 +249,11 @@ def main() -> None:
     sizes = args.sizes or (QUICK_SIZES_MB if args.quick else SIZES_MB)
     dtypes = ["fp32"] if args.quick else list(DTYPES)
     reps = args.reps or (3 if args.quick else 7)
-    out: dict[str, Any] = {"machine": _cpu(), "torch": torch.__version__, "load_before": _load(), "worlds": []}
-    print(f"{out['machine']}; torch {out['torch']}; load average before: {out['load_before']}")
+    out: dict[str, Any] = {"machine": machine(), "torch": torch.__version__, "load_before": _load(), "worlds": []}
+    print(f"machine: {describe_machine()}")
     for world in args.worlds:
-        pool = WorkerPool(world, timeout_s=3 * 3600)  # the full sweep on 4 ranks of 2 busy cores takes a while
-        try:
-            per_rank = pool.run(_measure, sizes, dtypes, reps)
-        finally:
-            pool.close()
+        # The full sweep on 4 ranks of 2 busy cores takes a while.
+        per_rank = on_fresh_ranks(_measure, sizes, dtypes, reps, world=world, timeout_s=3 * 3600)
         summary = summarise(per_rank, world)
         summary["crossover_mb"] = crossovers(summary)
         out["worlds"].append(summary)
