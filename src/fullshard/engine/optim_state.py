@@ -176,7 +176,8 @@ def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[tor
         p.sp.local_view(flat).copy_(local)
     fulls = unit.gather_full(flat)
     index = {id(sp): i for i, sp in enumerate(unit.params)}
-    return [fulls[index[id(p.sp)]].to(local_tensor(v).dtype) for p, v in zip(holders, values)]
+    # A tensor parallel parameter's gathered state is its tp part: the full one takes a collective over tp.
+    return [p.sp.full_of_gathered(fulls[index[id(p.sp)]]).to(local_tensor(v).dtype) for p, v in zip(holders, values)]
 
 
 def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[_Param]]]:

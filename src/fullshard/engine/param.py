@@ -95,8 +95,8 @@ class ShardedParam:
         return full.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
 
     def full_of(self, by_rank: torch.Tensor, world: int) -> torch.Tensor:
-        """The parameter's gathered tensor (``gathered_shape``, a view) from ``by_rank`` ``(world, G)``: every rank's flat shard of a
-        buffer laid out like the group's flat shard, as an all-gather returns them."""
+        """The parameter's gathered tensor (``gathered_shape``, a view) from ``by_rank`` ``(world, G)``: every rank's
+        flat shard of a buffer laid out like the group's flat shard, as an all-gather returns them."""
         lay = self.layout
         block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
         return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(lay.shape)
