@@ -10,8 +10,11 @@ mesh=mesh["dp"])`` for each block and ``fully_shard(model, mesh=mesh["dp"])``. T
   (replicated in, sequence-sharded inside, replicated out), ``SequenceParallel`` on its LayerNorm (tp-replicated
   parameters), ``ColwiseParallel(input_layouts=Shard(1))`` and ``RowwiseParallel(output_layouts=Shard(1))``.
 
+Also on a (1, 2, 2) mesh: hybrid sharding over ("rep", "dp") with tp.
+
 Run / check: losses, gradient norms of ``clip_grad_norm_`` (over both mesh dims) and final parameters equal
-torch FSDP2's; sharded and full state dicts hold the trained values; a DCP checkpoint loads back into a fresh
+torch FSDP2's; sharded and full state dicts hold the trained values, and the full optimizer state dict equals
+torch FSDP2's; a DCP checkpoint loads back into a fresh
 2x2 model, into a model sharded over dp=4 without tensor parallelism, and into torch's FSDP2; the
 ``FullyShardedDataParallel`` class refuses tensor parallel parameters with a message naming ``fully_shard``.
 """
@@ -98,20 +101,23 @@ def _parallelize(model: nn.Module, kind: str, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def _build(kind: str, impl: str, shape: tuple[int, int] = (2, 2), seed: int = 0) -> nn.Module:
-    """The model, tensor parallel over ``tp`` when ``shape[1] > 1``, sharded by ``impl`` over ``dp``."""
+def _build(kind: str, impl: str, shape: tuple[int, ...] = (2, 2), seed: int = 0) -> nn.Module:
+    """The model, tensor parallel over ``tp`` when ``shape[-1] > 1``, sharded by ``impl`` over ``dp`` (a
+    3-D ``shape`` is (replicate, dp, tp): hybrid sharding over ``("rep", "dp")``)."""
     if impl == "torch":
         from torch.distributed.fsdp import fully_shard
     else:
         from fullshard import fully_shard
     torch.manual_seed(seed)
     model = SPEC.model() if kind == "gpt" else SPNet()
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-    if shape[1] > 1:
+    names = ("dp", "tp") if len(shape) == 2 else ("rep", "dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if shape[-1] > 1:
         _parallelize(model, kind, mesh["tp"])
+    dp_mesh = mesh[names[:-1]] if len(shape) == 3 else mesh["dp"]
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    return fully_shard(model, mesh=dp_mesh)
 
 
 def _total_norm(model: nn.Module) -> torch.Tensor:
@@ -134,7 +140,9 @@ def _clip(model: nn.Module, impl: str) -> float:
     return float(clip_grad_norm_(unit_states_in(model), [], CLIP))
 
 
-def _train(model: nn.Module, kind: str, impl: str, steps: range, clip: bool) -> tuple[list[float], list[float]]:
+def _train(
+    model: nn.Module, kind: str, impl: str, steps: range, clip: bool
+) -> tuple[list[float], list[float], torch.optim.Optimizer]:
     opt = SPEC.make_optimizer(model.parameters())
     dp = torch.distributed.get_rank() // 2
     per = SPEC.batch // 2
@@ -148,25 +156,29 @@ def _train(model: nn.Module, kind: str, impl: str, steps: range, clip: bool) -> 
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, norms
+    return losses, norms, opt
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def train_both(rank: int, world: int, kind: str, clip: bool) -> dict[str, Any]:
+def train_both(rank: int, world: int, kind: str, clip: bool, shape: tuple[int, ...]) -> dict[str, Any]:
     out = {}
     for impl in ("torch", "ours"):
-        model = _build(kind, impl)
-        losses, norms = _train(model, kind, impl, range(SPEC.steps), clip)
+        model = _build(kind, impl, shape)
+        losses, norms, _ = _train(model, kind, impl, range(SPEC.steps), clip)
         out[impl] = (losses, norms, _full_params(model))
     return out
 
 
-@pytest.mark.parametrize(("kind", "clip"), [("gpt", False), ("gpt", True), ("sp", True)])
-def test_training_equals_torch_fsdp2(pool4: WorkerPool, kind: str, clip: bool) -> None:
-    for result in pool4.run(train_both, kind, clip):
+@pytest.mark.parametrize(
+    ("kind", "clip", "shape"),
+    [("gpt", False, (2, 2)), ("gpt", True, (2, 2)), ("sp", True, (2, 2)), ("gpt", True, (1, 2, 2))],
+    ids=["gpt", "gpt-clip", "sp-clip", "hsdp-gpt-clip"],
+)
+def test_training_equals_torch_fsdp2(pool4: WorkerPool, kind: str, clip: bool, shape: tuple[int, ...]) -> None:
+    for result in pool4.run(train_both, kind, clip, shape):
         (want_losses, want_norms, want_params), (losses, norms, params) = result["torch"], result["ours"]
         torch.testing.assert_close(losses, want_losses, atol=1e-5, rtol=1e-5)
         assert params.keys() == want_params.keys()
@@ -185,11 +197,19 @@ def _state_dicts(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def state_dicts_and_dcp(rank: int, world: int, root: str) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
 
     model = _build("gpt", "ours")
-    _train(model, "gpt", "ours", range(2), clip=False)
+    _, _, opt = _train(model, "gpt", "ours", range(2), clip=False)
     trained = _full_params(model)
+    theirs = _build("gpt", "torch")
+    _, _, their_opt = _train(theirs, "gpt", "torch", range(2), clip=False)
+    full_osd = get_optimizer_state_dict(theirs, their_opt, options=StateDictOptions(full_state_dict=True))
     sharded, full = _state_dicts(model)
     fc, fc_out = sharded["blocks.0.fc.weight"], sharded["blocks.0.fc_out.weight"]
     out: dict[str, Any] = {
@@ -197,6 +217,8 @@ def state_dicts_and_dcp(rank: int, world: int, root: str) -> dict[str, Any]:
         "placements": (tuple(fc.placements), tuple(fc_out.placements), fc.device_mesh.mesh_dim_names),
         "sharded_full": {k: v.full_tensor() for k, v in sharded.items()},
         "full": full,
+        "optim": FullyShardedDataParallel.full_optim_state_dict(model, opt, rank0_only=False)["state"],
+        "torch_optim": full_osd["state"],
     }
     fresh = _build("gpt", "ours", seed=9)
     fresh.load_state_dict(full)
@@ -229,6 +251,10 @@ def test_state_dicts_and_dcp_checkpoints(pool4: WorkerPool, tmp_path: Path) -> N
         assert fc == (_StridedShard(0, split_factor=2), Shard(0))  # dp splits each tp shard of fc's rows
         assert fc_out == (Shard(0), Shard(1))
         assert result["full"].keys() == result["sharded_full"].keys() >= trained.keys()
+        assert result["optim"].keys() == result["torch_optim"].keys() == trained.keys()
+        for name, want in result["torch_optim"].items():
+            for state in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(result["optim"][name][state], want[state], atol=1e-5, rtol=1e-5)
         for key in ("sharded_full", "full", "loaded_full", "loaded_sharded", "dcp_(2, 2)", "dcp_(4, 1)", "dcp_torch"):
             for name, want in trained.items():
                 torch.testing.assert_close(result[key][name], want, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
