@@ -14,9 +14,10 @@ Also on a (1, 2, 2) mesh: hybrid sharding over ("rep", "dp") with tp.
 
 Run / check: losses, gradient norms of ``clip_grad_norm_`` (over both mesh dims) and final parameters equal
 torch FSDP2's; sharded and full state dicts hold the trained values, and the full optimizer state dict equals
-torch FSDP2's; a DCP checkpoint loads back into a fresh
-2x2 model, into a model sharded over dp=4 without tensor parallelism, and into torch's FSDP2; the
-``FullyShardedDataParallel`` class refuses tensor parallel parameters with a message naming ``fully_shard``.
+torch FSDP2's; a full state dict loads into a fresh model and into one built on meta (then ``to_empty``); a
+DCP checkpoint loads back into a fresh 2x2 model, into a model sharded over dp=4 without tensor parallelism,
+and into torch's FSDP2; the ``FullyShardedDataParallel`` class refuses tensor parallel parameters with a
+message naming ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -226,6 +227,11 @@ def state_dicts_and_dcp(rank: int, world: int, root: str) -> dict[str, Any]:
     fresh = _build("gpt", "ours", seed=9)
     fresh.load_state_dict(sharded)
     out["loaded_sharded"] = _full_params(fresh)
+    with torch.device("meta"):  # torchtitan's order: tp plan and sharding on meta, then to_empty and load
+        fresh = _build("gpt", "ours", seed=9)
+    fresh.to_empty(device="cpu")
+    fresh.load_state_dict(full)
+    out["meta_loaded_full"] = _full_params(fresh)
 
     dcp.save(sharded, checkpoint_id=root)
     for shape in ((2, 2), (4, 1)):  # the same mesh; dp=4 without tensor parallelism
@@ -255,7 +261,8 @@ def test_state_dicts_and_dcp_checkpoints(pool4: WorkerPool, tmp_path: Path) -> N
         for name, want in result["torch_optim"].items():
             for state in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(result["optim"][name][state], want[state], atol=1e-5, rtol=1e-5)
-        for key in ("sharded_full", "full", "loaded_full", "loaded_sharded", "dcp_(2, 2)", "dcp_(4, 1)", "dcp_torch"):
+        loaded = ("loaded_full", "loaded_sharded", "meta_loaded_full", "dcp_(2, 2)", "dcp_(4, 1)", "dcp_torch")
+        for key in ("sharded_full", "full", *loaded):
             for name, want in trained.items():
                 torch.testing.assert_close(result[key][name], want, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 
