@@ -22,7 +22,6 @@ message naming ``fully_shard``.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard import FullyShardedDataParallel, StateDictType
-from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing import WorkerPool
 from fullshard.testing.parity import TrainSpec
 
 SPEC = TrainSpec(optimizer="adamw", steps=3)
@@ -267,14 +266,29 @@ def test_state_dicts_and_dcp_checkpoints(pool4: WorkerPool, tmp_path: Path) -> N
                 torch.testing.assert_close(result[key][name], want, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def wrap_with_class(rank: int, world: int) -> None:
+def refusals(rank: int, world: int) -> list[str]:
+    """The messages of what is refused with tensor parallel parameters (each before any collective)."""
+    from fullshard.algorithms.full_load import load_full_state_dict
+
+    messages = []
     torch.manual_seed(0)
     model = SPEC.model()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     _parallelize(model, "gpt", mesh["tp"])
-    FullyShardedDataParallel(model, device_mesh=mesh["dp"], use_orig_params=True)
+    with pytest.raises(ValueError) as refused:
+        FullyShardedDataParallel(model, device_mesh=mesh["dp"], use_orig_params=True)
+    messages.append(str(refused.value))
+    model = _build("gpt", "ours")
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = dict(model.state_dict())
+    with pytest.raises(ValueError) as refused:
+        load_full_state_dict(model, full if rank == 0 else None)
+    messages.append(str(refused.value))
+    return messages
 
 
-def test_fsdp_class_refuses_tensor_parallel_parameters(pool4: WorkerPool) -> None:
-    with pytest.raises(RankFailure, match=re.escape("combine tensor parallelism with fully_shard")):
-        pool4.run(wrap_with_class)
+def test_refusals_name_the_way_out(pool4: WorkerPool) -> None:
+    for wrapper, full_load in pool4.run(refusals):
+        assert "parameter 'blocks.0.fc.weight' is a DTensor" in wrapper
+        assert "combine tensor parallelism with fully_shard: fully_shard(block, mesh=mesh['dp'])" in wrapper
+        assert "are tensor parallel" in full_load and "model.load_state_dict(full)" in full_load
