@@ -146,6 +146,10 @@ def fully_shard(
 
     A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
     and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
+    Parameters that are already ``DTensor``s over another dimension of the same mesh (tensor parallelism:
+    ``parallelize_module(module, mesh["tp"], ...)`` before ``fully_shard(module, mesh=mesh["dp"])``) are
+    sharded over ``mesh`` by their local tensors and become ``DTensor``s over the (dp, tp) mesh, as with torch's
+    ``fully_shard``; see [Note: tensor parallel parameters] in ``mesh.py``.
     Beyond torch's signature, ``param_init_fn`` and ``sync_module_states`` mean what they mean for
     ``FullyShardedDataParallel``: they materialize this unit's meta-device modules at once (``param_init_fn``,
     else ``reset_parameters()``), and every rank takes rank 0's values (so that ranks other than 0 may build

@@ -4,6 +4,9 @@ Each rank holds a disjoint slice of every sharded gradient, repeated on ``data_p
 shard_size`` ranks (replicas under HYBRID_SHARD, every rank under NO_SHARD). The global norm sums each
 rank's ``|g|^p`` scaled by ``shard_size / world``, so that every distinct element counts exactly once;
 parameters outside any unit (ignored ones) are held whole by every rank and are scaled by ``1 / world``.
+A tensor parallel parameter split over ``T`` tp ranks (``TPSpec.num_shards``) is held by ``T`` times fewer
+ranks, so it is scaled by ``shard_size * T / world`` (a tp-replicated one, such as a norm under
+``SequenceParallel``, keeps ``T = 1``): the norm covers both mesh dimensions.
 """
 
 from __future__ import annotations
@@ -34,8 +37,13 @@ def clip_grad_norm_(
     for state in states:
         if state.group is None:
             continue
-        grads = [local_tensor(sp.sharded_param.grad) for sp in state.group.params if sp.sharded_param.grad is not None]
-        weighted.append((grads, state.group.shard_group.shard_size / world))
+        shard_size = state.group.shard_group.shard_size
+        by_tp: dict[int, list[torch.Tensor]] = {}  # tp shards -> gradients
+        for sp in state.group.params:
+            grad = sp.sharded_param.grad
+            if grad is not None:
+                by_tp.setdefault(1 if sp.tp is None else sp.tp.num_shards, []).append(local_tensor(grad))
+        weighted.extend((grads, shard_size * tp / world) for tp, grads in by_tp.items())
     weighted.append(([local_tensor(p.grad) for p in other_params if p.grad is not None], 1.0 / world))
     all_grads = [g for grads, _ in weighted for g in grads]
     device = all_grads[0].device if all_grads else torch.device("cpu")

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fullshard.engine import collective_check, trace
 from fullshard.engine.collectives import (
@@ -60,7 +61,7 @@ from fullshard.engine.collectives import (
 )
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
-from fullshard.engine.mesh import ShardGroup, is_gloo
+from fullshard.engine.mesh import ShardGroup, TPSpec, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
 from fullshard.engine.precision import GroupPrecision
 from fullshard.engine.spare import SpareStorage
@@ -113,8 +114,16 @@ class ParamGroup:
         self.dtype = dtypes.pop()
         self.precision = precision or GroupPrecision(self.dtype, self.dtype, self.dtype)
         world, rank = shard_group.shard_size, shard_group.shard_rank
+        self.use_dtensor = use_dtensor
         self.params = [
-            ShardedParam(name, regs, ShardLayout(tuple(p.shape), world, rank), p.dtype, p.requires_grad)
+            ShardedParam(
+                name,
+                regs,
+                ShardLayout(tuple(local_tensor(p).shape), world, rank),
+                p.dtype,
+                p.requires_grad,
+                tp=self._tp_spec(name, p),
+            )
             for name, regs, p in entries
         ]
         self.world = world
@@ -139,7 +148,6 @@ class ParamGroup:
             self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
         ):
             sp.grad_offset = offset
-        self.use_dtensor = use_dtensor
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
         self.requires_grad = bool(self.grad_params)
@@ -170,13 +178,31 @@ class ParamGroup:
             flat = flat.pin_memory()
         return flat
 
+    def _tp_spec(self, name: str, param: nn.Parameter) -> TPSpec | None:
+        """A tensor parallel parameter's spec (see [Note: tensor parallel parameters] in ``mesh.py``)."""
+        if not isinstance(param, DTensor):
+            return None
+        if not self.use_dtensor:
+            raise ValueError(
+                f"unit {self.label!r}: parameter {name!r} is a DTensor over mesh {param.device_mesh} "
+                f"({param.placements}), e.g. from parallelize_module. FullyShardedDataParallel shards plain "
+                "tensors only; combine tensor parallelism with fully_shard instead: "
+                "fully_shard(block, mesh=mesh['dp']) for each block, then fully_shard(model, mesh=mesh['dp'])."
+            )
+        return self.shard_group.tp_spec(param, name)
+
     def _fill_shard(self, originals: list[nn.Parameter]) -> None:
-        self.write_back(originals)
+        self.write_back([local_tensor(p) for p in originals])
         for sp in self.params:
             sp.sharded_param = nn.Parameter(self._as_sharded(sp, sp.local_view(self.flat_shard)), sp.requires_grad)
 
     def _as_sharded(self, sp: ShardedParam, local: torch.Tensor) -> torch.Tensor:  # plain, or a DTensor
-        return self.shard_group.dtensor(local, sp.shape) if self.use_dtensor else local
+        return self.dtensor_of(sp, local) if self.use_dtensor else local
+
+    def dtensor_of(self, sp: ShardedParam, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's real rows of ``sp``, no copy) as a DTensor of ``sp``'s full shape, laid out as
+        the sharded parameter is (the unit's mesh, or the dp and tp mesh for a tensor parallel parameter)."""
+        return self.shard_group.dtensor(local, sp.shape, sp.tp)
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
@@ -314,8 +340,8 @@ class ParamGroup:
         with torch.enable_grad():
             pieces = torch.split(self.flat_full, sizes)
             for i, sp in enumerate(self.layout_order):
-                view = pieces[2 * i].view(sp.shape)
-                sp.register(view if sp.requires_grad else view.detach())
+                view = pieces[2 * i].view(sp.gathered_shape)
+                sp.register(sp.compute_view(view if sp.requires_grad else view.detach()))
         self.full_views_registered = True
 
     def expose_sharded(self) -> None:
@@ -387,7 +413,7 @@ class ParamGroup:
         if self._stashed_grads is None:
             self._stashed_grads = [sp.sharded_param.grad for sp in self.grad_params]
         for sp in self.grad_params:
-            view = full_block(grad, sp, self.world).narrow(0, 0, sp.layout.numel).view(sp.shape)
+            view = full_block(grad, sp, self.world).narrow(0, 0, sp.layout.numel).view(sp.gathered_shape)
             param = sp.sharded_param
             if (view.shape, view.dtype, view.device) == (param.shape, param.dtype, param.device):
                 param.grad = view
@@ -431,7 +457,8 @@ class ParamGroup:
     # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
 
     def gather_full(self, source: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Every parameter's full tensor gathered from ``source`` (default: ``flat_shard``), new storage."""
+        """Every parameter's gathered tensor (``gathered_shape``: its full tensor, or this rank's tp part of it)
+        from ``source`` (default: ``flat_shard``), new storage."""
         source = (self.flat_shard if source is None else source).to(self.device)
         gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
         with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
@@ -449,10 +476,11 @@ class ParamGroup:
         return flat
 
     def write_back(self, fulls: list[torch.Tensor]) -> None:
-        """Copy this rank's rows of each full tensor into the shards."""
+        """Copy this rank's rows of each gathered tensor (``gathered_shape``; a tp DTensor's local tensor is
+        taken) into the shards."""
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
-                sp.local_view(self.flat_shard).copy_(sp.rows_of(full.detach()).to(self.storage_device))
+                sp.local_view(self.flat_shard).copy_(sp.rows_of(local_tensor(full).detach()).to(self.storage_device))
 
 
 DIRECT_MIN_BYTES = 4 * 2**20

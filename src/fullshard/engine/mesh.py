@@ -10,6 +10,10 @@ A :class:`ShardGroup` is the engine's view of the process topology for one unit:
   sharded state dicts (dims ``(shard,)`` or ``(replicate, shard)``). :meth:`ShardGroup.placements` and
   :meth:`ShardGroup.dtensor` are the one place a sharded tensor's ``DTensor`` form is decided.
 
+A parameter that is already a ``DTensor`` on another mesh dimension (tensor parallel, from torch's
+``parallelize_module``) carries a :class:`TPSpec` (built by :meth:`ShardGroup.tp_spec`); see
+[Note: tensor parallel parameters] below.
+
 Gradients are averaged over ``data_parallel_size = shard_size * replicate_size`` ranks.
 """
 
@@ -23,11 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.engine.api import ShardingStrategy
 
 __all__ = [
     "ShardGroup",
+    "TPSpec",
     "build_shard_group",
     "is_gloo",
     "require_process_group",
@@ -96,12 +103,116 @@ class ShardGroup:
             return (Replicate(),)
         return (Shard(0),)
 
-    def dtensor(self, local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
-        """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``."""
+    def dtensor(self, local: torch.Tensor, shape: tuple[int, ...], tp: TPSpec | None = None) -> DTensor:
+        """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``; over
+        ``tp.spmd_mesh`` for a tensor parallel parameter."""
+        if tp is not None:
+            return DTensor.from_local(
+                local, tp.spmd_mesh, tp.spmd_placements, run_check=False, shape=torch.Size(tp.shape), stride=tp.stride
+            )
         stride = torch.empty(shape, device="meta").stride()  # contiguous strides; allocates nothing
         return DTensor.from_local(
             local, self.get_mesh(), self.placements(), run_check=False, shape=torch.Size(shape), stride=stride
         )
+
+    def tp_spec(self, param: DTensor, fqn: str) -> TPSpec:
+        """The :class:`TPSpec` of ``param``, a ``DTensor`` over a mesh dimension other than this group's."""
+        dp_mesh, tp_mesh = self.get_mesh(), param.device_mesh
+        if tp_mesh.ndim != 1:
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor over a {tp_mesh.ndim}-D mesh; fully_shard combines with one "
+                "tensor parallel mesh dimension (parallelize_module(module, mesh['tp'], ...))."
+            )
+        spmd_mesh = _spmd_mesh(dp_mesh, tp_mesh, fqn)
+        # Dim 0 already split by tensor parallelism: the dp shards split each tp shard, which DTensor calls
+        # _StridedShard (so that full_tensor() puts the rows back in order).
+        split = param._spec.num_shards_map[0]
+        dp = tuple(
+            _StridedShard(0, split_factor=split) if isinstance(pl, Shard) and split > 1 else pl
+            for pl in self.placements()
+        )
+        return TPSpec(
+            mesh=tp_mesh,
+            placements=tuple(param.placements),
+            shape=tuple(param.shape),
+            stride=tuple(param.stride()),
+            spmd_mesh=spmd_mesh,
+            spmd_placements=(*dp, *param.placements),
+        )
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How a tensor parallel parameter lies, before and after sharding.
+
+    [Note: tensor parallel parameters]
+    ``parallelize_module(block, mesh["tp"], ...)`` leaves ``DTensor`` parameters over the tp mesh; then
+    ``fully_shard(block, mesh=mesh["dp"])`` shards each one's *local tensor* on dim 0 over dp, exactly as it
+    shards a plain parameter (the dim-0 layout, the flat buffers and every collective see only plain local
+    tensors, and reduce over dp only). Two views of that local tensor are ``DTensor``s again:
+
+    - the sharded parameter (what the optimizer steps on, and what state dicts hold): over ``spmd_mesh``,
+      the dp mesh dims followed by the tp dim, with ``spmd_placements``: the unit's usual placements
+      (``Shard(0)``, or ``(Replicate(), Shard(0))`` for HSDP) where ``Shard(0)`` becomes
+      ``_StridedShard(0, split_factor=tp shards)`` when tensor parallelism also splits dim 0 (dp splits each
+      tp shard, so ``full_tensor()`` needs the stride), then the tp placements; global ``shape``/``stride``.
+    - during compute, modules see ``DTensor.from_local(view of flat_full, mesh, placements)`` (the tp mesh
+      and placements the parameter came with), so forward runs tensor parallel as before, and its backward
+      redistributes the gradient to those placements and hands the local gradient to ``flat_full``.
+    """
+
+    mesh: DeviceMesh  # the tp mesh (1-D)
+    placements: tuple[Placement, ...]  # on mesh
+    shape: tuple[int, ...]  # global
+    stride: tuple[int, ...]  # global
+    spmd_mesh: DeviceMesh  # (dp dims..., tp)
+    spmd_placements: tuple[Placement, ...]
+
+    @property
+    def num_shards(self) -> int:
+        """Distinct pieces tensor parallelism splits the parameter into (1: replicated over tp)."""
+        return self.mesh.size() if any(p.is_shard() for p in self.placements) else 1
+
+    def compute_view(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's tp part, full over dp) as the ``DTensor`` modules compute with."""
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
+        )
+
+    def full_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from every tp rank's ``local`` (a collective over the tp mesh)."""
+        return self.compute_view(local).full_tensor()
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's tp part of the global tensor ``full`` (a view; no communication)."""
+        shape, offset = compute_local_shape_and_global_offset(self.shape, self.mesh, self.placements)
+        for dim, (size, start) in enumerate(zip(shape, offset)):
+            full = full.narrow(dim, start, size)
+        return full
+
+
+_SPMD_MESHES: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
+
+
+def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The dp mesh's dims followed by the tp mesh's, built once per pair (both slices of one mesh)."""
+    key = (dp_mesh, tp_mesh)
+    if key not in _SPMD_MESHES:
+        if dp_mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor over another mesh, so fully_shard(mesh=...) and its mesh must be "
+                "named dimensions of one mesh: init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+                "then parallelize_module(module, mesh['tp'], ...) and fully_shard(module, mesh=mesh['dp'])."
+            )
+        try:
+            _SPMD_MESHES[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except RuntimeError as err:
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor over mesh {tp_mesh.mesh_dim_names}, which is not another dimension "
+                f"of the mesh fully_shard shards over ({dp_mesh.mesh_dim_names}): {err}. Slice both from one mesh: "
+                "parallelize_module(module, mesh['tp'], ...) and fully_shard(module, mesh=mesh['dp'])."
+            ) from err
+    return _SPMD_MESHES[key]
 
 
 def simulating() -> bool:

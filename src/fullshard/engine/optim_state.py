@@ -176,7 +176,8 @@ def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[tor
         p.sp.local_view(flat).copy_(local)
     fulls = unit.gather_full(flat)
     index = {id(sp): i for i, sp in enumerate(unit.params)}
-    return [fulls[index[id(p.sp)]].to(local_tensor(v).dtype) for p, v in zip(holders, values)]
+    # A tensor parallel parameter's gathered state is its tp part: the full one takes a collective over tp.
+    return [p.sp.full_of_gathered(fulls[index[id(p.sp)]]).to(local_tensor(v).dtype) for p, v in zip(holders, values)]
 
 
 def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[_Param]]]:
@@ -489,6 +490,14 @@ def scatter_states(
     params: list[_Param], skeleton: OsdT, full_states: dict[str, dict[str, Any]] | None, pg: dist.ProcessGroup, src: int
 ) -> dict[str, dict[str, Any]]:
     """Every rank's local per-element states, scattered unit by unit from ``src`` (the one rank-0 → shards path)."""
+    tensor_parallel = [p.fqn for p in params if p.sp is not None and p.sp.tp is not None]
+    if tensor_parallel:  # every rank has the same model, so every rank raises here, before any collective
+        raise ValueError(
+            f"loading a full state dict held by rank 0 only: parameters {tensor_parallel[:3]} are tensor parallel, "
+            "and scattering from rank 0 splits over data-parallel ranks only. Give every rank the full state dict "
+            "and call model.load_state_dict(full) (each rank takes its own part), or save and load the sharded "
+            "state dict with torch.distributed.checkpoint."
+        )
     specs = skeleton["state"]
     out = {fqn: dict(s) for fqn, s in specs.items()}
     units = list({id(p.unit): p.unit for p in params if p.unit is not None}.values())

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine.layout import ShardLayout
+from fullshard.engine.mesh import TPSpec
 
 __all__ = ["ShardedParam", "local_tensor", "owner_label", "replacement_for", "retire", "retired_data_ptr", "set_owner"]
 
@@ -28,7 +29,10 @@ class ShardedParam:
 
     - ``fqn``: its name relative to the unit's module (the first name, for tied parameters).
     - ``registrations``: every ``(module, attribute)`` it is registered under (several when tied).
-    - ``layout``: its dim-0 split over the shard group (see [Note: dim-0 layout] in ``layout.py``).
+    - ``layout``: its dim-0 split over the shard group (see [Note: dim-0 layout] in ``layout.py``), of
+      ``gathered_shape``: the parameter's shape, or its local shape for a tensor parallel one.
+    - ``tp``: for a parameter that came as a tensor parallel ``DTensor``, how it lies (see
+      [Note: tensor parallel parameters] in ``mesh.py``); ``None`` otherwise.
     - ``offset``: where its padded shard starts in the group's flat shard.
     - ``sharded_param``: the ``nn.Parameter`` the optimizer steps on, ``layout.local_shape``; a view of the
       group's flat shard (a ``DTensor`` over the unit's mesh under ``fully_shard``).
@@ -42,10 +46,29 @@ class ShardedParam:
     offset: int = 0
     grad_offset: int = 0  # where its gradient shard starts among the group's trainable parameters
     sharded_param: nn.Parameter | None = None
+    tp: TPSpec | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The parameter's (global) shape, as its unsharded module had it."""
+        return self.layout.shape if self.tp is None else self.tp.shape
+
+    @property
+    def gathered_shape(self) -> tuple[int, ...]:
+        """What an all-gather over the shard group rebuilds: ``shape``, or this rank's tp part of it."""
         return self.layout.shape
+
+    def compute_view(self, gathered: torch.Tensor) -> torch.Tensor:
+        """What modules compute with, from a ``gathered_shape`` tensor (a tp ``DTensor`` for a tp parameter)."""
+        return gathered if self.tp is None else self.tp.compute_view(gathered)
+
+    def full_of_gathered(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The full (global) tensor from a ``gathered_shape`` one (a collective over tp for a tp parameter)."""
+        return gathered if self.tp is None else self.tp.full_of(gathered)
+
+    def gathered_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's ``gathered_shape`` part of a full (global) tensor (no communication)."""
+        return full if self.tp is None else self.tp.local_of(full)
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` what every registration of this parameter resolves to.
@@ -66,17 +89,17 @@ class ShardedParam:
         return flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape)
 
     def rows_of(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        """The real rows of ``full`` (of the parameter's shape) that this rank (or shard rank ``rank``) holds,
+        """The real rows of ``full`` (of ``gathered_shape``) that this rank (or shard rank ``rank``) holds,
         shaped like its local shard (a view where ``full`` allows one); see [Note: dim-0 layout]."""
         lay = self.layout if rank is None else self.layout.for_rank(rank)
         return full.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
 
     def full_of(self, by_rank: torch.Tensor, world: int) -> torch.Tensor:
-        """The parameter's full tensor (a view) from ``by_rank`` ``(world, G)``: every rank's flat shard of a
-        buffer laid out like the group's flat shard, as an all-gather returns them."""
+        """The parameter's gathered tensor (``gathered_shape``, a view) from ``by_rank`` ``(world, G)``: every rank's
+        flat shard of a buffer laid out like the group's flat shard, as an all-gather returns them."""
         lay = self.layout
         block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
-        return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(self.shape)
+        return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(lay.shape)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,7 +123,8 @@ def retire(original: nn.Parameter, replacement: nn.Parameter) -> None:
     key = id(original)
     _REPLACEMENTS[key] = (weakref.ref(original), replacement, original.data_ptr())
     weakref.finalize(original, _REPLACEMENTS.pop, key, None)
-    original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+    freed = local_tensor(original)  # a tensor parallel DTensor frees its local tensor
+    freed.data = torch.empty(0, dtype=freed.dtype, device=freed.device)
     _install_optimizer_guard()
 
 

@@ -20,7 +20,8 @@ Values, per type (``G`` = the unit's padded shard numel, see [Note: group buffer
 - FULL_STATE_DICT: full tensors, gathered one unit at a time; with ``rank0_only`` ranks other than 0 drop
   each unit's tensors (and buffers) as soon as they are gathered, ending with ``{}``.
 - SHARDED_STATE_DICT: per parameter, a ``DTensor`` of the full shape over the unit's mesh: ``Shard(0)`` on a
-  1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D (replicate, shard) mesh, ``Replicate()`` for NO_SHARD.
+  1-D mesh, ``(Replicate(), Shard(0))`` on a 2-D (replicate, shard) mesh, ``Replicate()`` for NO_SHARD; a
+  tensor parallel parameter's lies on the dp and tp mesh (see [Note: tensor parallel parameters] in ``mesh.py``).
   Its local tensor is a view of the flat shard (no copy), as ``fully_shard``'s parameters are.
 - LOCAL_STATE_DICT: per unit, ``<unit prefix>_flat_param``: a 1-D ``DTensor`` (global ``shard_size * G``
   elements, same placements) whose local tensor is this rank's padded flat shard. It only loads into the
@@ -251,14 +252,15 @@ def sharded_dtensor(group: ParamGroup, sp: ShardedParam, local: torch.Tensor) ->
             f"sharded state dict: parameter {sp.fqn!r} is 0-dimensional, which cannot be sharded on dim 0. "
             "Use StateDictType.FULL_STATE_DICT for this model, or make the parameter shape (1,)."
         )
-    return group.shard_group.dtensor(local, sp.shape)
+    return group.dtensor_of(sp, local)
 
 
 def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
     """This rank's real rows (``layout.local_shape``) of ``value``: a full tensor or a DTensor of ``sp``'s shape.
 
-    A DTensor on the unit's own mesh and placements gives its local tensor; any other is gathered first
-    (a collective over its mesh, which every rank reaches in the same order).
+    A DTensor on the sharded parameter's own mesh and placements gives its local tensor; any other is gathered
+    first (a collective over its mesh, which every rank reaches in the same order). A tensor parallel
+    parameter takes this rank's tp part of the full tensor first (see [Note: tensor parallel parameters]).
     """
     shape = tuple(value.shape)
     if shape != sp.shape:
@@ -268,10 +270,15 @@ def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) 
         )
     if isinstance(value, DTensor):
         shard_group = group.shard_group
-        if value.device_mesh == shard_group.get_mesh() and tuple(value.placements) == shard_group.placements():
+        mesh, placements = (
+            (shard_group.get_mesh(), shard_group.placements())
+            if sp.tp is None
+            else (sp.tp.spmd_mesh, sp.tp.spmd_placements)
+        )
+        if value.device_mesh == mesh and tuple(value.placements) == placements:
             return value.to_local()
         value = value.full_tensor()
-    return sp.rows_of(value)
+    return sp.rows_of(sp.gathered_of_full(value))
 
 
 # --- save ---------------------------------------------------------------------------------------------
@@ -301,7 +308,9 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
 
 
 def _save_full(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, config: Any) -> None:
-    fulls = group.gather_full()  # collective over the shard group: every rank, every unit, same order
+    # Collectives over the shard group (and the tp mesh, for tensor parallel parameters): every rank, every
+    # unit, in the same order.
+    fulls = [sp.full_of_gathered(g) for sp, g in zip(group.params, group.gather_full())]
     if getattr(config, "rank0_only", False) and global_rank() != 0:
         return
     for (_, keys), full in zip(unit.param_keys(), fulls):

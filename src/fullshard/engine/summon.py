@@ -1,9 +1,10 @@
 """``summon_full_params``: full-precision copies of sharded parameters, for use outside forward/backward.
 
 Inside the context every parameter of the summoned units is a full ``nn.Parameter`` in its original
-dtype (never the compute dtype of mixed precision), registered where the sharded one was; on exit, with
-``writeback``, each rank copies its rows of those tensors back into its shards, and the sharded
-parameters are registered again. The gathered copies are separate from the training buffers.
+dtype (never the compute dtype of mixed precision), registered where the sharded one was (a tensor parallel
+parameter is full over the shard group: its tp ``DTensor``, as before sharding); on exit, with
+``writeback``, each rank copies its rows of those tensors back into its shards, and the sharded parameters are
+registered again. The gathered copies are separate from the training buffers.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def _summon_group(group: ParamGroup, show: bool, offload_to_cpu: bool, with_grad
         return []
     summoned = []
     for i, sp in enumerate(group.params):
-        full = fulls[i].cpu() if offload_to_cpu else fulls[i]
+        # A tensor parallel parameter is summoned as what its module computes with: its tp DTensor.
+        full = sp.compute_view(fulls[i].cpu() if offload_to_cpu else fulls[i])
         param = nn.Parameter(full, requires_grad=sp.requires_grad)
         if grads is not None and sp.sharded_param.grad is not None:
-            param.grad = grads[i].cpu() if offload_to_cpu else grads[i]
+            param.grad = sp.compute_view(grads[i].cpu() if offload_to_cpu else grads[i])
         sp.register(param)
         summoned.append(param)
     group.set_summoned(True)

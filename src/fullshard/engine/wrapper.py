@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fullshard.engine import grad_norm, optim_state, summon
 from fullshard.engine import state_dict as sd
@@ -32,9 +33,10 @@ from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
 from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
 from fullshard.engine.names import WRAPPED_NAME, clean_key
+from fullshard.engine.param import owner_label
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
 from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, unit_state, unit_states_in
-from fullshard.engine.unit import InitOptions, build_unit, resolve_device, resolve_ignored
+from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device, resolve_ignored
 from fullshard.engine.wrap import UnitPlan, plan_units
 
 __all__ = ["FullyShardedDataParallel"]
@@ -46,6 +48,19 @@ _RESHARD_AFTER_FORWARD = {
     ShardingStrategy._HYBRID_SHARD_ZERO2: False,
     ShardingStrategy.NO_SHARD: False,
 }
+
+
+def _refuse_tensor_parallel(module: nn.Module, ignored: Ignored) -> None:
+    """Refuse tensor parallel (``DTensor``) parameters before anything is wrapped: only ``fully_shard`` takes them."""
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor) and owner_label(param) is None and id(param) not in ignored.param_ids:
+            raise ValueError(
+                f"FullyShardedDataParallel(module=...): parameter {name!r} is a DTensor over mesh "
+                f"{param.device_mesh.mesh_dim_names or param.device_mesh.shape} with placements {param.placements} "
+                "(tensor parallelism, e.g. parallelize_module). The FullyShardedDataParallel class shards plain "
+                "tensors only; combine tensor parallelism with fully_shard: fully_shard(block, mesh=mesh['dp']) "
+                "for each block, then fully_shard(model, mesh=mesh['dp'])."
+            )
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -85,6 +100,7 @@ class FullyShardedDataParallel(nn.Module):
         prefetch = coerce_optional_enum(backward_prefetch, BackwardPrefetch, arg="backward_prefetch", allow_int=True)
         require_process_group("FullyShardedDataParallel")
         ignored = resolve_ignored(module, ignored_modules, ignored_states)
+        _refuse_tensor_parallel(module, ignored)
         device = resolve_device(device_id, module)
         child_kwargs = {
             "process_group": process_group,
