@@ -264,6 +264,17 @@ def test_state_dicts_and_dcp_checkpoints(pool4: WorkerPool, tmp_path: Path) -> N
         for key in ("sharded_full", "full", *loaded):
             for name, want in trained.items():
                 torch.testing.assert_close(result[key][name], want, atol=0, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    # merge-weights streams the 2-D sharded checkpoint into one file of full tensors.
+    from safetensors.torch import load_file
+
+    from fullshard.utils import merge_fsdp_weights
+
+    merge_fsdp_weights(str(tmp_path / "ckpt"), str(tmp_path / "merged"))
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    trained = results[0]["trained"]
+    assert trained.keys() <= merged.keys()
+    for name, want in trained.items():
+        torch.testing.assert_close(merged[name], want, atol=0, rtol=0, msg=name)
 
 
 def refusals(rank: int, world: int) -> list[str]:
