@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fullshard.checkpoint.export import TensorSpec, safetensors_dtype, verify_weights, write_weights
-from fullshard.checkpoint.files import create_exclusive, new_folders, remove_new_folders, temporary_name
+from fullshard.checkpoint.files import new_folders, remove_new_folders, write_replacing
 from fullshard.checkpoint.names import WEIGHTS_NAME
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
@@ -321,16 +322,7 @@ def _write_nested_bin(
         _set_path(nested, entry.path, values[entry.fqn])
     output.mkdir(parents=True, exist_ok=True)
     path = output / WEIGHTS_NAME
-    tmp = temporary_name(path)
-    try:
-        with create_exclusive(tmp) as f:  # see [Note: exclusive creation] in files.py
-            torch.save(_lists_from_int_keys(nested), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_replacing(path, partial(torch.save, _lists_from_int_keys(nested)))  # [Note: exclusive creation]
     return path
 
 
