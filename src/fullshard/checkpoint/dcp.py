@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fullshard.checkpoint.collective import gather_errors
@@ -42,10 +41,8 @@ from fullshard.checkpoint.folder import check_output_dir
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    check_data_files,
-    damaged_item,
-    quiet_single_process_warning,
-    read_metadata,
+    load_checked,
+    read_checked_metadata,
     resolve_checkpoint_dir,
 )
 from fullshard.checkpoint.transaction import SaveTransaction
@@ -53,10 +50,12 @@ from fullshard.checkpoint.writer import check_state, local_nbytes, write_sharded
 
 __all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
 
+_State = dict[str, Any]
+_Folder = str | os.PathLike[str]
+_Group = dist.ProcessGroup | None
 
-def save_sharded(
-    state: dict[str, Any], checkpoint_dir: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None
-) -> Path:
+
+def save_sharded(state: _State, checkpoint_dir: _Folder, *, process_group: _Group = None) -> Path:
     """Save ``state`` (every rank its own shards) to ``checkpoint_dir`` atomically; returns the folder.
 
     A collective over ``process_group`` (default: the world; no process group: a single-process save).
@@ -77,13 +76,7 @@ def save_sharded(
     return tx.commit()
 
 
-def check_sharded(
-    state: dict[str, Any],
-    checkpoint_dir: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    strict: bool = True,
-) -> None:
+def check_sharded(state: _State, checkpoint_dir: _Folder, *, process_group: _Group = None, strict: bool = True) -> None:
     """Raise, on every rank, if :func:`load_sharded` of ``checkpoint_dir`` into ``state`` would be refused.
 
     A collective over ``process_group``; reads only ``.metadata`` and file sizes, modifies nothing. Checks
@@ -94,22 +87,16 @@ def check_sharded(
     _checked_metadata(state, checkpoint_dir, process_group, strict)
 
 
-def _checked_metadata(
-    state: dict[str, Any],
-    checkpoint_dir: str | os.PathLike[str],
-    process_group: dist.ProcessGroup | None,
-    strict: bool,
-) -> tuple[Path, Metadata]:
+def _checked_metadata(state: _State, checkpoint_dir: _Folder, pg: _Group, strict: bool) -> tuple[Path, Metadata]:
     error: BaseException | None = None
     try:
         check_state(state, "load_sharded")
         root = resolve_checkpoint_dir(checkpoint_dir, caller="load_sharded")
-        metadata = read_metadata(root)
-        check_data_files(root, metadata)
+        metadata = read_checked_metadata(root)
         _check_keys_and_shapes(state, metadata, root, strict)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         error = exc
-    bad = sorted(gather_errors(error, process_group))
+    bad = sorted(gather_errors(error, pg))
     if error is not None:
         raise error  # the same checks fail alike on every rank, so each raises its own precise error
     if bad:
@@ -126,13 +113,7 @@ _PARTLY_LOADED = (
 )
 
 
-def load_sharded(
-    state: dict[str, Any],
-    checkpoint_dir: str | os.PathLike[str],
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    strict: bool = True,
-) -> None:
+def load_sharded(state: _State, checkpoint_dir: _Folder, *, process_group: _Group = None, strict: bool = True) -> None:
     """Load ``checkpoint_dir`` into ``state`` in place (tensors and DTensors are filled; other values replaced).
 
     The checkpoint may have been saved with any number of ranks and any sharding. Before any collective,
@@ -142,19 +123,8 @@ def load_sharded(
     subset of a checkpoint.
     """
     root, metadata = _checked_metadata(state, checkpoint_dir, process_group, strict)
-    try:
-        with quiet_single_process_warning():
-            dcp.load(
-                state,
-                storage_reader=SafeFileSystemReader(root, metadata),
-                planner=SafeLoadPlanner(),
-                process_group=process_group,
-            )
-    except dcp.CheckpointException as exc:  # a damaged item (see [Note: checked reads]): one line on every rank
-        damaged = damaged_item(exc, note=_PARTLY_LOADED)
-        if damaged is None:
-            raise
-        raise damaged from None
+    reader = SafeFileSystemReader(root, metadata)
+    load_checked(state, reader, process_group=process_group, note=_PARTLY_LOADED)  # one line on every rank
 
 
 def _flat(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -78,6 +80,8 @@ __all__ = [
     "SafeLoadPlanner",
     "check_data_files",
     "damaged_item",
+    "load_checked",
+    "read_checked_metadata",
     "quiet_single_process_warning",
     "read_metadata",
     "resolve_checkpoint_dir",
@@ -357,6 +361,28 @@ def damaged_item(exc: BaseException, *, note: str = "") -> CheckpointDamagedErro
     return None if cause is None else CheckpointDamagedError(f"{cause}{note}")
 
 
+def load_checked(
+    state: dict[str, Any],
+    reader: SafeFileSystemReader,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+    note: str = "",
+) -> None:
+    """``dcp.load`` of ``state`` through ``reader`` and :class:`SafeLoadPlanner`; a damaged item raises one
+    :class:`CheckpointDamagedError` (with ``note`` appended), out of DCP's wrapper, on every rank."""
+    try:
+        with quiet_single_process_warning():
+            dcp.load(
+                state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist
+            )
+    except dcp.CheckpointException as exc:  # see [Note: checked reads]
+        damaged = damaged_item(exc, note=note)
+        if damaged is None:
+            raise
+        raise damaged from None
+
+
 def _item_crc(file: io.RawIOBase, offset: int, length: int, start: int, size: int, read_crc: int) -> int:
     """The CRC-32 of the item at ``offset`` (``length`` bytes) of which bytes ``start : start + size`` were
     checksummed as they were read (``read_crc``): the rest of the item is read again and the CRCs combined.
@@ -415,6 +441,14 @@ def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata)
         if size < end:
             raise RuntimeError(f"{path} is truncated ({size} bytes, the metadata needs {end}): re-save the checkpoint.")
     _check_marker(root, metadata)
+
+
+def read_checked_metadata(checkpoint_dir: Path) -> Metadata:
+    """The ``.metadata`` of a folder that :func:`resolve_checkpoint_dir` took, checked against its data files
+    and marker (:func:`check_data_files`): what every load and merge reads before any item."""
+    metadata = read_metadata(checkpoint_dir)
+    check_data_files(checkpoint_dir, metadata)
+    return metadata
 
 
 def _check_marker(root: Path, metadata: Metadata) -> None:
