@@ -22,7 +22,8 @@ from click.testing import CliRunner
 
 from fullshard import Accelerator
 from fullshard.checkpoint.checksum import ChecksumStream
-from fullshard.checkpoint.manifest import CHECKPOINT_MANIFEST, is_complete_checkpoint
+from fullshard.checkpoint.folder import is_complete_checkpoint
+from fullshard.checkpoint.names import CHECKPOINT_MANIFEST
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import verify_checkpoint
 from fullshard.cli.main import cli

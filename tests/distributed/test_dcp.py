@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +16,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import fullshard.checkpoint.dcp as dcp_mod
+import fullshard.checkpoint.writer as writer_mod
 from fullshard.checkpoint import dcp as ckpt
 from fullshard.checkpoint.merge import merge_fsdp_weights
+from fullshard.checkpoint.names import STAGING_TAG
 from fullshard.checkpoint.reader import COMPLETE_MARKER
 from fullshard.testing import WorkerPool
 
@@ -97,20 +102,20 @@ def test_merge_reads_our_checkpoint(pool2: WorkerPool, tmp_path: Path) -> None:
 
 def _failing_save(rank: int, world: int, path: str) -> str:
     """Rank 1 fails after its shards are on disk, before the rename; every rank must raise."""
-    original = dcp_mod._verify_own_files
+    original = writer_mod._verify_own_files
 
     def fail(staging: Path, r: int) -> None:
         original(staging, r)
         if r == 1:
             raise OSError("simulated crash of rank 1 after writing its shards")
 
-    dcp_mod._verify_own_files = fail
+    writer_mod._verify_own_files = fail
     try:
         ckpt.save_sharded({"model": _sharded(_full_state(9), (2,))}, path)
     except RuntimeError as exc:
         return str(exc)
     finally:
-        dcp_mod._verify_own_files = original
+        writer_mod._verify_own_files = original
     return "no error"
 
 
@@ -120,12 +125,20 @@ def test_atomic_save_keeps_previous_checkpoint(pool2: WorkerPool, tmp_path: Path
     pool2.run(_save, str(path), 4, (2,))
     # - Run: a second save where rank 1 fails mid-save
     messages = pool2.run(_failing_save, str(path))
-    # - Check: every rank raised, naming the failing rank; the old checkpoint is intact; the partial is refused
+    # - Check: every rank raised, naming the failing rank; the old checkpoint is intact; the partial save was
+    #   removed (one commit protocol: transaction.py), and a staging folder a killed save leaves is refused
     assert all("writing shards failed on rank(s) [1]" in m for m in messages), messages
     assert "simulated crash of rank 1" in messages[1]
+    assert all("The partial save was removed." in m for m in messages), messages
     assert _load_single_process(path, 4)
     staging = tmp_path / "pytorch_model_fsdp_0.incomplete"
-    assert (staging / "__1_0.distcp").is_file() and not (staging / COMPLETE_MARKER).exists()
+    assert not staging.exists()
+    shutil.copytree(path, staging)  # what a save killed before its commit leaves: the shards, no marker,
+    (staging / COMPLETE_MARKER).unlink()  # and the tag of its owner, a process that is gone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tag = {"host": socket.gethostname(), "pid": gone.pid, "save_id": "killed"}
+    (staging / STAGING_TAG).write_text(json.dumps(tag))
     target = {"model": {k: torch.zeros_like(v) for k, v in _full_state(9).items()}}
     with pytest.raises(RuntimeError, match=re.escape("the checkpoint is incomplete")):
         ckpt.load_sharded(target, staging)

@@ -1,4 +1,12 @@
-"""On-disk formats: sharded DCP checkpoints (atomic save/load), weight export and the streaming merge."""
+"""On-disk formats: sharded DCP checkpoints (atomic save/load), weight export and the streaming merge.
+
+One owner per idea, and imports run one way, up these levels (a module imports only its level or lower ones;
+``tests/unit/test_import_layers.py`` holds the table): names, errors, files, boundary (every file name and
+suffix, every error class, how files are created, which files a folder may name) -> manifest, checksum,
+safe_load, collective -> folder (what a folder is, the one recorded-size check) -> reader, writer ->
+transaction (the one commit protocol), rotation -> dcp, verify, merge, export. A new module goes on the lowest
+level whose modules it needs.
+"""
 
 from fullshard.checkpoint.dcp import check_sharded, load_sharded, save_sharded
 from fullshard.checkpoint.export import parse_size, save_weights

@@ -22,12 +22,9 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
+from fullshard.checkpoint.errors import CheckpointDamagedError
+
 __all__ = ["CheckpointDamagedError", "entry_path"]
-
-
-class CheckpointDamagedError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt, from another save, or outside its folder; the message
-    names it."""
 
 
 def _why_outside(folder: Path, name: object) -> tuple[str, Path | None]:

@@ -24,6 +24,7 @@ import errno
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +39,7 @@ __all__ = [
     "remove_new_folders",
     "temporary_name",
     "with_filename",
+    "write_replacing",
 ]
 
 _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -65,6 +67,21 @@ def create_exclusive(path: str | os.PathLike[str]) -> BinaryIO:
 def temporary_name(final: Path) -> Path:
     """A name beside ``final`` that no other write uses: ``.<final name>.<random>.partial``."""
     return final.with_name(f".{final.name}.{secrets.token_hex(6)}.partial")
+
+
+def write_replacing(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create ``path`` whole or not at all: ``write`` fills a new temporary file beside it, which is fsync'd and
+    renamed over ``path`` (a link there is replaced, never followed). See [Note: exclusive creation]."""
+    tmp = temporary_name(path)
+    try:
+        with create_exclusive(tmp) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def find_os_error(exc: BaseException) -> OSError | None:

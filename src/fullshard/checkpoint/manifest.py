@@ -17,39 +17,38 @@ bytes, which every load checks as it reads them (``reader.py``, [Note: checked r
 manifest leaves the items out.
 
 Folders without a manifest are either partial saves (refused) or checkpoints written by Accelerate or an
-older fullshard, which are complete by the legacy rule of :func:`is_complete_checkpoint`.
+older fullshard, which are complete by the legacy rule of :func:`fullshard.checkpoint.folder.checkpoint_state`
+(``folder.py`` decides what a folder is; this module only reads and writes the records).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fullshard.checkpoint.boundary import entry_path
-from fullshard.checkpoint.files import create_exclusive, temporary_name
+from fullshard.checkpoint.files import write_replacing
+from fullshard.checkpoint.names import CHECKPOINT_MANIFEST, FOLDER_MARKER, STAGING_SUFFIX
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "FOLDER_MARKER",
     "FileRecord",
     "ItemChecksum",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "STAGING_SUFFIX",
     "Manifest",
-    "is_complete_checkpoint",
     "read_folder_marker",
     "read_manifest",
     "write_json_durably",
 ]
 
-CHECKPOINT_MANIFEST = ".fullshard_checkpoint.json"
-FOLDER_MARKER = ".fullshard_complete.json"
 MANIFEST_FORMAT = "fullshard.save_state"
 MANIFEST_VERSION = 1
-STAGING_SUFFIX = ".incomplete"
-_RNG_FILE_RE = re.compile(r"^random_states_\d+\.pkl$")
 
 
 ItemChecksum = tuple[int, int, int]
@@ -100,16 +99,7 @@ def write_json_durably(path: Path, payload: object) -> None:
     The temporary file is created exclusively and the rename does not follow a link at ``path``: see
     [Note: exclusive creation] in ``files.py``.
     """
-    tmp = temporary_name(path)
-    try:
-        with create_exclusive(tmp) as f:
-            f.write(json.dumps(payload, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_replacing(path, lambda f: f.write(json.dumps(payload, indent=1, sort_keys=True).encode()))
 
 
 def _parse_files(raw: object, path: Path) -> dict[str, FileRecord]:
@@ -155,33 +145,3 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
 def read_folder_marker(folder: str | os.PathLike[str]) -> Manifest | None:
     """The completion marker of one sharded (DCP) subfolder (``None`` if it has none)."""
     return _read(folder, FOLDER_MARKER)
-
-
-def is_complete_checkpoint(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` is a whole ``save_state`` checkpoint that ``load_state`` may take.
-
-    With a manifest: every file it lists exists with the recorded size (checksums are left to ``verify``).
-    Without one (Accelerate, or fullshard before the manifest): the folder is not a staging folder, holds
-    ``random_states_0.pkl`` (written near the end of such a save), and every sharded subfolder holding data
-    files also holds ``.metadata`` (which torch writes last). Never raises for a damaged folder: it is
-    simply not complete.
-    """
-    root = Path(folder)
-    if not root.is_dir() or root.name.endswith(STAGING_SUFFIX):
-        return False
-    try:
-        manifest = read_manifest(root)
-    except RuntimeError:
-        return False
-    if manifest is not None:
-        for name, record in manifest.files.items():
-            path = root / name
-            if not path.is_file() or path.stat().st_size != record.size:
-                return False
-        return True
-    if not (root / "random_states_0.pkl").is_file():
-        return False
-    for sub in root.iterdir():
-        if sub.is_dir() and any(sub.glob("*.distcp")) and not (sub / ".metadata").is_file():
-            return False
-    return True

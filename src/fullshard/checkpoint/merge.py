@@ -33,6 +33,7 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fullshard.checkpoint.errors import CheckpointDamagedError
 from fullshard.checkpoint.export import TensorSpec, safetensors_dtype, verify_weights, write_weights
-from fullshard.checkpoint.files import create_exclusive, new_folders, remove_new_folders, temporary_name
+from fullshard.checkpoint.files import new_folders, remove_new_folders, write_replacing
 from fullshard.checkpoint.names import WEIGHTS_NAME
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_data_files,
-    damaged_item,
-    quiet_single_process_warning,
-    read_metadata,
+    load_checked,
+    read_checked_metadata,
     resolve_checkpoint_dir,
     storage_files,
 )
@@ -102,17 +101,10 @@ class _ShardedSource:
 
     def _load(self, state: dict[str, Any]) -> None:
         try:
-            with quiet_single_process_warning():
-                dcp.load(
-                    state,
-                    storage_reader=self._reader,
-                    planner=SafeLoadPlanner(),
-                    no_dist=True,
-                )
+            load_checked(state, self._reader, no_dist=True)
+        except CheckpointDamagedError:  # a checked read names the file and the entry itself
+            raise
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
-            damaged = damaged_item(exc)
-            if damaged is not None:  # a checked read names the file and the entry itself
-                raise damaged from None
             raise RuntimeError(
                 f"merge_fsdp_weights: reading {sorted(state)[:3]} from {self._culprits(list(state))} failed; the "
                 f"file is corrupt or was not written completely ({_first_line(exc)}). Re-save the checkpoint."
@@ -208,8 +200,7 @@ def merge_fsdp_weights(
     root = resolve_checkpoint_dir(checkpoint_dir, caller="merge_fsdp_weights")
     output = Path(output_path)
     _check_args(root, output, remove_checkpoint_dir)
-    metadata = read_metadata(root)
-    check_data_files(root, metadata)
+    metadata = read_checked_metadata(root)
     entries = _entries(metadata)
     source = _ShardedSource(root, metadata)
     tensors = [e for e in entries if e.spec is not None]
@@ -321,16 +312,7 @@ def _write_nested_bin(
         _set_path(nested, entry.path, values[entry.fqn])
     output.mkdir(parents=True, exist_ok=True)
     path = output / WEIGHTS_NAME
-    tmp = temporary_name(path)
-    try:
-        with create_exclusive(tmp) as f:  # see [Note: exclusive creation] in files.py
-            torch.save(_lists_from_int_keys(nested), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_replacing(path, partial(torch.save, _lists_from_int_keys(nested)))  # [Note: exclusive creation]
     return path
 
 

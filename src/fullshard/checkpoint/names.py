@@ -11,14 +11,25 @@ A ``save_state(dir)`` with ``SHARDED_STATE_DICT`` produces::
 The constants keep the names Accelerate exports; the helpers build the indexed names so that no caller
 formats them by hand. Index 0 has no suffix for the ``.bin`` files (``scheduler.bin``, then
 ``scheduler_1.bin``), but the sharded folders always carry their index (``optimizer_0``).
+
+The names fullshard adds live here too (the bottom of the package: this module imports nothing): the
+manifest and markers that make a folder complete, the staging tag, and the suffixes of the folders a save
+leaves beside its target (``dir.incomplete`` while it is written, ``dir.previous`` between the two renames
+of its commit; see [Note: whole-checkpoint commit] in ``transaction.py``).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 __all__ = [
+    "CHECKPOINT_MANIFEST",
+    "FOLDER_MARKER",
     "FSDP_MODEL_NAME",
     "MODEL_NAME",
     "OPTIMIZER_NAME",
+    "PREVIOUS_SUFFIX",
     "RNG_STATE_NAME",
     "SAFE_MODEL_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -26,17 +37,24 @@ __all__ = [
     "SAMPLER_NAME",
     "SCALER_NAME",
     "SCHEDULER_NAME",
+    "STAGING_SUFFIX",
+    "STAGING_TAG",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "DCP_METADATA_FILE",
     "custom_checkpoint_file_name",
     "dcp_shard_file_name",
+    "dcp_shard_prefix",
+    "is_load_state_part",
+    "is_staging_name",
     "model_folder_name",
     "optimizer_file_name",
     "optimizer_folder_name",
+    "previous_folder",
     "rng_state_file_name",
     "sampler_file_name",
     "scheduler_file_name",
+    "staging_folder",
     "weights_shard_file_name",
 ]
 
@@ -55,6 +73,13 @@ SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
 FSDP_MODEL_NAME = "pytorch_model_fsdp"
 # torch.distributed.checkpoint writes this file last, once every rank's data is on disk.
 DCP_METADATA_FILE = ".metadata"
+# fullshard's own: the manifest of a save_state folder, the marker of one sharded folder (manifest.py), the tag
+# naming a staging folder's owner ([Note: one job per checkpoint folder] in transaction.py), the two suffixes.
+CHECKPOINT_MANIFEST = ".fullshard_checkpoint.json"
+FOLDER_MARKER = ".fullshard_complete.json"
+STAGING_TAG = ".fullshard_staging"
+STAGING_SUFFIX = ".incomplete"
+PREVIOUS_SUFFIX = ".previous"
 
 
 def _check_index(index: int, arg: str) -> None:
@@ -106,10 +131,42 @@ def custom_checkpoint_file_name(index: int) -> str:
     return f"custom_checkpoint_{index}.pkl"
 
 
+def dcp_shard_prefix(rank: int) -> str:
+    """What the name of every data file ``rank`` writes with DCP's ``FileSystemWriter`` starts with: ``__<rank>_``."""
+    _check_index(rank, "rank")
+    return f"__{rank}_"
+
+
 def dcp_shard_file_name(rank: int) -> str:
     """Data file one rank writes with torch.distributed.checkpoint's ``FileSystemWriter``: ``__<rank>_0.distcp``."""
-    _check_index(rank, "rank")
-    return f"__{rank}_0.distcp"
+    return f"{dcp_shard_prefix(rank)}0.distcp"
+
+
+def staging_folder(target: Path) -> Path:
+    """Where a save to ``target`` is written before its commit: ``<target>.incomplete``."""
+    return target.with_name(target.name + STAGING_SUFFIX)
+
+
+def previous_folder(target: Path) -> Path:
+    """Where a commit moves the checkpoint it replaces, between its two renames: ``<target>.previous``."""
+    return target.with_name(target.name + PREVIOUS_SUFFIX)
+
+
+def is_staging_name(folder: Path) -> bool:
+    """Whether ``folder`` is named as a staging folder (a save that has not committed)."""
+    return folder.name.endswith(STAGING_SUFFIX)
+
+
+_INDEX = r"(_\d+)?"
+_LOAD_STATE_PART = re.compile(
+    rf"^({FSDP_MODEL_NAME}{_INDEX}(\.bin)?|{OPTIMIZER_NAME}{_INDEX}(\.bin)?|{SCHEDULER_NAME}{_INDEX}\.bin"
+    rf"|{SAMPLER_NAME}{_INDEX}\.bin|custom_checkpoint_\d+\.pkl|{RNG_STATE_NAME}_\d+\.pkl|{re.escape(SCALER_NAME)})$"
+)
+
+
+def is_load_state_part(name: str) -> bool:
+    """Whether ``name`` (a file or folder directly in a checkpoint folder) is one that ``load_state`` reads."""
+    return _LOAD_STATE_PART.match(name) is not None
 
 
 def weights_shard_file_name(shard: int, num_shards: int, *, safe_serialization: bool = True) -> str:

@@ -2,8 +2,9 @@
 
 A DCP folder holds ``__<rank>_0.distcp`` data files and a ``.metadata`` file that DCP writes last, once
 every rank's data is on disk. Folders written by :func:`fullshard.checkpoint.dcp.save_sharded` also hold a
-completion marker (:data:`COMPLETE_MARKER`, with the data files' sizes) and are renamed into place only
-when whole; while being written they are named ``<name>.incomplete`` (:data:`INCOMPLETE_SUFFIX`).
+completion marker (``names.FOLDER_MARKER``, with the data files' sizes) and are renamed into place only
+when whole; while being written they are named ``<name>.incomplete`` (``names.STAGING_SUFFIX``). What a
+folder is (staging, incomplete, complete) is decided in ``folder.py``; this module reads what it may load.
 
 [Note: no arbitrary unpickling]
 torch's ``FileSystemReader.read_metadata`` runs ``pickle.load`` on ``.metadata`` and its default load
@@ -42,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fullshard.checkpoint.boundary import CheckpointDamagedError, entry_path
+from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.checksum import crc32, crc32_combine
 from fullshard.checkpoint.direct_read import (
     ItemView,
@@ -57,8 +60,17 @@ from fullshard.checkpoint.direct_read import (
     read_exactly,
     read_item_into,
 )
-from fullshard.checkpoint.manifest import FOLDER_MARKER, read_folder_marker
-from fullshard.checkpoint.names import DCP_METADATA_FILE, FSDP_MODEL_NAME
+from fullshard.checkpoint.errors import CheckpointDamagedError
+from fullshard.checkpoint.folder import check_sizes, missing_hint, missing_message, staging_error
+from fullshard.checkpoint.manifest import read_folder_marker
+from fullshard.checkpoint.names import (
+    DCP_METADATA_FILE,
+    FOLDER_MARKER,
+    FSDP_MODEL_NAME,
+    PREVIOUS_SUFFIX,
+    STAGING_SUFFIX,
+    is_staging_name,
+)
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -68,15 +80,16 @@ __all__ = [
     "SafeLoadPlanner",
     "check_data_files",
     "damaged_item",
+    "load_checked",
+    "read_checked_metadata",
     "quiet_single_process_warning",
     "read_metadata",
     "resolve_checkpoint_dir",
     "storage_files",
 ]
 
-COMPLETE_MARKER = FOLDER_MARKER
-INCOMPLETE_SUFFIX = ".incomplete"
-PREVIOUS_SUFFIX = ".previous"
+COMPLETE_MARKER = FOLDER_MARKER  # the names of names.py, as this module exported them before it
+INCOMPLETE_SUFFIX = STAGING_SUFFIX
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _SAFE_GLOBALS = {
@@ -348,6 +361,28 @@ def damaged_item(exc: BaseException, *, note: str = "") -> CheckpointDamagedErro
     return None if cause is None else CheckpointDamagedError(f"{cause}{note}")
 
 
+def load_checked(
+    state: dict[str, Any],
+    reader: SafeFileSystemReader,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+    note: str = "",
+) -> None:
+    """``dcp.load`` of ``state`` through ``reader`` and :class:`SafeLoadPlanner`; a damaged item raises one
+    :class:`CheckpointDamagedError` (with ``note`` appended), out of DCP's wrapper, on every rank."""
+    try:
+        with quiet_single_process_warning():
+            dcp.load(
+                state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist
+            )
+    except dcp.CheckpointException as exc:  # see [Note: checked reads]
+        damaged = damaged_item(exc, note=note)
+        if damaged is None:
+            raise
+        raise damaged from None
+
+
 def _item_crc(file: io.RawIOBase, offset: int, length: int, start: int, size: int, read_crc: int) -> int:
     """The CRC-32 of the item at ``offset`` (``length`` bytes) of which bytes ``start : start + size`` were
     checksummed as they were read (``read_crc``): the rest of the item is read again and the CRCs combined.
@@ -401,11 +436,19 @@ def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata)
     for rel, end in sorted(needed.items()):
         path = paths[rel]
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint in {root} is incomplete; re-save it.")
+            raise FileNotFoundError(missing_message(path))
         size = path.stat().st_size
         if size < end:
             raise RuntimeError(f"{path} is truncated ({size} bytes, the metadata needs {end}): re-save the checkpoint.")
     _check_marker(root, metadata)
+
+
+def read_checked_metadata(checkpoint_dir: Path) -> Metadata:
+    """The ``.metadata`` of a folder that :func:`resolve_checkpoint_dir` took, checked against its data files
+    and marker (:func:`check_data_files`): what every load and merge reads before any item."""
+    metadata = read_metadata(checkpoint_dir)
+    check_data_files(checkpoint_dir, metadata)
+    return metadata
 
 
 def _check_marker(root: Path, metadata: Metadata) -> None:
@@ -414,14 +457,7 @@ def _check_marker(root: Path, metadata: Metadata) -> None:
     marker = read_folder_marker(root)
     if marker is None:
         return
-    for rel, record in sorted(marker.files.items()):
-        path = root / rel  # the marker's names were resolved inside the folder when it was read
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != record.size:
-            raise RuntimeError(
-                f"{path} is {'missing' if actual is None else f'{actual} bytes'}, but it was saved with "
-                f"{record.size} bytes: the checkpoint in {root} is damaged; re-save it."
-            )
+    check_sizes(root, marker.files, FOLDER_MARKER)
     listed = {(rel, offset, length) for rel, record in marker.files.items() for offset, length, _ in record.items}
     if not listed:  # saved without per-item checksums (Accelerate, torch, older fullshard, no ISA-L)
         return
@@ -448,43 +484,36 @@ def _candidate_subfolders(root: Path) -> list[Path]:
 def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], *, caller: str) -> Path:
     """Return ``checkpoint_dir`` as a Path if it is a complete DCP folder; otherwise raise saying why.
 
-    Complete means: it has ``.metadata``, it is not a ``*.incomplete`` staging folder, and (when present)
-    the completion marker's file sizes match. A parent folder of ``pytorch_model_fsdp_0``/``optimizer_0``
-    is refused with the subfolder to pass.
+    Complete means: it has ``.metadata`` and it is not a ``*.incomplete`` staging folder (refused with
+    :func:`~fullshard.checkpoint.folder.staging_error`); the completion marker's file sizes are checked with
+    the data files (:func:`check_data_files`). See [Note: what a folder is] in ``folder.py``.
+    A parent folder of ``pytorch_model_fsdp_0``/``optimizer_0`` is refused with the subfolder to pass.
     """
     if not isinstance(checkpoint_dir, str | os.PathLike):
         raise ValueError(f"{caller}(checkpoint_dir={checkpoint_dir!r}): expected a folder path (str or Path).")
     root = Path(checkpoint_dir)
+    where = f"{caller}(checkpoint_dir='{root}')"
     if not root.exists():
-        raise FileNotFoundError(f"{caller}(checkpoint_dir='{root}'): no such folder.{_leftover_hint(root)}")
+        raise FileNotFoundError(f"{where}: no such folder.{missing_hint(root)}")
     if not root.is_dir():
-        raise ValueError(f"{caller}(checkpoint_dir='{root}'): this is a file; pass the sharded checkpoint folder.")
-    if root.name.endswith(INCOMPLETE_SUFFIX) or not (root / DCP_METADATA_FILE).is_file():
+        raise ValueError(f"{where}: this is a file; pass the sharded checkpoint folder.")
+    if is_staging_name(root):
+        raise staging_error(root, where)
+    if not (root / DCP_METADATA_FILE).is_file():
         subs = _candidate_subfolders(root)
-        if subs and not root.name.endswith(INCOMPLETE_SUFFIX):
+        if subs:
             names = " or ".join(f"'{p}'" for p in subs)
             raise ValueError(
-                f"{caller}(checkpoint_dir='{root}'): this folder holds no {DCP_METADATA_FILE}; it is the parent of "
-                f"sharded checkpoint folder(s). Pass the subfolder instead: {names}."
+                f"{where}: this folder holds no {DCP_METADATA_FILE}; it is the parent of sharded checkpoint "
+                f"folder(s). Pass the subfolder instead: {names}."
             )
-        if root.name.endswith(INCOMPLETE_SUFFIX) or any(root.glob("*.distcp")):
-            raise RuntimeError(
-                f"{caller}(checkpoint_dir='{root}'): the checkpoint is incomplete (no {DCP_METADATA_FILE}, or a "
-                f"staging folder whose save never finished). Load an earlier checkpoint or save again."
+        if any(root.glob("*.distcp")):
+            raise CheckpointDamagedError(
+                f"{where}: the checkpoint is incomplete (no {DCP_METADATA_FILE}). Load an earlier checkpoint or "
+                "save again."
             )
         raise ValueError(
-            f"{caller}(checkpoint_dir='{root}'): this folder is not a sharded checkpoint (it holds no "
-            f"{DCP_METADATA_FILE} and no .distcp files). Pass the folder save_state wrote for the model, "
-            "e.g. ckpt/pytorch_model_fsdp_0."
+            f"{where}: this folder is not a sharded checkpoint (it holds no {DCP_METADATA_FILE} and no .distcp "
+            "files). Pass the folder save_state wrote for the model, e.g. ckpt/pytorch_model_fsdp_0."
         )
     return root
-
-
-def _leftover_hint(root: Path) -> str:
-    staged = root.with_name(root.name + INCOMPLETE_SUFFIX)
-    previous = root.with_name(root.name + PREVIOUS_SUFFIX)
-    if previous.is_dir():
-        return f" A save was interrupted while replacing it; the previous checkpoint is at '{previous}'."
-    if staged.is_dir():
-        return f" '{staged}' exists, but that save never finished (the checkpoint is incomplete)."
-    return ""

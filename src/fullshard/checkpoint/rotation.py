@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from fullshard.checkpoint.manifest import is_complete_checkpoint
+from fullshard.checkpoint.folder import is_complete_checkpoint
 
 __all__ = [
     "CHECKPOINTS_FOLDER",

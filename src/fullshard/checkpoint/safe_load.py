@@ -21,13 +21,11 @@ from typing import Any
 
 import torch
 
+from fullshard.checkpoint.errors import CheckpointFileError
+
 __all__ = ["CheckpointFileError", "load_rng_file", "load_small_file"]
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-
-
-class CheckpointFileError(RuntimeError):
-    """A checkpoint file that cannot be loaded safely; the message names the file and what to do."""
 
 
 def _numpy_globals() -> list[Any]:

@@ -1,4 +1,8 @@
-"""One ``save_state`` is one atomic unit: every part is staged in one folder that is renamed into place whole.
+"""One save is one atomic unit: every part is staged in one folder that is renamed into place whole.
+
+The one commit protocol of the package: ``save_state`` commits a checkpoint folder with it, and
+``save_sharded`` commits one sharded folder with it (``SaveTransaction(dir, sharded_folder=True)``: a
+one-folder transaction, whose marker goes at the top of the folder and which has no manifest).
 
 [Note: whole-checkpoint commit]
 ``SaveTransaction(dir)`` (a collective over the process group; every rank makes the same calls):
@@ -13,11 +17,11 @@
    files it wrote (``record``). After every step all ranks agree; a failure on any rank makes every rank
    raise the same message, naming the failing ranks and why (a full disk is called a full disk), and rank 0
    deletes the staging folder.
-3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk, writes the completion
-   marker of each sharded subfolder and then the checkpoint manifest (``manifest.py``) with every file's
-   size and CRC-32, moves an existing ``dir`` aside to ``dir.previous``, renames the staging folder to
-   ``dir``, deletes ``dir.previous`` and fsyncs the parent folder. The staging tag goes last, with the rename
-   (it is the lock on ``dir``).
+3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk (``folder.py``), writes
+   the completion marker of each sharded subfolder and then the checkpoint manifest (``manifest.py``) with
+   every file's size and CRC-32 (a one-folder transaction: the folder's own marker only), moves an existing
+   ``dir`` aside to ``dir.previous``, renames the staging folder to ``dir``, deletes ``dir.previous`` and
+   fsyncs the parent folder. The staging tag goes last, with the rename (it is the lock on ``dir``).
 
 A save killed at any point (any rank, SIGKILL or SIGTERM) therefore leaves ``dir`` as it was, or, if killed
 between the two renames of step 3, leaves the previous checkpoint whole in ``dir.previous`` (which
@@ -57,15 +61,18 @@ import torch.distributed as dist
 
 from fullshard.checkpoint.checksum import file_checksum
 from fullshard.checkpoint.collective import describe_error, run_everywhere
-from fullshard.checkpoint.manifest import (
+from fullshard.checkpoint.errors import CheckpointBusyError
+from fullshard.checkpoint.folder import check_sizes, folder_to_load
+from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
+from fullshard.checkpoint.names import (
     CHECKPOINT_MANIFEST,
     FOLDER_MARKER,
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
+    PREVIOUS_SUFFIX,
     STAGING_SUFFIX,
-    FileRecord,
-    is_complete_checkpoint,
-    write_json_durably,
+    STAGING_TAG,
+    is_staging_name,
+    previous_folder,
+    staging_folder,
 )
 from fullshard.ranks import gather_from_ranks, rank_and_world
 
@@ -84,17 +91,6 @@ __all__ = [
     "staging_folder",
 ]
 
-STAGING_TAG = ".fullshard_staging"
-PREVIOUS_SUFFIX = ".previous"
-
-
-def staging_folder(target: Path) -> Path:
-    return target.with_name(target.name + STAGING_SUFFIX)
-
-
-def previous_folder(target: Path) -> Path:
-    return target.with_name(target.name + PREVIOUS_SUFFIX)
-
 
 def fsync_dir(folder: Path) -> None:
     # Makes renames durable; not every platform can open a directory (Windows), which is fine to skip.
@@ -106,19 +102,6 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def folder_to_load(folder: Path) -> Path:
-    """The folder ``load_state(folder)`` reads: ``folder``, or ``folder.previous`` when ``folder`` is missing and
-    the previous checkpoint is whole there (a commit was killed between its two renames)."""
-    previous = previous_folder(folder)
-    if not folder.exists() and is_complete_checkpoint(previous):
-        return previous
-    return folder
-
-
-class CheckpointBusyError(RuntimeError):
-    """Another job is saving to the same checkpoint folder; the message names it (host, pid)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +193,7 @@ def _remove_abandoned_siblings(parent: Path, keep: Path) -> None:
     if not parent.is_dir():
         return
     for path in parent.iterdir():
-        if path == keep or not path.name.endswith(STAGING_SUFFIX) or not path.is_dir():
+        if path == keep or not is_staging_name(path) or not path.is_dir():
             continue
         owner = read_owner(path)
         if owner is not None and _owner_is_gone(owner):
@@ -265,10 +248,23 @@ def release_staging(save_id: str) -> None:
 
 
 class SaveTransaction:
-    """Stages one checkpoint folder on every rank and commits it whole. See [Note: whole-checkpoint commit]."""
+    """Stages one checkpoint folder on every rank and commits it whole. See [Note: whole-checkpoint commit].
 
-    def __init__(self, target: str | os.PathLike[str], where: str, process_group: dist.ProcessGroup | None = None):
+    ``sharded_folder``: the target is one sharded (DCP) folder (``save_sharded``), whose completion marker the
+    commit writes at its top, with no manifest; otherwise a ``save_state`` folder, whose sharded subfolders
+    get a marker each and which gets the manifest.
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str],
+        where: str,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        sharded_folder: bool = False,
+    ):
         self.target = Path(target)
+        self.sharded_folder = sharded_folder
         self.staging = staging_folder(self.target)
         self.where = where
         self.process_group = process_group
@@ -342,11 +338,21 @@ class SaveTransaction:
         return save_id
 
     def _commit(self, files: dict[str, FileRecord]) -> None:
-        for name, record in sorted(files.items()):
-            path = self.staging / name
-            size = path.stat().st_size if path.is_file() else None
-            if size != record.size:
-                raise RuntimeError(f"{path} is {size} bytes on disk after writing {record.size}")
+        check_sizes(self.staging, files, "the records of this save")
+        if self.sharded_folder:
+            write_json_durably(self.staging / FOLDER_MARKER, self._payload(files, items=True))
+        else:
+            self._write_markers_and_manifest(files)
+        fsync_dir(self.staging)
+        previous = previous_folder(self.target)
+        if self.target.exists():
+            os.replace(self.target, previous)
+        os.replace(self.staging, self.target)  # releases the lock on target: see [Note: one job per ...]
+        (self.target / STAGING_TAG).unlink(missing_ok=True)
+        shutil.rmtree(previous, ignore_errors=True)  # a next save to target may be removing it too
+        fsync_dir(self.target.parent)
+
+    def _write_markers_and_manifest(self, files: dict[str, FileRecord]) -> None:
         by_folder: dict[str, dict[str, FileRecord]] = {}
         for name, record in files.items():
             folder, _, leaf = name.rpartition("/")
@@ -358,14 +364,6 @@ class SaveTransaction:
             write_json_durably(marker, self._payload(members, items=True))
             listed[f"{folder}/{FOLDER_MARKER}"] = file_checksum(marker)
         write_json_durably(self.staging / CHECKPOINT_MANIFEST, self._payload(listed, items=False))
-        fsync_dir(self.staging)
-        previous = previous_folder(self.target)
-        if self.target.exists():
-            os.replace(self.target, previous)
-        os.replace(self.staging, self.target)  # releases the lock on target: see [Note: one job per ...]
-        (self.target / STAGING_TAG).unlink(missing_ok=True)
-        shutil.rmtree(previous, ignore_errors=True)  # a next save to target may be removing it too
-        fsync_dir(self.target.parent)
 
     def _payload(self, files: dict[str, FileRecord], *, items: bool) -> dict[str, Any]:
         """A marker (``items``: with each data file's item checksums) or the manifest (without)."""

@@ -18,34 +18,32 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fullshard.checkpoint.boundary import CheckpointDamagedError, entry_path
+from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.checksum import file_checksum
-from fullshard.checkpoint.manifest import (
-    CHECKPOINT_MANIFEST,
-    FOLDER_MARKER,
-    STAGING_SUFFIX,
-    Manifest,
-    read_folder_marker,
-    read_manifest,
+from fullshard.checkpoint.errors import CheckpointDamagedError, NotACheckpointError
+from fullshard.checkpoint.folder import (
+    FolderState,
+    check_sizes,
+    checkpoint_state,
+    folder_to_load,
+    missing_message,
+    staging_error,
 )
-from fullshard.checkpoint.names import DCP_METADATA_FILE
-from fullshard.checkpoint.transaction import folder_to_load
+from fullshard.checkpoint.manifest import Manifest, read_folder_marker, read_manifest
+from fullshard.checkpoint.names import (
+    CHECKPOINT_MANIFEST,
+    DCP_METADATA_FILE,
+    FOLDER_MARKER,
+    dcp_shard_file_name,
+    is_load_state_part,
+    rng_state_file_name,
+)
+from fullshard.checkpoint.reader import check_data_files, read_metadata
 
 __all__ = ["CheckpointDamagedError", "NotACheckpointError", "VerifyReport", "check_parts", "verify_checkpoint"]
-
-# Files and folders that load_state reads: a checkpoint with a manifest must list every one it holds.
-_PART_RE = re.compile(
-    r"^(pytorch_model_fsdp(_\d+)?(\.bin)?|optimizer(_\d+)?(\.bin)?|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin"
-    r"|custom_checkpoint_\d+\.pkl|random_states_\d+\.pkl|scaler\.pt)$"
-)
-
-
-class NotACheckpointError(ValueError):
-    """The folder holds no checkpoint (no manifest, no ``.metadata``, no checkpoint files)."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +56,6 @@ class VerifyReport:
     checksummed: bool  # False for checkpoints written without checksums (Accelerate, older fullshard)
     save_id: str | None
     note: str = ""  # what load_state would do differently (it falls back to ``<folder>.previous``)
-
-
-def _missing(path: Path) -> CheckpointDamagedError:
-    return CheckpointDamagedError(f"{path} is missing: the checkpoint in {path.parent} is incomplete; re-save it.")
 
 
 def _dcp_folders(root: Path) -> list[Path]:
@@ -79,22 +73,13 @@ def _describe(root: Path) -> tuple[Manifest | None, bool]:
 
 
 def _check_listed(root: Path, manifest: Manifest) -> None:
-    for name, record in sorted(manifest.files.items()):
-        path = root / name
-        if not path.is_file():
-            raise _missing(path)
-        size = path.stat().st_size
-        if size != record.size:
-            raise CheckpointDamagedError(
-                f"{path} is {size} bytes, but {manifest.path.name} records {record.size}: it was truncated, "
-                "damaged or replaced by a file from another save. Load another checkpoint or re-save."
-            )
+    check_sizes(root, manifest.files, manifest.path.name)
 
 
 def _check_unlisted(root: Path, manifest: Manifest) -> None:
     listed = set(manifest.files)
     for entry in sorted(root.iterdir()):
-        if not _PART_RE.match(entry.name):
+        if not is_load_state_part(entry.name):
             continue
         names = [entry.name] if entry.is_file() else [
             f"{entry.name}/{p.name}" for p in sorted(entry.iterdir()) if p.is_file() and p.name != FOLDER_MARKER
@@ -156,11 +141,11 @@ def check_file(path: Path, manifest: Manifest | None) -> None:
 
 def _check_ranks(root: Path, manifest: Manifest, single: bool) -> None:
     world = manifest.world_size
-    expected = [] if single else [f"random_states_{r}.pkl" for r in range(world)]
+    expected = [] if single else [rng_state_file_name(r) for r in range(world)]
     folders = [root] if single else [p for p in _dcp_folders(root)]
     for sub in folders:
         prefix = "" if single else f"{sub.name}/"
-        expected += [f"{prefix}__{r}_0.distcp" for r in range(world)]
+        expected += [f"{prefix}{dcp_shard_file_name(r)}" for r in range(world)]
     for name in expected:
         if name not in manifest.files:
             raise CheckpointDamagedError(
@@ -170,15 +155,11 @@ def _check_ranks(root: Path, manifest: Manifest, single: bool) -> None:
 
 
 def _check_dcp(folder: Path) -> None:
-    from fullshard.checkpoint.reader import check_data_files, read_metadata  # reader imports this module's peers
-
     if not (folder / DCP_METADATA_FILE).is_file():
-        raise _missing(folder / DCP_METADATA_FILE)
+        raise CheckpointDamagedError(missing_message(folder / DCP_METADATA_FILE))
     try:
         check_data_files(folder, read_metadata(folder))
-    except FileNotFoundError as exc:
-        raise CheckpointDamagedError(str(exc)) from None
-    except RuntimeError as exc:
+    except (FileNotFoundError, RuntimeError) as exc:
         raise CheckpointDamagedError(str(exc)) from None
 
 
@@ -189,7 +170,8 @@ def _not_a_checkpoint(root: Path) -> NotACheckpointError:
         return NotACheckpointError(f"'{root}' is a file, not a checkpoint folder; pass the folder save_state wrote.")
     return NotACheckpointError(
         f"'{root}' is not a checkpoint: it holds no {CHECKPOINT_MANIFEST}, no {DCP_METADATA_FILE} and no "
-        "random_states_0.pkl. Pass the folder save_state wrote (or one of its pytorch_model_fsdp_<i>/optimizer_<i>)."
+        f"{rng_state_file_name(0)}. Pass the folder save_state wrote (or one of its "
+        "pytorch_model_fsdp_<i>/optimizer_<i>)."
     )
 
 
@@ -201,7 +183,9 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
     ranks of a ``load_state(verify=True)`` split the reading between them.
     """
     root = Path(folder)
-    if (loaded := folder_to_load(root)) != root:  # say what load_state would do: load the previous checkpoint
+    state = checkpoint_state(root)
+    if state is FolderState.PREVIOUS_ONLY:  # say what load_state would do: load the previous checkpoint
+        loaded = folder_to_load(root)
         note = (
             f"'{root}' does not exist (a save was killed while replacing it); load_state('{root}') loads the "
             f"whole previous checkpoint from '{loaded}' with a warning, and the next save_state puts it back"
@@ -209,13 +193,10 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
         return dataclasses.replace(verify_checkpoint(loaded, share=share), note=note)  # fmt: skip
     if not root.is_dir():
         raise _not_a_checkpoint(root)
-    if root.name.endswith(STAGING_SUFFIX):
-        raise CheckpointDamagedError(
-            f"'{root}' is the staging folder of a save that never finished (its name ends in {STAGING_SUFFIX!r}); "
-            "it is not a checkpoint. Load the folder without the suffix, or an earlier checkpoint."
-        )
+    if state is FolderState.STAGING:
+        raise staging_error(root)
     manifest, single = _describe(root)
-    if manifest is None and not single and not (root / "random_states_0.pkl").is_file() and not _dcp_folders(root):
+    if manifest is None and not single and not (root / rng_state_file_name(0)).is_file() and not _dcp_folders(root):
         raise _not_a_checkpoint(root)
     if single:
         if manifest is not None:

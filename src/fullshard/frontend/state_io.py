@@ -48,19 +48,22 @@ from fullshard.checkpoint import (
 from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
-from fullshard.checkpoint.dcp import write_sharded
-from fullshard.checkpoint.manifest import STAGING_SUFFIX
+from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
+from fullshard.checkpoint.folder import FolderState, check_output_dir, checkpoint_state, staging_error
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
     RNG_STATE_NAME,
     custom_checkpoint_file_name,
     optimizer_file_name,
+    previous_folder,
     sampler_file_name,
+    staging_folder,
 )
 from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
-from fullshard.checkpoint.safe_load import CheckpointFileError, load_rng_file, load_small_file
-from fullshard.checkpoint.transaction import PREVIOUS_SUFFIX, SaveTransaction, folder_to_load, staging_folder
-from fullshard.checkpoint.verify import CheckpointDamagedError, check_file, check_parts, verify_checkpoint
+from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
+from fullshard.checkpoint.transaction import SaveTransaction
+from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
+from fullshard.checkpoint.writer import local_nbytes, write_sharded
 from fullshard.engine.api import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -130,30 +133,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
 
 
-def _check_output_dir(output_dir: str | Path, where: str) -> Path:
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{where}: a file is in the way at '{out}'; pass a folder path, or move the file.")
-    if out.name.endswith((STAGING_SUFFIX, PREVIOUS_SUFFIX)):
-        raise ValueError(
-            f"{where}: folder names ending in {STAGING_SUFFIX!r} or {PREVIOUS_SUFFIX!r} are reserved for staging; "
-            "pick another name."
-        )
-    return out
-
-
-def _nbytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` held by this rank (a DTensor's local shard): what a save writes of it."""
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.numel() * local.element_size()
-    return 0
-
-
 def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
     """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
 
@@ -163,7 +142,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     """
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
-    out = _check_output_dir(output_dir, where)
+    out = check_output_dir(output_dir, where)
     rank = dist.get_rank()
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     tx = SaveTransaction(out, where)
@@ -182,22 +161,26 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     for i, model in enumerate(objects.models):
         if full:
             sd = model_state.full_model_state_dict(model)
-            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)), _nbytes(sd))
+            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)), local_nbytes(sd))
         else:
             msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
-            tx.step(f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)), _nbytes(msd))
+            tx.step(
+                f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)), local_nbytes(msd)
+            )
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
             osd = model_state.optim_state(model, optimizer, plugin, full=True)
-            tx.step(f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)), _nbytes(osd))
+            tx.step(
+                f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)), local_nbytes(osd)
+            )
         else:
             # A checkpoint always holds every parameter's state (zeros before the first step): then any
             # fresh optimizer, given the same zero template by load_state, finds every key it expects.
             model_state.init_optimizer_state(optimizer)
             state = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
             name = optimizer_folder_name(i)
-            tx.step(f"writing {name}", partial(write_folder, state, name), _nbytes(state))
+            tx.step(f"writing {name}", partial(write_folder, state, name), local_nbytes(state))
 
     def small_files() -> None:  # rank 0 writes the shared ones, every rank its own random states
         for i, scheduler in enumerate(objects.schedulers):
@@ -217,13 +200,11 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
 def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
     """``input_dir``, or its whole previous version if a save was killed while replacing it (with a warning)."""
     folder = Path(input_dir)
-    if folder.name.endswith(STAGING_SUFFIX):
-        raise RuntimeError(
-            f"{where}: '{folder}' is the staging folder of a save that never finished; it is not a checkpoint. "
-            "Load the folder without the suffix, or an earlier checkpoint."
-        )
-    previous = folder_to_load(folder)
-    if previous != folder:
+    state = checkpoint_state(folder)
+    if state is FolderState.STAGING:
+        raise staging_error(folder, where)
+    if state is FolderState.PREVIOUS_ONLY:
+        previous = previous_folder(folder)
         if dist.get_rank() == 0:
             warnings.warn(
                 f"{where}: the folder is missing because a save was killed while replacing it; loading the whole "

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from fullshard.checkpoint.manifest import CHECKPOINT_MANIFEST, is_complete_checkpoint
-from fullshard.checkpoint.names import DCP_METADATA_FILE, model_folder_name
+from fullshard.checkpoint.folder import is_complete_checkpoint
+from fullshard.checkpoint.names import CHECKPOINT_MANIFEST, DCP_METADATA_FILE, model_folder_name
 from fullshard.checkpoint.rotation import CHECKPOINTS_FOLDER, checkpoint_index
 
 __all__ = [
