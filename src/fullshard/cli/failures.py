@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from fullshard.ranks import peer_lost
+
 __all__ = ["Outcome", "describe_failures", "describe_stop", "exit_code_of", "write_status", "read_statuses"]
 
 STATUS_DIR_VAR = "FULLSHARD_STATUS_DIR"
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def _error(failure: object) -> tuple[str, str, float | None]:
 
 def _order_key(failure: object) -> tuple[bool, float]:
     text, _, exact = _error(failure)
-    secondary = any(pattern in text.lower() for pattern in PEER_LOST)
+    secondary = peer_lost(text)
     return secondary, exact if exact is not None else float(getattr(failure, "timestamp", 0))
 
 

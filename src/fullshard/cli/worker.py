@@ -38,7 +38,8 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from fullshard.cli.failures import PEER_LOST, write_status
+from fullshard.cli.failures import write_status
+from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
 
@@ -67,9 +68,13 @@ def _script_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _lost_peer(exc: BaseException) -> bool:
-    """A collective failed because another rank went away: a consequence, reported by the launcher."""
-    return any(pattern in str(exc).lower() for pattern in PEER_LOST)
+def _peer_lost_line(exc: BaseException) -> str:
+    """What a rank whose collective failed because a peer went away says, in one line, without its rank prefix."""
+    detail = str(exc).splitlines()[0]
+    prefix = f"[rank {_rank()}] "
+    if detail.startswith(prefix) and "a peer process ended" in detail:  # the engine's PeerLostError says it
+        return detail[len(prefix) :]
+    return f"a peer process ended or its connection was lost ({detail})"
 
 
 def _rank() -> int:
@@ -129,9 +134,8 @@ def _run(target: str, as_module: bool) -> int:
         return 1
     except Exception as exc:
         handler.record_exception(exc)
-        if _lost_peer(exc):  # one line, so that the first failure's traceback is not buried under these
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            sys.stderr.write(f"[rank {_rank()}] stopped: a peer is gone ({type(exc).__name__}: {first_line})\n")
+        if peer_lost(exc):  # one line, so that the first failure's traceback is not buried under these
+            sys.stderr.write(f"[rank {_rank()}] stopped: {_peer_lost_line(exc)}\n")
         else:
             sys.stderr.write(f"[rank {_rank()}] {type(exc).__name__} in {target}:\n{_script_traceback(exc)}")
         sys.stderr.flush()
