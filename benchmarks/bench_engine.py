@@ -177,6 +177,9 @@ def ddp(model: nn.Module) -> nn.Module:
 # Systems named with this suffix run with gloo's own reduce-scatter and all-gather (FULLSHARD_GLOO_P2P=0); the
 # others with the engine's measured choice (use_p2p in fullshard/engine/p2p.py).
 GLOO_NATIVE = ", gloo collectives"
+# ... and with this suffix without the header that checks ranks are in step (FULLSHARD_CHECK_COLLECTIVES=0, see
+# fullshard/engine/collective_check.py): the check's cost is the ratio of the two rows.
+UNCHECKED = ", unchecked"
 
 SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "fullshard FSDP FULL_SHARD": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
@@ -188,6 +191,8 @@ SYSTEMS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "torch DDP": (ddp, "NO_SHARD"),
     f"fullshard FSDP FULL_SHARD{GLOO_NATIVE}": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
     f"fullshard fully_shard{GLOO_NATIVE}": (ours_fully_shard, "FULL_SHARD"),
+    f"fullshard FSDP FULL_SHARD{UNCHECKED}": (functools.partial(ours_fsdp, strategy="FULL_SHARD"), "FULL_SHARD"),
+    f"fullshard fully_shard{UNCHECKED}": (ours_fully_shard, "FULL_SHARD"),
     "fullshard FSDP bf16, no prefetch": (functools.partial(ours_fsdp_bf16, prefetch="none"), "FULL_SHARD"),
     "fullshard FSDP bf16, backward prefetch": (functools.partial(ours_fsdp_bf16, prefetch="default"), "FULL_SHARD"),
     "fullshard FSDP bf16, fwd+bwd prefetch": (functools.partial(ours_fsdp_bf16, prefetch="all"), "FULL_SHARD"),
@@ -200,11 +205,14 @@ THEORY_FACTOR = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 2}
 
 @contextlib.contextmanager
 def _collectives_of(name: str) -> Iterator[None]:
-    """FULLSHARD_GLOO_P2P for ``name``: gloo's collectives for the GLOO_NATIVE rows, else the engine's choice."""
+    """FULLSHARD_GLOO_P2P for ``name``: gloo's collectives for the GLOO_NATIVE rows, else the engine's choice;
+    FULLSHARD_CHECK_COLLECTIVES=0 for the UNCHECKED rows."""
+    from fullshard.engine.collective_check import CHECK_VAR
     from fullshard.engine.p2p import ENV_VAR
 
     setting = "0" if name.endswith(GLOO_NATIVE) else (os.environ.get(ENV_VAR) or "auto")
-    with mock.patch.dict(os.environ, {ENV_VAR: setting}):
+    check = "0" if name.endswith(UNCHECKED) else (os.environ.get(CHECK_VAR) or "1")
+    with mock.patch.dict(os.environ, {ENV_VAR: setting, CHECK_VAR: check}):
         yield
 
 
@@ -514,6 +522,11 @@ def report(results: list[dict[str, Any]], names: list[str], paired: bool = False
         if native in names:
             ratio = max(r[name]["step_s"] for r in results) / max(r[native]["step_s"] for r in results)
             console.print(f"{name}: step time with the engine's collective choice / gloo's collectives: {ratio:.2f}")
+    for name in names:
+        unchecked = name + UNCHECKED
+        if unchecked in names:
+            ratio = _ratio(results, name, unchecked, paired)
+            console.print(f"{name}: step time with the in-step check / without it: {ratio:.3f}")
     on_demand, prefetched = "fullshard FSDP bf16, no prefetch", "fullshard FSDP bf16, fwd+bwd prefetch"
     if on_demand in names and prefetched in names:
         exposed = max(r[on_demand]["ag_wait_s"] for r in results)

@@ -38,7 +38,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from fullshard.cli.failures import write_status
+from fullshard.cli.failures import write_identity, write_status
 from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m fullshard.cli.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     target, sys.argv = args[0], list(args)
     _announce_restart()
+    write_identity()  # pid and rank, for the launcher's shutdown watch (cli/shutdown.py)
     write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"
     code = _run(target, as_module)
     write_status(str(code))

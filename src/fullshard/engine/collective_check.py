@@ -191,7 +191,7 @@ def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> Non
     mine = _header(kind, label, pg)
     n = dist.get_world_size(pg)
     everyone = torch.empty(n * mine.numel(), dtype=mine.dtype)
-    with _named(f"header of the {_where(kind, label, pg)}, in forward #{_forwards} of this process"):
+    with _named(f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"):
         _all_gather_single(everyone, mine, group=pg)
     headers = everyone.view(n, -1).tolist()
     if all(h[:3] == headers[0][:3] for h in headers):
