@@ -190,6 +190,17 @@ def test_a_missing_script_is_one_line(tmp_path: Path, child_env: dict[str, str])
     ]
 
 
+@pytest.mark.parametrize(("name", "missing"), [("no_such_module", "no_such_module"), ("no_pkg.train", "no_pkg")])
+def test_a_missing_module_is_one_line(child_env: dict[str, str], name: str, missing: str) -> None:
+    result = _launch(["-m", name], child_env, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""  # no worker started
+    assert result.stderr.strip().splitlines() == [
+        f"fullshard launch: error: module {name!r} not found (No module named {missing!r}). "
+        "Give a module that `python -m` finds from this folder or PYTHONPATH."
+    ]
+
+
 def test_training_survives_injected_kill_and_exception_bit_for_bit(tmp_path: Path, child_env: dict[str, str]) -> None:
     # torchft-style: a SIGKILL (attempt 0) and an exception (attempt 1) at seeded steps and ranks; every step
     # is checkpointed; the run must end with the uninterrupted run's weights, bit for bit, and exit 0.
