@@ -121,3 +121,21 @@ def test_stop_after_a_signal(tmp_path) -> None:
     outcome = failures.describe_stop(signal.SIGTERM, {0: "0", 1: "running"})
     assert outcome.exit_code == 143 and "local rank 1 killed" in outcome.message
     assert failures.read_statuses(tmp_path, 2) == {0: "missing", 1: "missing"}
+
+
+def test_a_rank_still_running_when_another_timed_out_is_named_first() -> None:
+    timed_out = _raised("DesyncError: [rank 0] waiting ... failed: Timed out waiting 5000ms for recv", 100.0)
+    straggler = failures.Straggler(rank=1, local_rank=1, pid=4242, state="sleeping", killed=True)
+    both = {0: _Failure(0, 1, 100, error_file_data=timed_out), 1: _Failure(1, -signal.SIGKILL, 107)}
+    outcome = failures.describe_failures(both, stragglers={1: straggler})
+    first, then = outcome.message.splitlines()
+    assert first.startswith(
+        "fullshard launch: rank 1 stopped answering: it was still running (sleeping) when rank 0 timed out "
+        "waiting in a collective; killed by SIGKILL after --shutdown_timeout; its output is above"
+    )
+    assert then.startswith("  then rank 0 failed (exit code 1, after DesyncError: [rank 0] waiting")
+    assert outcome.exit_code == 128 + signal.SIGKILL
+    # A rank that was still running when another raised something else is not to blame.
+    raised = {0: _Failure(0, 1, 100, error_file_data=_raised("ValueError: boom", 100.0))}
+    outcome = failures.describe_failures(raised, stragglers={1: straggler})
+    assert outcome.message.startswith("fullshard launch: rank 0 failed first (exit code 1)")
