@@ -82,9 +82,8 @@ def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2
     assert elapsed < 30, f"rank 0 waited {elapsed:.0f}s; the group's timeout is 3s"
 
 
-def _extra_forward_by_default(rank: int, world_size: int, check: str) -> tuple[str, float]:
+def _extra_forward_by_default(rank: int, world_size: int) -> tuple[str, float]:
     """Rank 1 runs one forward more than rank 0, without FULLSHARD_DEBUG: every rank must name it at once."""
-    os.environ["FULLSHARD_CHECK_COLLECTIVES"] = check
     model, pg = _sharded(timeout_s=4)
     start = time.monotonic()
     message = ""
@@ -96,8 +95,6 @@ def _extra_forward_by_default(rank: int, world_size: int, check: str) -> tuple[s
         _step(model)
     except DesyncError as exc:
         message = str(exc)
-    finally:
-        del os.environ["FULLSHARD_CHECK_COLLECTIVES"]
     elapsed = time.monotonic() - start
     dist.barrier()
     dist.destroy_process_group(pg)
@@ -105,7 +102,7 @@ def _extra_forward_by_default(rank: int, world_size: int, check: str) -> tuple[s
 
 
 def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None:
-    results = pool2.run(_extra_forward_by_default, "1")
+    results = pool2.run(_extra_forward_by_default)
     for rank, (message, elapsed) in enumerate(results):
         assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
         # Rank 1, one forward ahead, gathers block a for its next forward (its forward #3); rank 0 gathers
@@ -114,10 +111,22 @@ def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None
         assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
         assert len(re.findall(r"in its forward #\d+", message)) == 2, message  # each rank's forward count
         assert elapsed < 4, f"rank {rank} took {elapsed:.1f}s: the header should fail before the 4s timeout"
-    # FULLSHARD_CHECK_COLLECTIVES=0: units of one size, so the ranks exchange wrong bytes until one waits alone.
-    results = pool2.run(_extra_forward_by_default, "0")
-    assert not any("ranks are out of step" in message for message, _ in results)
-    assert any("did not reach the same collective" in message for message, _ in results)
+
+
+def _check_switch(rank: int, world_size: int) -> list[bool]:
+    pg = dist.new_group(list(range(world_size)))
+    seen = []
+    for value in ("", "1", "0"):
+        os.environ["FULLSHARD_CHECK_COLLECTIVES"] = value
+        seen.append(collective_check.check_enabled(pg))
+    del os.environ["FULLSHARD_CHECK_COLLECTIVES"]
+    dist.destroy_process_group(pg)
+    return seen
+
+
+def test_the_check_is_on_for_gloo_unless_turned_off(pool2: WorkerPool) -> None:
+    # Not run against a desync with the check off: mismatched collectives can abort a pool worker (SIGABRT).
+    assert pool2.run(_check_switch) == [[True, True, False]] * 2
 
 
 def test_a_bad_check_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ process group's timeout (fullshard sets minutes, see ``frontend/runtime.py``). T
 - By default on gloo groups: a header before each of the engine's collectives. The ranks all-gather four
   integers (the kind of collective, a CRC-32 of the unit's name, how many collectives the group ran, how many
   forwards this process ran), the same 32 bytes on every rank whatever comes next, so the exchange itself
-  cannot meet a collective of another size. Every rank compares them and raises :class:`DesyncError` naming
-  each rank's collective, unit and forward count before any payload moves. Cost: one small blocking
+  cannot meet a collective of another size. Every rank compares the kinds and units and raises
+  :class:`DesyncError` naming each rank's collective, unit and counts before any payload moves. Cost: one small blocking
   collective per engine collective (a group's gather, its reduction), measured in ``docs/benchmarks.md``.
   ``FULLSHARD_CHECK_COLLECTIVES=0`` turns it off. Not on NCCL and other device backends: reading the header
   back would synchronise the device on every collective.
@@ -184,8 +184,9 @@ def _describe(header: list[int]) -> str:
 
 
 def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> None:
-    """All-gather this rank's header over ``pg``; raise on every rank if any rank's differs but for the
-    forward count (an extra forward without collectives, e.g. under NO_SHARD, is no desync)."""
+    """All-gather this rank's header over ``pg``; raise on every rank if any rank is about to run another kind
+    of collective or another unit's. The counts are only reported: a forward without collectives (NO_SHARD)
+    is no desync, and a process that caught an earlier error on one rank would never run in step again."""
     if pg is None:
         return
     mine = _header(kind, label, pg)
@@ -194,11 +195,11 @@ def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> Non
     with _named(f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"):
         _all_gather_single(everyone, mine, group=pg)
     headers = everyone.view(n, -1).tolist()
-    if all(h[:3] == headers[0][:3] for h in headers):
+    if all(h[:2] == headers[0][:2] for h in headers):
         return
     ranks = dist.get_process_group_ranks(pg)
     me = dist.get_rank(pg)
-    others = [(r, h) for r, h in zip(ranks, headers) if h[:3] != headers[me][:3]]
+    others = [(r, h) for r, h in zip(ranks, headers) if h[:2] != headers[me][:2]]
     rank, other = others[0]
     listing = "; ".join(f"rank {r}: {_describe(h)}" for r, h in zip(ranks, headers))
     raise DesyncError(
