@@ -25,6 +25,7 @@ from torch import nn
 from fullshard import FullyShardedDataParallel as OurFSDP
 from fullshard import MixedPrecision
 from fullshard.algorithms.checkpointing import checkpoint_module
+from fullshard.engine.collective_check import CHECK_VAR
 from fullshard.engine.p2p import ENV_VAR as P2P_ENV_VAR
 from fullshard.testing.models import Block
 from fullshard.testing.parity import fully_shard_blocks, without_sync
@@ -124,6 +125,10 @@ class System:
 # Rows with this suffix run with gloo's own reduce-scatter and all-gather; the others with the engine's choice.
 GLOO_NATIVE = ", gloo collectives"
 _GLOO = {P2P_ENV_VAR: "0"}
+# ... and with this suffix without the header that checks ranks are in step (see engine/collective_check.py):
+# the check's cost is the ratio of the two rows.
+UNCHECKED = ", unchecked"
+_UNCHECKED = {CHECK_VAR: "0"}
 
 SYSTEMS: dict[str, System] = {
     s.name: s
@@ -137,6 +142,8 @@ SYSTEMS: dict[str, System] = {
         System("torch DDP", ddp, "NO_SHARD"),
         System(f"fullshard FSDP FULL_SHARD{GLOO_NATIVE}", ours_fsdp, env=_GLOO),
         System(f"fullshard fully_shard{GLOO_NATIVE}", ours_fully_shard, env=_GLOO),
+        System(f"fullshard FSDP FULL_SHARD{UNCHECKED}", ours_fsdp, env=_UNCHECKED),
+        System(f"fullshard fully_shard{UNCHECKED}", ours_fully_shard, env=_UNCHECKED),
         System(
             "fullshard FSDP bf16, no prefetch",
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="none"),

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from kit import AC_SUFFIX, GLOO_NATIVE, SYSTEMS, System, system
+from kit import AC_SUFFIX, GLOO_NATIVE, SYSTEMS, UNCHECKED, System, system
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -400,6 +400,11 @@ def report_steps(results: list[dict[str, Any]], names: list[str], paired: bool =
         if native in names:
             ratio = max(r[name]["step_s"] for r in results) / max(r[native]["step_s"] for r in results)
             console.print(f"{name}: step time with the engine's collective choice / gloo's collectives: {ratio:.2f}")
+    for name in names:
+        unchecked = name + UNCHECKED
+        if unchecked in names:
+            ratio = _ratio(results, name, unchecked, paired)
+            console.print(f"{name}: step time with the in-step check / without it: {ratio:.3f}")
     on_demand, prefetched = "fullshard FSDP bf16, no prefetch", "fullshard FSDP bf16, fwd+bwd prefetch"
     if on_demand in names and prefetched in names:
         exposed = max(r[on_demand]["ag_wait_s"] for r in results)

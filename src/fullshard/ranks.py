@@ -23,12 +23,24 @@ import torch.distributed as dist
 __all__ = [
     "RanksDisagreeError",
     "first_difference",
+    "PEER_LOST",
     "gather_from_ranks",
     "global_rank",
+    "peer_lost",
     "rank_and_world",
     "require_agreement",
     "warn_rank0",
 ]
+
+
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+"""What torch's and gloo's errors say when another rank's process ended or its connection broke."""
+
+
+def peer_lost(exc: BaseException | str) -> bool:
+    """``exc`` (an error or its text) says that a collective failed because a peer went away."""
+    text = str(exc).lower()
+    return any(pattern in text for pattern in PEER_LOST)
 
 
 def global_rank() -> int:

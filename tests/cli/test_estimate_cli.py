@@ -122,12 +122,15 @@ def test_unknown_wrap_class_lists_the_classes() -> None:
     assert re.search(r"unit classes \['Layer'\]: not found in TinyGPT\. Its module classes are: Block, ", out)
 
 
-def test_hf_config_without_transformers_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["config.json", "org/name"])
+def test_hf_config_without_transformers_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "bert"}')
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
-    code, out = run(str(config))
-    assert code != 0
+    code, out = run(str(config) if where == "config.json" else where)
+    assert code == 2  # a usage error, as a bad argument
     assert "needs the transformers package: pip install transformers" in " ".join(out.split())
 
 

@@ -7,14 +7,17 @@ own), so a rank left alone in a collective gives up in seconds.
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fullshard import FullyShardedDataParallel
+from fullshard.engine import collective_check
 from fullshard.engine.collective_check import DesyncError
 from fullshard.engine.wrap import ModuleWrapPolicy
 from fullshard.testing import WorkerPool
@@ -75,8 +78,61 @@ def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2
     (message, elapsed), _ = pool2.run(_one_extra_forward)
     assert message.startswith("[rank 0] ")
     assert "all_gather of unit 'a'" in message and "forward #" in message
-    assert "FULLSHARD_DEBUG=1" in message  # says how to find the rank that differs
+    assert "did not reach the same collective" in message and "ranks are out of step" not in message
     assert elapsed < 30, f"rank 0 waited {elapsed:.0f}s; the group's timeout is 3s"
+
+
+def _extra_forward_by_default(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 runs one forward more than rank 0, without FULLSHARD_DEBUG: every rank must name it at once."""
+    model, pg = _sharded(timeout_s=4)
+    start = time.monotonic()
+    message = ""
+    try:
+        _step(model)
+        if rank == 1:
+            with torch.no_grad():
+                model(torch.ones(2, 4))
+        _step(model)
+    except DesyncError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(pg)
+    return message, elapsed
+
+
+def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None:
+    results = pool2.run(_extra_forward_by_default)
+    for rank, (message, elapsed) in enumerate(results):
+        assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
+        # Rank 1, one forward ahead, gathers block a for its next forward (its forward #3); rank 0 gathers
+        # block b for its backward (its forward #2).
+        mine, theirs = ("unit 'b'", "unit 'a'") if rank == 0 else ("unit 'a'", "unit 'b'")
+        assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
+        assert len(re.findall(r"in its forward #\d+", message)) == 2, message  # each rank's forward count
+        assert elapsed < 4, f"rank {rank} took {elapsed:.1f}s: the header should fail before the 4s timeout"
+
+
+def _check_switch(rank: int, world_size: int) -> list[bool]:
+    pg = dist.new_group(list(range(world_size)))
+    seen = []
+    for value in ("", "1", "0"):
+        os.environ["FULLSHARD_CHECK_COLLECTIVES"] = value
+        seen.append(collective_check.check_enabled(pg))
+    del os.environ["FULLSHARD_CHECK_COLLECTIVES"]
+    dist.destroy_process_group(pg)
+    return seen
+
+
+def test_the_check_is_on_for_gloo_unless_turned_off(pool2: WorkerPool) -> None:
+    # Not run against a desync with the check off: mismatched collectives can abort a pool worker (SIGABRT).
+    assert pool2.run(_check_switch) == [[True, True, False]] * 2
+
+
+def test_a_bad_check_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FULLSHARD_CHECK_COLLECTIVES", "yes")
+    with pytest.raises(ValueError, match=re.escape("FULLSHARD_CHECK_COLLECTIVES='yes': expected 1")):
+        collective_check.check_enabled(None)
 
 
 def _in_debug_mode(rank: int, world_size: int, scenario: str) -> str:

@@ -151,6 +151,8 @@ def test_a_misspelt_key_gets_a_suggestion(tmp_path: Path) -> None:
     [
         ("distributed_type: DEEPSPEED\n", "distributed_type='DEEPSPEED': not supported by fullshard. Use one of NO,"),
         ("num_processes: 0\n", "num_processes=0: must be at least 1."),
+        ("num_processes: two\n", "num_processes='two': not an integer. Give a whole number such as 2."),
+        ("max_restarts: often\n", "max_restarts='often': not an integer. Give a whole number such as 3."),
         ("num_machines: 2\nmachine_rank: 2\n", "machine_rank=2: must be between 0 and num_machines - 1 = 1."),
         ("mixed_precision: fp8\n", "mixed_precision='fp8': not a valid choice. Use one of no, fp16, bf16."),
         ("rdzv_backend: etcd\n", "rdzv_backend='etcd': not supported by fullshard. Use one of static, c10d."),

@@ -154,3 +154,21 @@ def test_a_traceback_already_printed_on_this_machine_names_the_rank_that_printed
     assert sorted(p.name.startswith("printed-") for p in tmp_path.iterdir()) == [True, True]
     monkeypatch.delenv(failures.STATUS_DIR_VAR)
     assert worker._printed_by("Traceback...\nValueError: x") is None  # no launcher: every rank prints
+
+
+def test_a_rank_still_running_when_another_timed_out_is_named_first() -> None:
+    timed_out = _raised("DesyncError: [rank 0] waiting ... failed: Timed out waiting 5000ms for recv", 100.0)
+    straggler = failures.Straggler(rank=1, local_rank=1, pid=4242, state="sleeping", killed=True)
+    both = {0: _Failure(0, 1, 100, error_file_data=timed_out), 1: _Failure(1, -signal.SIGKILL, 107)}
+    outcome = failures.describe_failures(both, stragglers={1: straggler})
+    first, then = outcome.message.splitlines()
+    assert first.startswith(
+        "fullshard launch: rank 1 stopped answering: it was still running (sleeping) when rank 0 timed out "
+        "waiting in a collective; killed by SIGKILL after --shutdown_timeout; its output is above"
+    )
+    assert then.startswith("  then rank 0 failed (exit code 1, after DesyncError: [rank 0] waiting")
+    assert outcome.exit_code == 128 + signal.SIGKILL
+    # A rank that was still running when another raised something else is not to blame.
+    raised = {0: _Failure(0, 1, 100, error_file_data=_raised("ValueError: boom", 100.0))}
+    outcome = failures.describe_failures(raised, stragglers={1: straggler})
+    assert outcome.message.startswith("fullshard launch: rank 0 failed first (exit code 1)")

@@ -133,6 +133,16 @@ def _yaml_value(value: Any) -> Any:
     return ",".join(value) if isinstance(value, list) else value
 
 
+# The integer fields, each with a value to suggest when one is not an integer.
+_INT_EXAMPLES = {
+    "num_processes": 2,
+    "num_machines": 1,
+    "machine_rank": 0,
+    "main_process_port": 29500,
+    "max_restarts": 3,
+}
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Check and normalise one field (YAML values or command-line text)."""
     where = f"{name}"
@@ -140,8 +150,8 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     if name in ("use_cpu", "debug"):
         return env.parse_bool(value, where=where)
-    if name in ("num_processes", "num_machines", "machine_rank", "main_process_port", "max_restarts"):
-        return env.parse_int(value, where=where)
+    if name in _INT_EXAMPLES:
+        return env.parse_int(value, where=where, example=_INT_EXAMPLES[name])
     if name == "mixed_precision":
         return env.by_field("mixed_precision", env.LAUNCH_VARS).parse(value, where=where)
     if name == "fsdp_config":

@@ -14,16 +14,41 @@ killed by a signal; after SIGTERM to the launcher, 0 if every worker stopped cle
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Outcome", "describe_failures", "describe_stop", "exit_code_of", "write_status", "read_statuses"]
+from fullshard.ranks import peer_lost
+
+__all__ = [
+    "Outcome",
+    "Straggler",
+    "describe_failures",
+    "describe_stop",
+    "exit_code_of",
+    "read_identities",
+    "read_statuses",
+    "write_identity",
+    "write_status",
+]
 
 STATUS_DIR_VAR = "FULLSHARD_STATUS_DIR"
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A worker still running when the first failure happened (seen by ``shutdown.ShutdownWatch``)."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    state: str
+    """Its process state then, in words (``stopped (SIGSTOP)``, ``running``, ``sleeping`` ...)."""
+    killed: bool = False
+    """The launcher ended it with SIGKILL after ``--shutdown_timeout``."""
 
 
 @dataclass(frozen=True)
@@ -65,41 +90,75 @@ def _error(failure: object) -> tuple[str, str, float | None]:
 
 def _order_key(failure: object) -> tuple[bool, float]:
     text, _, exact = _error(failure)
-    secondary = any(pattern in text.lower() for pattern in PEER_LOST)
+    secondary = peer_lost(text)
     return secondary, exact if exact is not None else float(getattr(failure, "timestamp", 0))
 
 
-def _log_of(failure: object, log_dir: str | None) -> str:
+def _log_of(local_rank: int, log_dir: str | None) -> str:
     """Where the failed rank's output is: torch writes ``log_dir/<run>/attempt_<n>/<local rank>/stderr.log``."""
     if log_dir:
-        local_rank = getattr(failure, "local_rank", 0)
         logs = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
         if logs:
             return f"its log: {logs[-1]}"
     return "its output is above (pass --log_dir DIR to keep each rank's output in a file)"
 
 
-def describe_failures(failures: Mapping[int, object], log_dir: str | None = None) -> Outcome:
-    """The summary of a failed job: the first failure first (see [Note: root cause]), then the others."""
+def describe_failures(
+    failures: Mapping[int, object], log_dir: str | None = None, stragglers: Mapping[int, Straggler] | None = None
+) -> Outcome:
+    """The summary of a failed job: the first failure first (see [Note: root cause]), then the others.
+
+    ``stragglers``: the ranks still running when the first failure happened. When that failure is a timeout,
+    they are the ranks that stopped answering, and are named first.
+    """
     order = sorted(failures, key=lambda rank: _order_key(failures[rank]))
     first_rank = order[0]
     first = failures[first_rank]
     exitcode = int(getattr(first, "exitcode", 1))
     text, stack, _ = _error(first)
+    silent = [
+        s for s in (stragglers or {}).values() if s.rank not in failures or not _error(failures[s.rank])[0]
+    ]  # still running at the first failure, and no error of their own
+    if "timed out" not in text.lower():
+        silent = []
+    if silent:
+        return _describe_silent(silent, first_rank, failures, log_dir)
     same = [rank for rank in order[1:] if text and _same_failure(failures[rank], first)]
     ranks = _ranks([first_rank, *same])
-    lines = [f"fullshard launch: rank {first_rank} failed first ({_how(exitcode)}); {_log_of(first, log_dir)}"]
+    log = _log_of(getattr(first, "local_rank", 0), log_dir)
+    lines = [f"fullshard launch: rank {first_rank} failed first ({_how(exitcode)}); {log}"]
     if text:
         lines.append(f"  error{f' (the same on {ranks})' if same else ''}: {text}")
     if stack:
         lines += [f"  traceback of {ranks}:", *("    " + line for line in stack.rstrip().splitlines())]
-    for rank in order[1:]:
-        if rank in same:
-            continue
+    lines += _then([rank for rank in order[1:] if rank not in same], failures)
+    return Outcome("\n".join(lines), exit_code_of(exitcode) or 1)
+
+
+def _then(ranks: list[int], failures: Mapping[int, object]) -> list[str]:
+    lines = []
+    for rank in ranks:
         other_text, _, _ = _error(failures[rank])
         other = _how(int(getattr(failures[rank], "exitcode", 1))) + (f", after {other_text}" if other_text else "")
         lines.append(f"  then rank {rank} failed ({other.splitlines()[0]})")
-    return Outcome("\n".join(lines), exit_code_of(exitcode) or 1)
+    return lines
+
+
+def _describe_silent(
+    silent: list[Straggler], timed_out: int, failures: Mapping[int, object], log_dir: str | None
+) -> Outcome:
+    """Rank(s) that stopped answering: still running when rank ``timed_out`` gave up waiting for them."""
+    first = silent[0]
+    how = "killed by SIGKILL after --shutdown_timeout" if first.killed else "ended by the launcher"
+    names = ", ".join(str(s.rank) for s in silent)
+    lines = [
+        f"fullshard launch: rank {names} stopped answering: {'it was' if len(silent) == 1 else 'they were'} still "
+        f"running ({first.state}) when rank {timed_out} timed out waiting in a collective; {how}; "
+        f"{_log_of(first.local_rank, log_dir)}"
+    ]
+    others = [rank for rank in failures if rank not in {s.rank for s in silent}]
+    lines += _then(sorted(others, key=lambda rank: _order_key(failures[rank])), failures)
+    return Outcome("\n".join(lines), 128 + int(signal.SIGKILL))
 
 
 def _same_failure(one: object, other: object) -> bool:
@@ -121,6 +180,27 @@ def write_status(status: str) -> None:
     folder = os.environ.get(STATUS_DIR_VAR)
     if folder:
         Path(folder, f"local_rank{os.environ.get('LOCAL_RANK', '0')}").write_text(status)
+
+
+def write_identity() -> None:
+    """Record this worker's pid and global rank where the launcher reads them, if it asked (before its state)."""
+    folder = os.environ.get(STATUS_DIR_VAR)
+    if folder:
+        Path(folder, f"local_rank{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(f"{os.getpid()} {_rank()}")
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def read_identities(folder: str | Path, local_world_size: int) -> dict[int, tuple[int, int]]:
+    """Local rank → (pid, global rank) of the workers that recorded them."""
+    identities = {}
+    for local_rank in range(local_world_size):
+        with contextlib.suppress(OSError, ValueError):
+            pid, rank = Path(folder, f"local_rank{local_rank}.pid").read_text().split()
+            identities[local_rank] = (int(pid), int(rank))
+    return identities
 
 
 def read_statuses(folder: str | Path, local_world_size: int) -> dict[int, str]:

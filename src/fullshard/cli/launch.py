@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from fullshard.cli import failures
+from fullshard.cli import failures, shutdown
 from fullshard.cli.config_file import LaunchConfig
 from fullshard.frontend import env
 
@@ -56,6 +56,8 @@ class LaunchPlan:
     """Show torch's launcher log lines (``--debug``)."""
     log_dir: str | None = None
     """Where torch keeps each rank's output, if asked."""
+    shutdown_timeout: int | None = None
+    """Seconds from a failure (or a signal to the launcher) to SIGKILL of the workers still alive."""
 
 
 def build_launch(
@@ -81,7 +83,14 @@ def build_launch(
         rdzv_conf=rdzv_conf,
     )
     local = cfg.num_processes // cfg.num_machines
-    return LaunchPlan(argv=argv, env=launch_env(cfg), local_world_size=local, verbose=bool(cfg.debug), log_dir=log_dir)
+    return LaunchPlan(
+        argv=argv,
+        env=launch_env(cfg),
+        local_world_size=local,
+        verbose=bool(cfg.debug),
+        log_dir=log_dir,
+        shutdown_timeout=shutdown_timeout,
+    )
 
 
 def torchrun_argv(
@@ -178,7 +187,9 @@ def _fsdp_settings(fsdp: dict[str, object]) -> dict[str, object]:
 def run_launch(plan: LaunchPlan) -> int:
     """Start the workers through ``torch.distributed.run``, wait, print the outcome; return the exit code.
 
-    0 when all workers succeed; else see ``failures.py``. ``plan.env`` (and ``OMP_NUM_THREADS=1`` unless set)
+    0 when all workers succeed; else see ``failures.py``. After a failure, the workers still alive
+    ``plan.shutdown_timeout`` seconds later are killed (see [Note: shutdown after a failure] in
+    ``shutdown.py``). ``plan.env`` (and ``OMP_NUM_THREADS=1`` unless set)
     is added to this process's environment for the duration (see :func:`env.patched`).
     """
     import torch.distributed.run as torchrun
@@ -189,10 +200,11 @@ def run_launch(plan: LaunchPlan) -> int:
     with tempfile.TemporaryDirectory(prefix="fullshard-status-") as status_dir:
         variables = {**quiet, **plan.env, failures.STATUS_DIR_VAR: status_dir}
         try:
-            with env.patched(variables), _torch_logs(shown=plan.verbose):
+            watch = shutdown.watching(status_dir, plan.local_world_size, plan.shutdown_timeout)
+            with env.patched(variables), _torch_logs(shown=plan.verbose), watch as stragglers:
                 torchrun.run(torchrun.parse_args(plan.argv))
         except ChildFailedError as exc:
-            outcome = failures.describe_failures(exc.failures, plan.log_dir)
+            outcome = failures.describe_failures(exc.failures, plan.log_dir, stragglers.stragglers)
         except SignalException as exc:
             sig = signal.Signals(exc.sigval)
             outcome = failures.describe_stop(sig, failures.read_statuses(status_dir, plan.local_world_size))

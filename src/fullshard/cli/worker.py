@@ -43,7 +43,8 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from fullshard.cli.failures import PEER_LOST, STATUS_DIR_VAR, write_status
+from fullshard.cli.failures import STATUS_DIR_VAR, write_identity, write_status
+from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
 
@@ -72,9 +73,13 @@ def _script_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _lost_peer(exc: BaseException) -> bool:
-    """A collective failed because another rank went away: a consequence, reported by the launcher."""
-    return any(pattern in str(exc).lower() for pattern in PEER_LOST)
+def _peer_lost_line(exc: BaseException) -> str:
+    """What a rank whose collective failed because a peer went away says, in one line, without its rank prefix."""
+    detail = str(exc).splitlines()[0]
+    prefix = f"[rank {_rank()}] "
+    if detail.startswith(prefix) and "a peer process ended" in detail:  # the engine's PeerLostError says it
+        return detail[len(prefix) :]
+    return f"a peer process ended or its connection was lost ({detail})"
 
 
 def _printed_by(report: str) -> int | None:
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m fullshard.cli.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     target, sys.argv = args[0], list(args)
     _announce_restart()
+    write_identity()  # pid and rank, for the launcher's shutdown watch (cli/shutdown.py)
     write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"
     code = _run(target, as_module)
     write_status(str(code))
@@ -160,9 +166,8 @@ def _run(target: str, as_module: bool) -> int:
         return 1
     except Exception as exc:
         handler.record_exception(exc)
-        if _lost_peer(exc):  # one line, so that the first failure's traceback is not buried under these
-            first_line = str(exc).splitlines()[0] if str(exc) else ""
-            sys.stderr.write(f"[rank {_rank()}] stopped: a peer is gone ({type(exc).__name__}: {first_line})\n")
+        if peer_lost(exc):  # one line, so that the first failure's traceback is not buried under these
+            sys.stderr.write(f"[rank {_rank()}] stopped: {_peer_lost_line(exc)}\n")
         elif (first := _printed_by(_script_traceback(exc))) is not None:
             sys.stderr.write(f"[rank {_rank()}] {type(exc).__name__}: the same error and traceback as rank {first}\n")
         else:

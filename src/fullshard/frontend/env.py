@@ -76,7 +76,8 @@ def parse_bool(value: object, *, where: str = "value") -> bool:
     raise ValueError(f"{where}={value!r}: not a boolean. Use one of true, false (also 1/0, yes/no, on/off).")
 
 
-def parse_int(value: object, *, where: str = "value") -> int:
+def parse_int(value: object, *, where: str = "value", example: int = 100000000) -> int:
+    """An integer from an int, a whole float or their text (``"1e8"`` too); ``example`` goes in the error."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -92,7 +93,7 @@ def parse_int(value: object, *, where: str = "value") -> int:
                 number = float("nan")
             if number.is_integer():
                 return int(number)
-    raise ValueError(f"{where}={value!r}: not an integer. Give a whole number such as 100000000.")
+    raise ValueError(f"{where}={value!r}: not an integer. Give a whole number such as {example}.")
 
 
 def _parse_text(value: object, *, where: str = "value") -> str:

@@ -95,11 +95,17 @@ def _from_factory(spec: str, kwargs: dict[str, Any]) -> nn.Module:
     return model
 
 
+class _CannotRun(click.ClickException):
+    """What is missing to run at all (a package): a usage error, exit 2, as a bad argument."""
+
+    exit_code = 2
+
+
 def _from_hf(name_or_path: str) -> nn.Module:
     try:
         import transformers
     except ImportError:
-        raise click.ClickException(
+        raise _CannotRun(
             f"MODEL={name_or_path!r} is a Hugging Face config, which needs the transformers package: "
             "pip install transformers (or give a package.module:factory instead)."
         ) from None

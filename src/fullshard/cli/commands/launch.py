@@ -10,6 +10,8 @@ spellings; only after SCRIPT is everything passed to the script as it is.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -189,4 +191,22 @@ def launch_command(
     if not module and not Path(script).is_file():
         click.echo(f"fullshard launch: error: script {script!r} not found (no such file). Give its path.", err=True)
         sys.exit(2)
+    missing = _missing_module(script) if module else None
+    if missing:
+        click.echo(f"fullshard launch: error: module {script!r} not found ({missing}). Give a module that "
+                   "`python -m` finds from this folder or PYTHONPATH.", err=True)  # fmt: skip
+        sys.exit(2)
     sys.exit(run_launch(plan))
+
+
+def _missing_module(name: str) -> str | None:
+    """Why the workers' ``python -m name`` would not find ``name`` (None if it would): looked up as they will,
+    with this folder first on the path. A dotted name's parent packages are imported to look into them."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as exc:
+        return str(exc)
+    finally:
+        sys.path.pop(0)
+    return None if spec is not None else f"No module named {name!r}"

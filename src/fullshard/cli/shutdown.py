@@ -1,0 +1,115 @@
+"""After a worker fails: end the others within ``--shutdown_timeout``, and note the ones that stopped answering.
+
+[Note: shutdown after a failure]
+When a worker fails, torch's elastic agent (2.13) stops the others with SIGTERM and waits for them before
+SIGKILL, but on this path (``_stop_workers``, before a restart or the end) it waits a fixed 30 s: the
+``shutdown_timeout`` it was given applies only when the launcher itself receives a signal. A rank that
+ignores SIGTERM (stopped by SIGSTOP, blocked in a C call with a Python handler installed) therefore kept the
+launch alive 30 s. :class:`ShutdownWatch` runs beside the agent in the launcher: it reads what each worker
+recorded (its pid, global rank and state, see :func:`fullshard.cli.failures.write_status`), and from the first
+failure on it sends SIGKILL to the process group of every worker of that attempt still alive
+``shutdown_timeout`` seconds later, as the agent would after its own wait. Only the launcher's own children
+are signalled.
+
+It also remembers which ranks were still running when the first one failed. If that failure is a timeout
+(a rank gave up waiting in a collective), those ranks are the ones that stopped answering, and the summary
+names them first (see ``failures.describe_failures``): the agent reports only the ranks that had ended when
+it looked, so without this the rank that timed out was named as the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fullshard.cli.failures import Straggler, read_identities, read_statuses
+
+__all__ = ["ShutdownWatch", "watching"]
+
+POLL_S = 0.2
+
+_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "R": "running", "S": "sleeping", "D": "in disk wait"}
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of ``pid``, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1])
+
+
+@dataclass
+class ShutdownWatch:
+    """Polls the workers' records in ``folder`` (see the module note) until :meth:`stop`."""
+
+    folder: str
+    local_world_size: int
+    shutdown_timeout: float | None
+    """Seconds from the first failure to SIGKILL of the workers still alive; None: observe only."""
+    stragglers: dict[int, Straggler] = field(default_factory=dict)
+    """Global rank → the workers still running at the first failure (the last attempt's)."""
+    _failed_at: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll(self) -> None:
+        statuses = read_statuses(self.folder, self.local_world_size)
+        workers = read_identities(self.folder, self.local_world_size)  # local rank → (pid, global rank)
+        alive = {}
+        for local_rank, (pid, rank) in workers.items():
+            stat = _proc_stat(pid)
+            if stat is not None and stat[1] == os.getpid() and stat[0] != "Z":
+                alive[local_rank] = (pid, rank, stat[0])
+        failed = any(
+            status not in ("running", "0", "missing") or (status == "running" and local_rank not in alive)
+            for local_rank, status in statuses.items()
+            if local_rank in workers
+        )
+        if failed and self._failed_at is None:
+            self._failed_at = time.monotonic()
+            self.stragglers = {
+                rank: Straggler(rank, local_rank, pid, _STATES.get(state, state))
+                for local_rank, (pid, rank, state) in alive.items()
+                if statuses.get(local_rank) == "running"
+            }
+        if self._failed_at is None:
+            return
+        suspects = {s.pid for s in self.stragglers.values()}
+        left = [(pid, rank) for pid, rank, _ in alive.values() if pid in suspects]
+        if not left and not failed:
+            self._failed_at = None  # that attempt is over (the agent may start another)
+            return
+        if self.shutdown_timeout is not None and time.monotonic() - self._failed_at >= self.shutdown_timeout:
+            for pid, rank in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                self.stragglers[rank] = dataclasses.replace(self.stragglers[rank], killed=True)
+
+
+@contextlib.contextmanager
+def watching(folder: str, local_world_size: int, shutdown_timeout: float | None) -> Iterator[ShutdownWatch]:
+    """A :class:`ShutdownWatch` polling in a daemon thread for the duration."""
+    watch = ShutdownWatch(folder, local_world_size, shutdown_timeout)
+    thread = threading.Thread(target=watch.run, name="fullshard-shutdown-watch", daemon=True)
+    thread.start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
+        thread.join()

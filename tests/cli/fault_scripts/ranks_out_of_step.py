@@ -1,0 +1,38 @@
+"""Rank 1 leaves step after a first training step: ``extra_forward`` (it runs one forward more than rank 0),
+``hang`` (it stops itself with SIGSTOP) or ``kill`` (SIGKILL). ``FULLSHARD_TIMEOUT`` bounds the wait of the
+rank left alone. Units have different sizes, so mismatched collectives would make gloo abort."""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from fullshard import FullyShardedDataParallel
+from fullshard.engine.wrap import ModuleWrapPolicy
+from fullshard.frontend import runtime
+
+state = runtime.init_process_state(cpu=True)
+torch.manual_seed(0)
+# Units of different sizes, as in a real model: a collective of one meets another's of another size.
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def step() -> None:
+    model(torch.ones(2, 8)).sum().backward()
+
+
+step()
+if state.process_index == 1:
+    sys.stdout.write(f"DIVERGING at={time.time():.3f}\n")
+    sys.stdout.flush()
+    if sys.argv[1] in ("hang", "kill"):
+        os.kill(os.getpid(), signal.SIGSTOP if sys.argv[1] == "hang" else signal.SIGKILL)
+    else:
+        with torch.no_grad():
+            model(torch.ones(2, 8))
+step()
+time.sleep(30)  # a rank that got through waits here; the launcher must end it
