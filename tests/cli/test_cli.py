@@ -317,7 +317,7 @@ def test_env_table_flags_are_all_launch_options() -> None:
 def test_merge_weights_calls_merge_fsdp_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     fake = types.ModuleType("fullshard.checkpoint.merge")
-    fake.merge_fsdp_weights = lambda *args, **kwargs: calls.append((args, kwargs))  # type: ignore[attr-defined]
+    fake.merge_fsdp_weights = lambda *args, **kwargs: calls.append((args, kwargs)) or []  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fullshard.checkpoint.merge", fake)
     checkpoint = tmp_path / "pytorch_model_fsdp_0"
     checkpoint.mkdir()
