@@ -29,6 +29,7 @@ _AREAS = {
     "cli": "the fullshard command, examples, launch faults",
     "compat": "against the peers (torch FSDP, Accelerate, DCP)",
     "dropin": "Accelerate's example scripts by import swap",
+    "trainer": "transformers' Trainer with FSDP under --as_accelerate",
     "gpu": "CUDA (skipped without a GPU)",
 }
 

@@ -46,7 +46,8 @@ from fullshard.utils import compute_module_sizes, find_executable_batch_size
         ({"mixed_precision": "int8"}, ValueError,
          "Accelerator(mixed_precision)='int8': not a precision. Use one of \"no\", \"fp16\", \"bf16\"."),
         ({"deepspeed_plugin": object()}, TypeError,
-         "Accelerator(deepspeed_plugin=...): not an argument fullshard knows."),
+         "Accelerator(deepspeed_plugin=...): fullshard is FSDP only (no DeepSpeed"),
+        ({"device_map": None}, TypeError, "Accelerator(device_map=...): not an argument fullshard knows."),
     ],
 )  # fmt: skip
 def test_accelerator_argument_errors(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
@@ -171,8 +172,6 @@ def test_ops_single_process() -> None:
     [
         (lambda: ops.reduce(torch.ones(1), "max"), ValueError,
          'reduce(reduction=\'max\'): not a reduction. Use "mean", "sum" or "none".'),
-        (lambda: ops.pad_across_processes(torch.ones(2), dim=1), ValueError,
-         "pad_across_processes(dim=1): the tensor has 1 dimensions. Pass a dim in [0, 1)."),
         (lambda: ops.gather({"x": "text"}), TypeError,
          "_gather_one(data=...): found a str; only tensors nested in lists, tuples and dicts are supported."),
         (lambda: ops.concatenate([]), ValueError,
@@ -182,6 +181,11 @@ def test_ops_single_process() -> None:
 def test_ops_errors(call, error: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+def test_pad_across_processes_leaves_a_tensor_without_that_dim() -> None:
+    labels = torch.arange(3)  # one class per sample: the Trainer pads labels on dim=1 all the same, as Accelerate
+    assert ops.pad_across_processes(labels, dim=1) is labels
 
 
 def test_set_seed_is_reproducible() -> None:

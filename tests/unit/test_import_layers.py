@@ -1,4 +1,5 @@
 """The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli,
+accelerate (the mirror of Accelerate's modules: front end and public names only),
 and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. Inside a
 package no modules import each other in a circle (function-level imports count), and checkpoint/'s modules
 import one way, up its levels (its ``__init__`` docstring)."""
@@ -21,6 +22,21 @@ ALLOWED = {
     "checkpoint": set(),  # torch only, as the engine (docs/design.md)
     "frontend": {"engine", "algorithms", "checkpoint"},
     "cli": {"frontend", "checkpoint", "algorithms", "engine"},
+    # Accelerate's module layout (served as `accelerate`): re-exports of the public surfaces and the front end.
+    "accelerate": {
+        "frontend",
+        "checkpoint",
+        "utils",
+        "logging",
+        "tracking",
+        *ast.literal_eval(
+            next(
+                n.value
+                for n in ast.parse((SRC / "__init__.py").read_text()).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__"
+            )
+        ),
+    },
 }
 
 

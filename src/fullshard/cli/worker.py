@@ -43,6 +43,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from fullshard.cli import as_accelerate
 from fullshard.cli.failures import STATUS_DIR_VAR, write_identity, write_status
 from fullshard.ranks import peer_lost
 
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         sys.exit("usage: python -m fullshard.cli.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     target, sys.argv = args[0], list(args)
+    if as_accelerate.requested():  # `import accelerate` resolves to fullshard (fullshard launch --as_accelerate)
+        as_accelerate.install()
     _announce_restart()
     write_identity()  # pid and rank, for the launcher's shutdown watch (cli/shutdown.py)
     write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"

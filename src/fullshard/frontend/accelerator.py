@@ -34,6 +34,7 @@ from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
+from fullshard.frontend.shared_state import AcceleratorState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 
 __all__ = ["Accelerator"]
@@ -108,6 +109,7 @@ class Accelerator:
         dynamo_plugin: TorchDynamoPlugin | None = None,
         **kwargs: Any,
     ) -> None:
+        _refuse_accelerate_only_plugins(kwargs)
         if kwargs:
             raise TypeError(
                 f"Accelerator({sorted(kwargs)[0]}=...): not an argument fullshard knows. Supported: split_batches, "
@@ -145,6 +147,7 @@ class Accelerator:
         self._tracking = TrackerSet(self.log_with, self.logging_dir)
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        AcceleratorState.register(self.fsdp_plugin, self.mixed_precision, self.dynamo_plugin)
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -163,6 +166,18 @@ class Accelerator:
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.fsdp_plugin.fsdp_version == 2
+
+    parallelism_config = None  # Accelerate's tensor/context parallelism: fullshard shards data-parallel only
+    torch_device_mesh = None
+
+    @property
+    def _models(self) -> list[nn.Module]:
+        """The prepared models (Accelerate's private list, which transformers' Trainer reads)."""
+        return self._objects.models
 
     @property
     def use_distributed(self) -> bool:
@@ -459,7 +474,11 @@ class Accelerator:
     def save(self, obj: Any, f: str | Path, safe_serialization: bool = False) -> None:
         ops.save(obj, f, safe_serialization=safe_serialization)
 
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool | None = None
+    ) -> nn.Module:
+        """The user's module. ``keep_torch_compile`` changes nothing: a compiled model is compiled in place."""
+        del keep_torch_compile
         return training.extract_model_from_parallel(model, keep_fp32_wrapper)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
@@ -566,6 +585,21 @@ class Accelerator:
         """``torch.profiler`` over the block; traces go to ``output_trace_dir`` (see ``handlers/profiling.py``)."""
         handler = profile_handler or self._handlers.profile
         return profiling.profile(handler, self.process_index, self.wait_for_everyone)
+
+
+_ACCELERATE_ONLY = (
+    "deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config"
+)  # fmt: skip
+
+
+def _refuse_accelerate_only_plugins(kwargs: dict[str, Any]) -> None:
+    """Accelerate's DeepSpeed/Megatron/parallelism arguments: ``None`` is dropped; a value is refused."""
+    for name in _ACCELERATE_ONLY:
+        if name in kwargs and kwargs.pop(name) is not None:
+            raise TypeError(
+                f"Accelerator({name}=...): fullshard is FSDP only (no DeepSpeed, Megatron-LM or tensor/context "
+                "parallelism). Leave it None and configure sharding with fsdp_plugin."
+            )
 
 
 def _refuse_extra_kwargs(method: str, kwargs: dict[str, Any], why: str) -> None:

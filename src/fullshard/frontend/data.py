@@ -74,6 +74,16 @@ class GradientState:
     sync_each_batch: bool = False
     adjust_scheduler: bool = True
 
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter, which transformers' Trainer calls (it accumulates gradients itself)."""
+        self.sync_gradients = sync_gradients
+
+    @property
+    def plugin_kwargs(self) -> dict[str, bool]:
+        """The ``GradientAccumulationPlugin`` switches, by name, as Accelerate's ``GradientState`` keeps them."""
+        return {"sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch,
+                "adjust_scheduler": self.adjust_scheduler}  # fmt: skip
+
 
 class ShardBatchSampler:
     """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing].

@@ -176,13 +176,15 @@ def _pad(t: torch.Tensor, dim: int, size: int, pad_index: Any, pad_first: bool) 
 
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    """Pad every tensor with ``pad_index`` on ``dim`` to the largest size any rank holds, so it can be gathered."""
+    """Pad every tensor with ``pad_index`` on ``dim`` to the largest size any rank holds, so it can be gathered.
+
+    A tensor without a dimension ``dim`` is returned as it is, as in Accelerate (transformers' ``Trainer`` pads
+    labels on ``dim=1`` whether they are sequences or one class per sample).
+    """
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if dim >= t.ndim or dim < -t.ndim:
-            raise ValueError(
-                f"pad_across_processes(dim={dim}): the tensor has {t.ndim} dimensions. Pass a dim in [0, {t.ndim})."
-            )
+            return t
         d = dim % t.ndim
         size = torch.tensor(t.shape[d], device=t.device)
         if _world() > 1:

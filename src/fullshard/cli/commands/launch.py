@@ -10,6 +10,7 @@ spellings; only after SCRIPT is everything passed to the script as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 import click
 
+from fullshard.cli import as_accelerate as accelerate_redirect
 from fullshard.cli.config_file import RDZV_BACKENDS, load_config, override
 from fullshard.cli.launch import build_launch, run_launch
 from fullshard.frontend import env
@@ -150,6 +152,9 @@ def _torchrun_opt(name: str, meaning: str, **kwargs: Any) -> Callable[[Callable[
 @_opt("log_dir", type=click.Path(file_okay=False), default=None, help="Keep each rank's output in files here too.")
 @_opt("shutdown_timeout", type=click.IntRange(min=0), default=None,
       help="Seconds between SIGTERM and SIGKILL when the workers are stopped (default 30).")  # fmt: skip
+@_opt("as_accelerate", is_flag=True, default=False,
+      help="Serve `import accelerate` from fullshard in the script and its libraries (transformers' Trainer, ...): "
+      "sets FULLSHARD_AS_ACCELERATE=1 for the workers.")  # fmt: skip
 @click.option("-m", "--module", is_flag=True, default=False,
               help="SCRIPT is a module name, run as `python -m SCRIPT`.")  # fmt: skip
 @_table_options(env.FSDP_VARS)
@@ -164,6 +169,7 @@ def launch_command(
     shutdown_timeout: int | None,
     rdzv_id: str | None,
     rdzv_conf: str | None,
+    as_accelerate: bool,
     **flags: Any,
 ) -> None:
     """Run SCRIPT (a Python file, or a module with -m) with SCRIPT_ARGS on every worker process.
@@ -188,6 +194,8 @@ def launch_command(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if as_accelerate:
+        plan = dataclasses.replace(plan, env={**plan.env, accelerate_redirect.ENV_VAR: "1"})
     if not module and not Path(script).is_file():
         click.echo(f"fullshard launch: error: script {script!r} not found (no such file). Give its path.", err=True)
         sys.exit(2)

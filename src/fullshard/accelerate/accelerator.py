@@ -1,0 +1,5 @@
+"""``accelerate.accelerator``."""
+
+from fullshard import Accelerator
+
+__all__ = ["Accelerator"]

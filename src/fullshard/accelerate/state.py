@@ -1,0 +1,7 @@
+"""``accelerate.state``: the process-wide singletons and the gradient state."""
+
+from fullshard import DistributedType
+from fullshard.frontend.data import GradientState
+from fullshard.frontend.shared_state import AcceleratorState, PartialState
+
+__all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

@@ -1,0 +1,48 @@
+"""``accelerate.utils.dataclasses``: fullshard's plugins and kwargs handlers; DeepSpeed's classes are refused."""
+
+from fullshard.frontend.refused import refused_class
+from fullshard.utils import (
+    ComputeEnvironment,
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    LoggerType,
+    PrecisionType,
+    ProfileKwargs,
+    ProjectConfiguration,
+    RNGType,
+    TorchDynamoPlugin,
+)
+
+_WHY = "fullshard is FSDP only (no DeepSpeed)"
+DeepSpeedPlugin = refused_class("DeepSpeedPlugin", _WHY)
+DeepSpeedSchedulerWrapper = refused_class("DeepSpeedSchedulerWrapper", _WHY)
+
+__all__ = [
+    "ComputeEnvironment",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DeepSpeedSchedulerWrapper",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "DynamoBackend",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "LoggerType",
+    "PrecisionType",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "RNGType",
+    "TorchDynamoPlugin",
+]

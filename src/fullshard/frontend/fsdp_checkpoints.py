@@ -1,0 +1,159 @@
+"""Accelerate's per-object FSDP checkpoint functions: ``save_fsdp_model``, ``load_fsdp_model``,
+``save_fsdp_optimizer``, ``load_fsdp_optimizer`` (what transformers' ``Trainer`` saves and resumes with).
+
+Accelerate's layout inside ``output_dir``, chosen by ``fsdp_plugin.state_dict_type``:
+
+- ``SHARDED_STATE_DICT``: ``pytorch_model_fsdp_<i>/`` (``{"model": ...}``) and ``optimizer_<i>/``
+  (``{"optimizer": ...}``), each written by :func:`fullshard.checkpoint.save_sharded`: staged, checksummed
+  and renamed into place with its completion marker, so an interrupted save leaves no half folder to resume from;
+- ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin`` / ``optimizer.bin`` (``_<i>`` after the first), gathered to
+  and written by rank 0 (written to a temporary name, then renamed).
+
+Every function is a collective: call it on every rank. ``adapter_only`` (which transformers always passes) is
+honoured as Accelerate does, by saving the whole model unless the model is a PEFT model, which is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.checkpoint import load_sharded, save_sharded
+from fullshard.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, optimizer_file_name
+from fullshard.checkpoint.safe_load import load_small_file
+from fullshard.engine.api import StateDictType
+from fullshard.frontend import model_state
+from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.training import extract_model_from_parallel
+
+__all__ = ["load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer"]
+
+
+def _kind(plugin: FullyShardedDataParallelPlugin, where: str) -> StateDictType:
+    kind = plugin.state_dict_type
+    if kind not in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+        raise ValueError(
+            f"{where}: fsdp_plugin.state_dict_type={kind.name} is not written by these functions; use "
+            "FULL_STATE_DICT or SHARDED_STATE_DICT (or Accelerator.save_state for every type)."
+        )
+    return kind
+
+
+def _check_adapter_only(model: nn.Module, adapter_only: bool, where: str) -> None:
+    if adapter_only and hasattr(extract_model_from_parallel(model), "peft_config"):
+        raise NotImplementedError(
+            f"{where}(adapter_only=True) of a PEFT model: fullshard saves whole models only. Save with "
+            "adapter_only=False, or the adapter with model.save_pretrained on an unsharded copy."
+        )
+
+
+def _model_bin(index: int) -> str:
+    return f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
+
+
+def _save_on_rank0(obj: Any, path: Path) -> None:
+    if dist.get_rank() == 0:
+        partial = path.with_name(path.name + ".incomplete")
+        torch.save(obj, partial)
+        os.replace(partial, path)
+    dist.barrier()
+
+
+def _folder(input_dir: str | os.PathLike[str], prefix: str, index: int) -> Path:
+    """Accelerate's rule: ``input_dir`` is the folder itself when its name carries the prefix."""
+    path = Path(input_dir)
+    return path if prefix in path.name else path / f"{prefix}_{index}"
+
+
+def save_fsdp_model(
+    fsdp_plugin: FullyShardedDataParallelPlugin,
+    accelerator: Any,
+    model: nn.Module,
+    output_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+) -> None:
+    """Write ``model`` into ``output_dir`` as the plugin's ``state_dict_type`` says (see the module docstring)."""
+    del accelerator
+    where = "save_fsdp_model"
+    _check_adapter_only(model, adapter_only, where)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if _kind(fsdp_plugin, where) is StateDictType.FULL_STATE_DICT:
+        _save_on_rank0(model_state.full_model_state_dict(model), out / _model_bin(model_index))
+    else:
+        state = {"model": model_state.sharded_model_state_dict(model, fsdp_plugin)}
+        save_sharded(state, out / f"{FSDP_MODEL_NAME}_{model_index}")
+
+
+def load_fsdp_model(
+    fsdp_plugin: FullyShardedDataParallelPlugin,
+    accelerator: Any,
+    model: nn.Module,
+    input_dir: str | os.PathLike[str],
+    model_index: int = 0,
+    adapter_only: bool = False,
+) -> None:
+    """Load what :func:`save_fsdp_model` wrote into the sharded ``model`` (checked before anything changes)."""
+    del accelerator
+    where = "load_fsdp_model"
+    _check_adapter_only(model, adapter_only, where)
+    if _kind(fsdp_plugin, where) is StateDictType.FULL_STATE_DICT:
+        path = Path(input_dir)
+        path = path if path.is_file() else path / _model_bin(model_index)
+        sd = load_small_file(path) if dist.get_rank() == 0 else None
+        model_state.load_full_model_state_dict(model, sd)
+        return
+    state = {"model": model_state.sharded_model_state_dict(model, fsdp_plugin)}
+    load_sharded(state, _folder(input_dir, FSDP_MODEL_NAME, model_index))
+    model_state.finish_model_load(model, fsdp_plugin, state["model"])
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: FullyShardedDataParallelPlugin,
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    output_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+) -> None:
+    """Write ``optimizer``'s state (keyed by ``model``'s parameter names) into ``output_dir``."""
+    del accelerator
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if _kind(fsdp_plugin, "save_fsdp_optimizer") is StateDictType.FULL_STATE_DICT:
+        osd = model_state.optim_state(model, optimizer, fsdp_plugin, full=True)
+        _save_on_rank0(osd, out / optimizer_file_name(optimizer_index))
+        return
+    model_state.init_optimizer_state(optimizer)  # every parameter's state, zeros before the first step
+    state = {"optimizer": model_state.optim_state(model, optimizer, fsdp_plugin)}
+    save_sharded(state, out / f"{OPTIMIZER_NAME}_{optimizer_index}")
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: FullyShardedDataParallelPlugin,
+    accelerator: Any,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    input_dir: str | os.PathLike[str],
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+) -> None:
+    """Load what :func:`save_fsdp_optimizer` wrote into ``optimizer``."""
+    del accelerator
+    _check_adapter_only(model, adapter_only, "load_fsdp_optimizer")
+    if _kind(fsdp_plugin, "load_fsdp_optimizer") is StateDictType.FULL_STATE_DICT:
+        path = Path(input_dir)
+        path = path if path.is_file() else path / optimizer_file_name(optimizer_index)
+        osd = load_small_file(path) if dist.get_rank() == 0 else None
+        model_state.load_full_optim_state(model, optimizer, fsdp_plugin, osd)
+        return
+    model_state.init_optimizer_state(optimizer)
+    state = {"optimizer": model_state.optim_state(model, optimizer, fsdp_plugin)}
+    load_sharded(state, _folder(input_dir, OPTIMIZER_NAME, optimizer_index))
+    model_state.load_optim_state(model, optimizer, fsdp_plugin, state["optimizer"])

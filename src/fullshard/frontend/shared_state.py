@@ -1,0 +1,171 @@
+"""Accelerate's process-wide singletons, ``PartialState`` and ``AcceleratorState``, over fullshard's runtime.
+
+Libraries written for Accelerate (transformers' ``TrainingArguments`` and ``Trainer`` among them) build
+``PartialState(cpu=..., backend=..., timeout=...)`` before any ``Accelerator`` exists, read ``device``,
+``num_processes``, ``distributed_type`` from it, and later ask ``AcceleratorState()`` for the plugin of the
+``Accelerator`` they built. Both classes keep one shared dictionary per class (Accelerate's "Borg" pattern): every
+instance sees the same state, and ``_reset_state`` forgets it.
+
+- ``PartialState`` initialises (or adopts) the process group through :func:`runtime.init_process_state`.
+  ``distributed_type`` is Accelerate's for a process group without a plugin: ``NO`` for one process,
+  ``MULTI_GPU`` / ``MULTI_CPU`` for several.
+- ``AcceleratorState`` is filled by :meth:`AcceleratorState.register` when an ``Accelerator`` is built; it then
+  says ``FSDP`` and holds that accelerator's ``fsdp_plugin`` and ``mixed_precision``. DeepSpeed, Megatron-LM and
+  parallelism configurations are always ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+
+from fullshard.frontend import runtime
+from fullshard.frontend.operations import processes
+from fullshard.frontend.types import DistributedType
+
+__all__ = ["AcceleratorState", "PartialState"]
+
+
+class PartialState:
+    """This process's rank, world and device, shared by every instance; see the module docstring."""
+
+    _shared_state: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        if self.initialized:
+            return
+        unknown = set(kwargs) - {"backend", "timeout", "init_method", "_use_sagemaker_dp"}
+        if unknown or kwargs.get("_use_sagemaker_dp"):
+            raise TypeError(
+                f"PartialState({sorted(unknown or ['_use_sagemaker_dp'])[0]}=...): fullshard's PartialState takes "
+                "cpu, backend, timeout and init_method (a process group for sharded training; no SageMaker)."
+            )
+        timeout: timedelta | None = kwargs.get("timeout")
+        self._process = runtime.init_process_state(
+            cpu=cpu, timeout=timeout, backend=kwargs.get("backend"), init_method=kwargs.get("init_method")
+        )
+        self._cpu = cpu
+
+    @property
+    def initialized(self) -> bool:
+        return "_process" in self._shared_state
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the shared state (the process group stays; the next instance adopts it)."""
+        PartialState._shared_state.clear()
+
+    device: torch.device = property(lambda self: self._process.device)  # type: ignore[assignment]
+    num_processes: int = property(lambda self: self._process.num_processes)  # type: ignore[assignment]
+    process_index: int = property(lambda self: self._process.process_index)  # type: ignore[assignment]
+    local_process_index: int = property(lambda self: self._process.local_process_index)  # type: ignore[assignment]
+    is_main_process: bool = property(lambda self: self._process.is_main_process)  # type: ignore[assignment]
+    is_local_main_process: bool = property(lambda self: self._process.is_local_main_process)  # type: ignore[assignment]
+    backend: str = property(lambda self: self._process.backend)  # type: ignore[assignment]
+    use_distributed: bool = property(lambda self: self.num_processes > 1)  # type: ignore[assignment]
+    is_last_process: bool = property(lambda self: self.process_index == self.num_processes - 1)  # type: ignore[assignment]
+    debug = False
+    fork_launched = False
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    def wait_for_everyone(self) -> None:
+        self._process.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self._process.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self._process.main_process_first(local=True)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self._process.print(*args, **kwargs)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
+        return processes.split_between_processes(inputs, apply_padding)
+
+    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return function if self.is_main_process else (lambda *a, **k: None)
+
+    def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        return function if self.is_local_main_process else (lambda *a, **k: None)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        del group
+        runtime.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"Distributed environment: {self.distributed_type}\nNum processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
+        )
+
+
+class AcceleratorState:
+    """The state of the ``Accelerator`` built in this process (shared by every instance); see the module docstring.
+
+    Before an ``Accelerator`` registers, it answers for its ``PartialState`` only (``fsdp_plugin`` is ``None``).
+    """
+
+    _shared_state: ClassVar[dict[str, Any]] = {}
+    deepspeed_plugin = None
+    deepspeed_plugins = None
+    megatron_lm_plugin = None
+    parallelism_config = None
+    torch_tp_plugin = None
+    dynamo_plugin = None
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        self.__dict__ = self._shared_state
+        if "_partial" not in self._shared_state:
+            self._partial = PartialState(cpu, **{k: v for k, v in kwargs.items() if k in ("backend", "timeout")})
+
+    @classmethod
+    def register(cls, fsdp_plugin: Any, mixed_precision: str, dynamo_plugin: Any = None) -> AcceleratorState:
+        """Called by ``Accelerator.__init__``: this process's state is now that accelerator's."""
+        state = cls()
+        state.fsdp_plugin = fsdp_plugin
+        state._mixed_precision = mixed_precision
+        state.dynamo_plugin = dynamo_plugin
+        return state
+
+    @property
+    def initialized(self) -> bool:
+        return "fsdp_plugin" in self._shared_state
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        AcceleratorState._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+    fsdp_plugin: Any = None
+    mixed_precision: str = property(lambda self: self.__dict__.get("_mixed_precision", "no"))  # type: ignore[assignment]
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP if self.initialized else self._partial.distributed_type
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.fsdp_plugin is not None and self.fsdp_plugin.fsdp_version == 2
+
+    @property
+    def torch_device_mesh(self) -> None:
+        """Accelerate's device mesh for parallelism configurations; fullshard's sharding needs none."""
+        return None
+
+    def __getattr__(self, name: str) -> Any:  # rank, world, device, ...: the PartialState's
+        if name.startswith("__") or name == "_partial":
+            raise AttributeError(name)
+        return getattr(self._partial, name)
