@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
-__all__ = ["ACCELERATE_VERSION", "ENV_VAR", "AccelerateMirror", "install", "installed", "main", "requested"]
+__all__ = ["ACCELERATE_VERSION", "ENV_VAR", "AccelerateMirror", "install", "installed", "requested"]
 
 ENV_VAR = "FULLSHARD_AS_ACCELERATE"
 MIRROR = "fullshard.accelerate"
@@ -118,15 +118,3 @@ def install() -> None:
         )
     sys.meta_path.insert(0, AccelerateMirror())
     importlib.invalidate_caches()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m fullshard.cli.as_accelerate SCRIPT ARGS...`` (under torchrun): the worker, with the mirror."""
-    from fullshard.cli import worker  # the worker imports this module: here, at run time, there is no cycle
-
-    os.environ[ENV_VAR] = "1"
-    worker.main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,5 @@
-"""Memory helpers of ``accelerate.utils``: releasing references, retrying with smaller batches on OOM."""
+"""Memory helpers of ``accelerate.utils.memory``: releasing references and device caches, retrying with smaller
+batches on OOM (and telling an OOM apart, for transformers' Trainer)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_executable_batch_size", "release_memory"]
+__all__ = ["clear_device_cache", "find_executable_batch_size", "release_memory", "should_reduce_batch_size"]
 
 
 def release_memory(*objects: Any) -> list[None]:
@@ -75,3 +76,16 @@ def find_executable_batch_size(
         )
 
     return run
+
+
+def clear_device_cache(garbage_collection: bool = False) -> None:
+    """Return cached device memory to the driver (CUDA only; nothing to do on the CPU)."""
+    if garbage_collection:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def should_reduce_batch_size(exception: Exception) -> bool:
+    """Whether ``exception`` is an out-of-memory error, after which a smaller batch may fit."""
+    return _is_oom(exception)

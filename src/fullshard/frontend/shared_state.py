@@ -23,9 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fullshard.frontend import runtime
-from fullshard.frontend.operations import processes
-from fullshard.frontend.types import DistributedType
+from fullshard.frontend import processes, runtime
+from fullshard.frontend.enums import DistributedType
 
 __all__ = ["AcceleratorState", "PartialState"]
 

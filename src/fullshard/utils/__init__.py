@@ -86,7 +86,6 @@ from fullshard.frontend.ops import (
     slice_tensors,
     wait_for_everyone,
 )
-from fullshard.frontend.placeholders import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.preemption import install_preemption_handler, preemption_signal
 from fullshard.frontend.prepare import (
@@ -99,6 +98,7 @@ from fullshard.frontend.prepare import (
 )
 from fullshard.frontend.process_output import tqdm
 from fullshard.frontend.project import ProjectConfiguration
+from fullshard.frontend.refused import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
 from fullshard.frontend.tracking import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.versions import compare_versions, get_pretty_name, is_torch_version
