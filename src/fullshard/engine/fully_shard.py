@@ -193,8 +193,12 @@ def fully_shard(
     module.__class__ = _fsdp_class(type(module))
     state.keep_hooks(
         module.register_forward_pre_hook(
-            lambda m, args, kwargs: state.pre_forward(args, kwargs), prepend=True, with_kwargs=True
+            torch.compiler.disable(lambda m, args, kwargs: state.pre_forward(args, kwargs), recursive=True),
+            prepend=True,
+            with_kwargs=True,
         ),
-        module.register_forward_hook(lambda m, args, output: state.post_forward(output)),
+        module.register_forward_hook(
+            torch.compiler.disable(lambda m, args, output: state.post_forward(output), recursive=True)
+        ),
     )
     return module

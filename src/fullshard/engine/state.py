@@ -197,6 +197,9 @@ class UnitState:
         # collectives (gloo's point-to-point ops are not traceable), swap parameter storage and keep Python
         # state. Disabled for dynamo, they run eagerly between the compiled graphs of the modules they wrap, as
         # torch FSDP2's hooks do; the backward hooks run in autograd's engine, outside any graph already.
+        # fully_shard registers disabled functions as the module hooks themselves: dynamo then calls them from
+        # the compiled module's call without breaking its graph (a traced hook that calls a disabled function
+        # would break it); the FSDP class's forward calls these two methods, where a break is unavoidable.
         self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
         self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
         _STATES[module] = self
