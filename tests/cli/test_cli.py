@@ -89,6 +89,7 @@ def test_config_default_writes_a_file_once(tmp_path: Path, child_env: dict[str, 
     assert f"saved at {path}" in result.stdout
     cfg, _ = load_config(path)
     assert cfg.use_fsdp and cfg.mixed_precision == "bf16" and cfg.fsdp_config["fsdp_version"] == 1
+    assert "dynamo_config" not in path.read_text()  # as Accelerate's basic config: nothing compiled
 
     again = _fullshard(["config", "default"], child_env)
     assert again.returncode == 1
@@ -97,15 +98,16 @@ def test_config_default_writes_a_file_once(tmp_path: Path, child_env: dict[str, 
 
 def test_config_questions_interactive(tmp_path: Path) -> None:
     target = tmp_path / "asked.yaml"
-    # use_cpu, num_machines, use_fsdp, version, strategy, offload, wrap, no_split?, classes, prefetch,
+    # use_cpu, num_machines, dynamo, use_fsdp, version, strategy, offload, wrap, no_split?, classes, prefetch,
     # state dict, forward prefetch, orig params, ram-efficient loading, checkpointing, processes, precision
-    answers = ["yes", "1", "yes", "1", "shard_grad_op", "no", "transformer_based_wrap", "no", "Block,Attention",
+    answers = ["yes", "1", "no", "yes", "1", "shard_grad_op", "no", "transformer_based_wrap", "no", "Block,Attention",
                "BACKWARD_POST", "", "no", "yes", "yes", "no", "2", "bf16"]  # fmt: skip
     result = CliRunner().invoke(cli, ["config", "--config_file", str(target)], input="\n".join(answers) + "\n")
     assert result.exit_code == 0, result.output
     assert "What should be your sharding strategy?" in result.output
     data = yaml.safe_load(target.read_text())
     assert data["distributed_type"] == "FSDP" and data["num_processes"] == 2 and data["use_cpu"] is True
+    assert "dynamo_config" not in data  # no to torch dynamo: no section, as Accelerate writes it
     assert data["fsdp_config"] == {
         "fsdp_version": 1,
         "fsdp_reshard_after_forward": "SHARD_GRAD_OP",
@@ -123,7 +125,7 @@ def test_config_questions_interactive(tmp_path: Path) -> None:
 
 
 def test_config_asks_again_after_a_bad_answer(tmp_path: Path) -> None:
-    answers = ["maybe", "yes", "1", "no", "1", "no"]
+    answers = ["maybe", "yes", "1", "no", "no", "1", "no"]
     result = CliRunner().invoke(
         cli, ["config", "--config_file", str(tmp_path / "c.yaml")], input="\n".join(answers) + "\n"
     )
@@ -150,6 +152,35 @@ def test_config_non_interactive_flags(tmp_path: Path) -> None:
 
     bad = CliRunner().invoke(cli, ["config", "--config_file", str(target), "--non_interactive", "--fsdp_version", "3"])
     assert bad.exit_code == 2 and "--fsdp_version='3': FSDP version must be 1 or 2." in bad.output
+
+
+def test_config_asks_the_dynamo_questions(tmp_path: Path) -> None:
+    target = tmp_path / "asked.yaml"
+    # use_cpu, num_machines, dynamo, backend, customize, mode, fullgraph, dynamic, regional, use_fsdp, processes,
+    # precision
+    answers = ["yes", "1", "yes", "aot_eager", "yes", "max-autotune", "yes", "no", "yes", "no", "1", "no"]
+    result = CliRunner().invoke(cli, ["config", "--config_file", str(target)], input="\n".join(answers) + "\n")
+    assert result.exit_code == 0, result.output
+    assert "Do you wish to optimize your script with torch dynamo?" in result.output
+    assert "Do you want to enable regional compilation?" in result.output
+    assert yaml.safe_load(target.read_text())["dynamo_config"] == {
+        "dynamo_backend": "AOT_EAGER",
+        "dynamo_mode": "max-autotune",
+        "dynamo_use_fullgraph": True,
+        "dynamo_use_dynamic": False,
+        "dynamo_use_regional_compilation": True,
+    }
+    # An option answers its question and the ones leading to it; the rest take Accelerate's defaults.
+    args = ["config", "--config_file", str(target), "--non_interactive", "--use_cpu", "true", "--dynamo_mode",
+            "reduce-overhead"]  # fmt: skip
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    assert load_config(target)[0].dynamo_config == {
+        "backend": "INDUCTOR",
+        "mode": "reduce-overhead",
+        "fullgraph": False,
+        "dynamic": False,
+        "use_regional_compilation": False,
+    }
 
 
 # --- env ----------------------------------------------------------------------------------------------------
@@ -188,6 +219,25 @@ def test_env_names_the_versions_and_the_config_files_looked_for(
     assert rows["Config file"] == f"{theirs} (given with --config_file; found)"
     assert rows["Accelerate's default config"] == f"{theirs} (exists, used)"
     assert rows["  num_processes"] == "2"
+
+
+def test_env_shows_the_dynamo_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fullshard.cli.commands.env import environment_rows
+
+    path = tmp_path / "c.yaml"
+    save_config(LaunchConfig(dynamo_config={"dynamo_backend": "inductor", "dynamo_use_fullgraph": True}), path)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
+    rows = dict(environment_rows(str(path)))
+    assert rows["  dynamo_config.dynamo_backend"] == "INDUCTOR"
+    assert rows["Dynamo (torch.compile)"] == (
+        "backend=inductor, mode=max-autotune, fullgraph=True, use_regional_compilation=False "
+        "(from the config file and ACCELERATE_DYNAMO_* variables)"
+    )
+    assert rows["ACCELERATE_DYNAMO_MODE"] == "max-autotune"
+    monkeypatch.delenv("ACCELERATE_DYNAMO_MODE")
+    save_config(LaunchConfig(), path)
+    rows = dict(environment_rows(str(path)))
+    assert rows["Dynamo (torch.compile)"] == "backend no: the model is not compiled (the default)"
 
 
 # --- launch -------------------------------------------------------------------------------------------------
@@ -249,6 +299,24 @@ def test_launch_two_machines(tmp_path: Path, child_env: dict[str, str], rdzv_bac
         assert "RANK=0" in lines[0]
 
 
+def test_launch_hands_the_dynamo_settings_to_the_workers(tmp_path: Path, child_env: dict[str, str]) -> None:
+    # Set up: a config file with Accelerate's dynamo_config; flags that override three of its settings.
+    config = tmp_path / "dynamo.yaml"
+    config.write_text("distributed_type: 'NO'\nuse_cpu: true\ndynamo_config:\n  dynamo_backend: INDUCTOR\n"
+                      "  dynamo_mode: max-autotune\n  dynamo_use_fullgraph: true\n"
+                      "  dynamo_use_regional_compilation: true\n")  # fmt: skip
+    script = tmp_path / "show.py"
+    shown = "from fullshard.utils import TorchDynamoPlugin\np = TorchDynamoPlugin()\n"
+    script.write_text(shown + "print('PLUGIN', p.to_kwargs(), p.use_regional_compilation)\n")
+    # Run
+    flags = ["--dynamo_backend", "aot_eager", "--no_dynamo_use_fullgraph", "--dynamo_use_dynamic"]
+    result = _fullshard(["launch", "--config_file", str(config), *flags, str(script)], child_env)
+    # Check: the worker's plugin has the flags' values where given (backend, fullgraph, dynamic), else the file's.
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = "{'backend': 'aot_eager', 'mode': 'max-autotune', 'fullgraph': False, 'dynamic': True} True"
+    assert f"PLUGIN {expected}" in result.stdout
+
+
 def test_launch_reports_a_failed_worker(tmp_path: Path, child_env: dict[str, str]) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import sys\nsys.exit(3)\n")
@@ -308,7 +376,7 @@ def test_launch_names_an_unknown_flag(flag: str, suggestion: str) -> None:
 
 def test_env_table_flags_are_all_launch_options() -> None:
     options = {opt for param in cli.commands["launch"].params for opt in getattr(param, "opts", [])}
-    assert {var.flag for var in env.FSDP_VARS} <= options
+    assert {var.flag for var in (*env.FSDP_VARS, *env.DYNAMO_VARS)} <= options
 
 
 # --- merge-weights ------------------------------------------------------------------------------------------

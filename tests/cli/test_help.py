@@ -66,7 +66,7 @@ def test_docs_cli_md_covers_every_command_and_option() -> None:
                 # An option's spelling, or its config key (the `fsdp_*` keys are also the flags).
                 spelled = [form for opt in param.opts for form in (f"`{opt}", f"{opt} ", f"`{opt.lstrip('-')}`")]
                 assert any(form in text for form in spelled), (path, param.opts)
-    for var in env.FSDP_VARS:
+    for var in (*env.FSDP_VARS, *env.DYNAMO_VARS):
         assert f"`{var.config_key}`" in text and f"`{var.env}`" in text
     for section in ("## Exit codes", "default_config.yaml", "package.module:factory"):
         assert section in text

@@ -198,3 +198,63 @@ def test_override_merges_flags_into_the_file(tmp_path: Path) -> None:
     assert cfg.fsdp_config["cpu_offload"] is False  # the original is untouched
     with pytest.raises(ValueError, match=re.escape("--fsdp_offload_params='perhaps': not a boolean.")):
         override(cfg, {"fsdp_offload_params": "perhaps"})
+
+
+# Accelerate's dynamo_config section, as `accelerate config` writes it after "yes" to torch dynamo.
+DYNAMO_YAML = """\
+dynamo_config:
+  dynamo_backend: INDUCTOR
+  dynamo_mode: max-autotune
+  dynamo_use_dynamic: false
+  dynamo_use_fullgraph: true
+  dynamo_use_regional_compilation: true
+"""
+
+
+def test_dynamo_config_round_trip_and_workers_environment(tmp_path: Path) -> None:
+    # Was: dynamo_config passed through unused (no variables for the workers).
+    cfg, _ = load_config(_write(tmp_path, SEED_001_YAML + DYNAMO_YAML))
+    assert cfg.dynamo_config == {
+        "backend": "INDUCTOR",
+        "mode": "max-autotune",
+        "dynamic": False,
+        "fullgraph": True,
+        "use_regional_compilation": True,
+    }
+    saved = save_config(cfg, tmp_path / "again.yaml")
+    assert load_config(saved)[0] == cfg
+    assert yaml.safe_load(saved.read_text())["dynamo_config"] == yaml.safe_load(DYNAMO_YAML)["dynamo_config"]
+    assert {k: v for k, v in launch_env(cfg).items() if "DYNAMO" in k} == {
+        "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR",
+        "ACCELERATE_DYNAMO_MODE": "max-autotune",
+        "ACCELERATE_DYNAMO_USE_DYNAMIC": "false",
+        "ACCELERATE_DYNAMO_USE_FULLGRAPH": "true",
+        "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "true",
+    }
+    # Without FSDP too; flags override the file; keys without the prefix and the old top-level key, as Accelerate.
+    plain = override(LaunchConfig(dynamo_config={"backend": "inductor", "use_fullgraph": True}),
+                     {"dynamo_backend": "aot_eager", "dynamo_use_fullgraph": False, "dynamo_mode": None})  # fmt: skip
+    assert launch_env(plain)["ACCELERATE_DYNAMO_BACKEND"] == "AOT_EAGER" and plain.dynamo_config["fullgraph"] is False
+    old, _ = load_config(_write(tmp_path, "dynamo_backend: eager\n"))
+    assert old.dynamo_config == {"backend": "EAGER"} and "dynamo_backend" not in old.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "dynamo_config:\n  dynamo_use_full_graph: true\n",
+            "dynamo_config has an unknown key 'dynamo_use_full_graph' (did you mean dynamo_use_fullgraph?). Remove it "
+            "or use one of: dynamo_backend, dynamo_mode,",
+        ),
+        (
+            "dynamo_config:\n  dynamo_backend: inductr\n",
+            "dynamo_config.dynamo_backend='inductr': not a torch.compile backend. Use one of no, eager, aot_eager,",
+        ),
+        ("dynamo_config:\n  dynamo_mode: fast\n", "dynamo_config.dynamo_mode='fast': not a valid choice."),
+        ("dynamo_config: inductor\n", "dynamo_config='inductor': expected a mapping of dynamo_* keys to values."),
+    ],
+)
+def test_bad_dynamo_config(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(_write(tmp_path, text))

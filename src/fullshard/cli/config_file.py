@@ -1,9 +1,9 @@
 """Config files: YAML ↔ :class:`LaunchConfig`, in Accelerate's format.
 
-An Accelerate config file loads as it is: fullshard's keys are Accelerate's, the ``fsdp_config`` keys are
-the config keys of the table in :mod:`fullshard.frontend.env`, and Accelerate keys that fullshard has no use
-for (``tpu_*``, ``dynamo_config``, ``same_network``, ...) are accepted and written back unchanged. Any other
-key is an error that names it.
+An Accelerate config file loads as it is: fullshard's keys are Accelerate's, the ``fsdp_config`` and
+``dynamo_config`` keys are the config keys of the tables in :mod:`fullshard.frontend.env` (``FSDP_VARS``,
+``DYNAMO_VARS``), and Accelerate keys that fullshard has no use for (``tpu_*``, ``same_network``, ...) are
+accepted and written back unchanged. Any other key is an error that names it.
 
 The default file is ``$FULLSHARD_HOME/default_config.yaml``, with ``FULLSHARD_HOME`` defaulting to
 ``$XDG_CACHE_HOME/fullshard`` (``~/.cache/fullshard``), the way Accelerate keeps its file under
@@ -42,7 +42,7 @@ RDZV_BACKENDS = ("static", "c10d")
 # Keys of Accelerate's ClusterConfig that fullshard reads past and writes back, unused.
 ACCELERATE_ONLY_KEYS = frozenset(
     {
-        "command_file", "commands", "deepspeed_config", "downcast_bf16", "dynamo_config", "enable_cpu_affinity",
+        "command_file", "commands", "deepspeed_config", "downcast_bf16", "enable_cpu_affinity",
         "fp8_config", "gpu_ids", "main_training_function", "megatron_lm_config", "mpirun_config",
         "parallelism_config", "same_network", "tpu_env", "tpu_name", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm",
         "tpu_zone",
@@ -80,6 +80,8 @@ class LaunchConfig:
     """How many times torch's elastic agent restarts the workers after a failure."""
     fsdp_config: dict[str, Any] = field(default_factory=dict)
     """Plugin field → value, for the FSDP settings the file sets (entries of ``env.FSDP_VARS``)."""
+    dynamo_config: dict[str, Any] = field(default_factory=dict)
+    """TorchDynamoPlugin field → value, for the ``torch.compile`` settings the file sets (``env.DYNAMO_VARS``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Accelerate keys that fullshard keeps but does not use (see ``ACCELERATE_ONLY_KEYS``)."""
 
@@ -97,13 +99,15 @@ class LaunchConfig:
     def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> LaunchConfig:
         """Build from a YAML mapping; errors name ``source`` and the keys involved."""
         own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        unknown = sorted(set(data) - own - ACCELERATE_ONLY_KEYS)
+        unknown = sorted(set(data) - own - ACCELERATE_ONLY_KEYS - {"dynamo_backend"})
         if unknown:
             raise ValueError(
                 f"{source}: unknown keys {unknown}{did_you_mean(unknown, own)}. Remove them or fix their spelling; "
                 f"known keys are {', '.join(sorted(own | ACCELERATE_ONLY_KEYS))}."
             )
         kwargs = {k: v for k, v in data.items() if k in own and v is not None}
+        if data.get("dynamo_backend") is not None:  # Accelerate < 0.18's top-level key, as Accelerate reads it
+            kwargs["dynamo_config"] = {**(data.get("dynamo_config") or {}), "dynamo_backend": data["dynamo_backend"]}
         extra = {k: v for k, v in data.items() if k in ACCELERATE_ONLY_KEYS}
         try:
             return cls(**kwargs, extra=extra)
@@ -111,15 +115,17 @@ class LaunchConfig:
             raise ValueError(f"{source}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML mapping (Accelerate's keys; ``fsdp_config`` only when set)."""
+        """The YAML mapping (Accelerate's keys; ``fsdp_config`` and ``dynamo_config`` only when set)."""
         data: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data.pop("extra")
         data["fsdp_config"] = {env.by_field(k).config_key: _yaml_value(v) for k, v in self.fsdp_config.items()}
+        data["dynamo_config"] = {env.by_field(k, env.DYNAMO_VARS).config_key: v for k, v in self.dynamo_config.items()}
         for key, unset in (("main_process_ip", None), ("main_process_port", None), ("max_restarts", 0)):
             if data[key] == unset:
                 del data[key]  # keeps the file readable by Accelerate, which has no max_restarts key
-        if not data["fsdp_config"]:
-            del data["fsdp_config"]
+        for section in ("fsdp_config", "dynamo_config"):
+            if not data[section]:
+                del data[section]
         return {**self.extra, **data}
 
 
@@ -155,7 +161,9 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "mixed_precision":
         return env.by_field("mixed_precision", env.LAUNCH_VARS).parse(value, where=where)
     if name == "fsdp_config":
-        return _coerce_fsdp_config(value)
+        return _coerce_section(name, value, env.FSDP_VARS)
+    if name == "dynamo_config":
+        return _coerce_section(name, value, env.DYNAMO_VARS)
     choices = {"compute_environment": ("LOCAL_MACHINE",), "distributed_type": DISTRIBUTED_TYPES}
     if name in choices:
         return _one_of(where, value, choices[name], upper=True)
@@ -172,23 +180,25 @@ def _one_of(where: str, value: Any, choices: tuple[str, ...], *, upper: bool) ->
     return text
 
 
-def _coerce_fsdp_config(value: Any) -> dict[str, Any]:
-    """Config keys (``fsdp_*``, with or without the prefix, or plugin field names) → field → parsed value."""
+def _coerce_section(section: str, value: Any, table: tuple[env.EnvVar, ...]) -> dict[str, Any]:
+    """A section's config keys (``fsdp_*`` / ``dynamo_*``, with or without the prefix, or plugin field names)
+    → field → parsed value."""
+    prefix = section.removesuffix("config")
     if not isinstance(value, Mapping):
-        raise ValueError(f"fsdp_config={value!r}: expected a mapping of fsdp_* keys to values.")
+        raise ValueError(f"{section}={value!r}: expected a mapping of {prefix}* keys to values.")
     result: dict[str, Any] = {}
     for key, item in value.items():
-        var = env.by_config_key(str(key)) or next((v for v in env.FSDP_VARS if v.field == key), None)
+        var = env.by_config_key(str(key), table) or next((v for v in table if v.field == key), None)
         if var is None:
-            keys = [v.config_key for v in env.FSDP_VARS]
+            keys = [v.config_key for v in table]
             raise ValueError(
-                f"fsdp_config has an unknown key {key!r}{did_you_mean([str(key)], keys)}. Remove it or use one of: "
+                f"{section} has an unknown key {key!r}{did_you_mean([str(key)], keys)}. Remove it or use one of: "
                 f"{', '.join(keys)}."
             )
         if var.field in result:
-            raise ValueError(f"fsdp_config sets {var.config_key} twice (as {key!r}). Keep one of them.")
+            raise ValueError(f"{section} sets {var.config_key} twice (as {key!r}). Keep one of them.")
         if item is not None:
-            result[var.field] = var.parse(item, where=f"fsdp_config.{var.config_key}")
+            result[var.field] = var.parse(item, where=f"{section}.{var.config_key}")
     return result
 
 
@@ -257,18 +267,22 @@ def save_config(cfg: LaunchConfig, path: str | os.PathLike[str]) -> Path:
 def override(cfg: LaunchConfig, values: Mapping[str, Any]) -> LaunchConfig:
     """A copy of ``cfg`` with ``values`` (command-line flags) applied; ``None`` values are skipped.
 
-    Keys are :class:`LaunchConfig` fields, ``fsdp_*`` config keys, ``use_fsdp`` (True selects FSDP) and
-    ``cpu`` (True sets ``use_cpu``). On/off flags (``use_fsdp``, ``cpu``, ``debug``) only switch on.
+    Keys are :class:`LaunchConfig` fields, ``fsdp_*`` and ``dynamo_*`` config keys, ``use_fsdp`` (True selects
+    FSDP) and ``cpu`` (True sets ``use_cpu``). On/off flags (``use_fsdp``, ``cpu``, ``debug``) only switch on.
     """
     changes: dict[str, Any] = {}
     fsdp = dict(cfg.fsdp_config)
+    dynamo = dict(cfg.dynamo_config)
     own = {f.name for f in dataclasses.fields(LaunchConfig)}
     for key, value in values.items():
         var = env.by_config_key(key) if key.startswith("fsdp_") else None
+        dynamo_var = env.by_config_key(key, env.DYNAMO_VARS) if key.startswith("dynamo_") else None
         if value is None or (key in ("use_fsdp", "cpu", "debug") and not value):
             continue
         if var is not None:
             fsdp[var.field] = var.parse(value, where=f"--{key}")
+        elif dynamo_var is not None:
+            dynamo[dynamo_var.field] = dynamo_var.parse(value, where=f"--{key}")
         elif key == "use_fsdp":
             changes["distributed_type"] = "FSDP"
         elif key == "cpu":
@@ -276,5 +290,5 @@ def override(cfg: LaunchConfig, values: Mapping[str, Any]) -> LaunchConfig:
         elif key in own:
             changes[key] = value
         else:
-            raise KeyError(f"override(): {key!r} is neither a LaunchConfig field nor an fsdp_* key.")
-    return dataclasses.replace(cfg, **changes, fsdp_config=fsdp)
+            raise KeyError(f"override(): {key!r} is neither a LaunchConfig field nor an fsdp_* or dynamo_* key.")
+    return dataclasses.replace(cfg, **changes, fsdp_config=fsdp, dynamo_config=dynamo)

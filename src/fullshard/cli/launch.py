@@ -162,13 +162,15 @@ def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:
 
 
 def launch_env(cfg: LaunchConfig) -> dict[str, str]:
-    """``ACCELERATE_*`` launch variables, and the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on
-    (``FSDP_VERSION`` always: :data:`env.DEFAULT_FSDP_VERSION` when the config gives none, as the plugin would)."""
+    """``ACCELERATE_*`` launch variables, the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on
+    (``FSDP_VERSION`` always: :data:`env.DEFAULT_FSDP_VERSION` when the config gives none, as the plugin would),
+    and the ``ACCELERATE_DYNAMO_*`` variables of the settings ``cfg.dynamo_config`` has (FSDP or not)."""
     launch = {"use_fsdp": cfg.use_fsdp, "mixed_precision": cfg.mixed_precision, "use_cpu": cfg.use_cpu}
     variables = env.format_env({**launch, "debug": cfg.debug or None}, env.LAUNCH_VARS)
     if cfg.use_fsdp:
         fsdp = {"fsdp_version": env.DEFAULT_FSDP_VERSION, **_fsdp_settings(cfg.fsdp_config)}
         variables.update(env.format_env(fsdp))
+    variables.update(env.format_env(cfg.dynamo_config, env.DYNAMO_VARS))
     return variables
 
 

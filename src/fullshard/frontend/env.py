@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fullshard.engine.api import BackwardPrefetch, ShardingStrategy, StateDictType
+from fullshard.frontend.enums import DynamoBackend
 
 __all__ = [
     "AUTO_WRAP_POLICIES",
@@ -260,11 +261,26 @@ LAUNCH_VARS: tuple[EnvVar, ...] = (
 
 # torch.compile settings: the config file's ``dynamo_config`` section (Accelerate's keys), which the launcher turns
 # into these variables; TorchDynamoPlugin reads them back for the fields it was not given.
-DYNAMO_BACKENDS: tuple[str, ...] = ("no", "eager", "aot_eager", "inductor", "cudagraphs", "onnxrt", "tvm")
+DYNAMO_BACKENDS: tuple[str, ...] = tuple(b.value.lower() for b in DynamoBackend)
+"""The backend names ``--dynamo_backend`` takes (Accelerate's list, lower case; ``no``: do not compile)."""
 DYNAMO_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _parse_backend(value: object, *, where: str = "value") -> str:
+    """A ``torch.compile`` backend name in any case → Accelerate's spelling in files and variables (``INDUCTOR``)."""
+    text = str(getattr(value, "value", value)).strip().upper() if isinstance(value, (str, enum.Enum)) else ""
+    if text not in DynamoBackend:
+        raise ValueError(
+            f"{where}={value!r}: not a torch.compile backend. Use one of {', '.join(DYNAMO_BACKENDS)} "
+            "(no: do not compile)."
+        )
+    return text
+
+
 DYNAMO_VARS: tuple[EnvVar, ...] = (
-    _var("backend", "ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", _parse_text,
-         "torch.compile backend for the model (no, eager, aot_eager, inductor, ...; no: do not compile)."),
+    _var("backend", "ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", _parse_backend,
+         "torch.compile backend for the model (no, eager, aot_eager, inductor, ...; no: do not compile).",
+         choices=DYNAMO_BACKENDS),
     _choice_var("mode", "ACCELERATE_DYNAMO_MODE", "dynamo_mode", DYNAMO_MODES, "torch.compile mode."),
     _var("fullgraph", "ACCELERATE_DYNAMO_USE_FULLGRAPH", "dynamo_use_fullgraph", parse_bool,
          "Refuse graph breaks (true/false)."),
@@ -290,8 +306,10 @@ def by_field(field: str, table: Iterable[EnvVar] = FSDP_VARS) -> EnvVar:
 
 
 def by_config_key(key: str, table: Iterable[EnvVar] = FSDP_VARS) -> EnvVar | None:
-    """The entry whose config key (or alias) is ``key``; a key without the ``fsdp_`` prefix also matches."""
-    candidates = {key, f"fsdp_{key}"} if table is FSDP_VARS else {key}
+    """The entry whose config key (or alias) is ``key``; a key without the ``fsdp_`` prefix (``dynamo_`` in
+    :data:`DYNAMO_VARS`) also matches, as Accelerate reads its sections."""
+    prefix = "fsdp_" if table is FSDP_VARS else "dynamo_" if table is DYNAMO_VARS else None
+    candidates = {key, f"{prefix}{key}"} if prefix else {key}
     for var in table:
         if candidates & {var.config_key, *var.aliases}:
             return var

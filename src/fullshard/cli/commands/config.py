@@ -2,8 +2,9 @@
 
 Every question is also an option (``--num_processes 2``, ``--fsdp_version 2``, ...): a question whose option
 was given is not asked, and ``--non_interactive`` takes the default answer for the rest, so scripts can write
-a config file without a terminal. The FSDP questions use the parsers and config keys of the table in
-:mod:`fullshard.frontend.env`.
+a config file without a terminal. The FSDP and torch dynamo questions use the parsers and config keys of the
+tables in :mod:`fullshard.frontend.env`; an answered ``--dynamo_*`` option implies yes to the dynamo questions
+that lead to it.
 """
 
 from __future__ import annotations
@@ -59,8 +60,15 @@ def _choice(choices: tuple[str, ...]) -> Callable[..., str]:
     return parse
 
 
-def _table(key: str, text: str, default: Any, when: Callable[[Answers], bool], **kw: Any) -> Question:
-    var = env.by_config_key(key)
+def _table(
+    key: str,
+    text: str,
+    default: Any,
+    when: Callable[[Answers], bool],
+    table: tuple[env.EnvVar, ...] = env.FSDP_VARS,
+    **kw: Any,
+) -> Question:
+    var = env.by_config_key(key, table)
     if var is None:
         raise AssertionError(f"no env table entry for {key}")
     return Question(key, text, var.parse, default, when, kw.get("choices", var.choices))
@@ -76,6 +84,18 @@ def _v1(a: Answers) -> bool:
 
 def _v2(a: Answers) -> bool:
     return _fsdp(a) and a.get("fsdp_version") == 2
+
+
+def _dynamo(a: Answers) -> bool:
+    return bool(a.get("use_dynamo"))
+
+
+def _custom_dynamo(a: Answers) -> bool:
+    return _dynamo(a) and bool(a.get("customize_dynamo"))
+
+
+_DYNAMO_KEYS = tuple(var.config_key for var in env.DYNAMO_VARS)
+"""dynamo_backend first, then the settings behind "Do you want to customize the defaults sent to torch.compile?"."""
 
 
 def _multi(a: Answers) -> bool:
@@ -104,6 +124,19 @@ QUESTIONS: tuple[Question, ...] = (
              env.parse_int, 29500, _multi),
     Question("rdzv_backend", "What rendezvous backend will you use?", _choice(RDZV_BACKENDS), "static", _multi,
              RDZV_BACKENDS),
+    Question("use_dynamo", "Do you wish to optimize your script with torch dynamo?", env.parse_bool, False),
+    _table("dynamo_backend", "Which dynamo backend would you like to use?", "inductor", _dynamo, env.DYNAMO_VARS,
+           choices=env.DYNAMO_BACKENDS[1:]),
+    Question("customize_dynamo", "Do you want to customize the defaults sent to torch.compile?", env.parse_bool,
+             False, _dynamo),
+    _table("dynamo_mode", "Which mode do you want to use?", "default", _custom_dynamo, env.DYNAMO_VARS),
+    _table("dynamo_use_fullgraph",
+           "Do you want the fullgraph mode or it is ok to break model into several subgraphs?", False, _custom_dynamo,
+           env.DYNAMO_VARS),
+    _table("dynamo_use_dynamic", "Do you want to enable dynamic shape tracing?", False, _custom_dynamo,
+           env.DYNAMO_VARS),
+    _table("dynamo_use_regional_compilation", "Do you want to enable regional compilation?", False, _custom_dynamo,
+           env.DYNAMO_VARS),
     Question("use_fsdp", "Do you want to use FullyShardedDataParallel?", env.parse_bool, True),
     _table("fsdp_version", "What should be your FSDP version?", env.DEFAULT_FSDP_VERSION, _fsdp, choices=("1", "2")),
     _table("fsdp_reshard_after_forward", "What should be your sharding strategy?", "FULL_SHARD", _v1,
@@ -141,6 +174,7 @@ QUESTIONS: tuple[Question, ...] = (
 
 def ask(given: Answers, *, interactive: bool = True) -> Answers:
     """Answer every question that applies: from ``given``, else by prompting, else (not interactive) the default."""
+    given = _implied(given)
     answers: Answers = {}
     for question in QUESTIONS:
         if not question.when(answers):
@@ -152,6 +186,16 @@ def ask(given: Answers, *, interactive: bool = True) -> Answers:
         else:
             answers[question.key] = question.default_for(answers)
     return answers
+
+
+def _implied(given: Answers) -> Answers:
+    """``given`` with yes to the dynamo questions that lead to a ``--dynamo_*`` option given (else it would not
+    be asked, and the option would be dropped)."""
+    given = dict(given)
+    for helper, keys in (("use_dynamo", _DYNAMO_KEYS), ("customize_dynamo", _DYNAMO_KEYS[1:])):
+        if given.get(helper) is None and any(given.get(key) is not None for key in keys):
+            given[helper] = True
+    return given
 
 
 def _prompt(question: Question, answers: Answers) -> Any:
@@ -186,6 +230,7 @@ def config_from_answers(answers: Answers) -> LaunchConfig:
         main_process_port=answers.get("main_process_port"),
         rdzv_backend=rdzv_backend,
         fsdp_config=fsdp if answers["use_fsdp"] else {},
+        dynamo_config={k: answers[k] for k in _DYNAMO_KEYS if answers.get(k) is not None} if _dynamo(answers) else {},
         extra={
             "downcast_bf16": "no",
             "main_training_function": "main",
@@ -201,7 +246,8 @@ def default_config(mixed_precision: str = "no") -> LaunchConfig:
     """A basic config: FSDP (version :data:`env.DEFAULT_FSDP_VERSION`, as ``fullshard launch --use_fsdp`` and
     Accelerate use when none is given) over every accelerator of this machine, or one CPU process if it has none.
 
-    No auto wrap and no RAM-efficient loading: both depend on the model, so the basic file works with any.
+    No auto wrap and no RAM-efficient loading: both depend on the model, so the basic file works with any. No
+    ``dynamo_config`` (as Accelerate's basic config): the model is not compiled.
     """
     given = {"use_fsdp": True, "mixed_precision": mixed_precision}
     given |= {"fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_cpu_ram_efficient_loading": False}

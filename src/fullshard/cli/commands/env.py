@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from fullshard.cli.config_file import accelerate_default_config_path, default_config_path, load_config
+from fullshard.cli.config_file import LaunchConfig, accelerate_default_config_path, default_config_path, load_config
 from fullshard.frontend import env
 
 __all__ = ["env_command", "environment_rows"]
@@ -42,7 +42,8 @@ def _device_rows() -> list[tuple[str, str]]:
 
 
 def environment_rows(config_file: str | None = None) -> list[tuple[str, str]]:
-    """(name, value) rows: versions, devices, the config file in use and its settings, launch variables set."""
+    """(name, value) rows: versions, devices, the config file in use and its settings, the torch.compile
+    settings the workers would get, launch variables set."""
     import fullshard
 
     rows = [
@@ -59,11 +60,34 @@ def environment_rows(config_file: str | None = None) -> list[tuple[str, str]]:
     except ValueError as exc:
         return [*rows, ("Config error", str(exc))]
     settings: dict[str, Any] = cfg.to_dict()
-    for key, value in settings.pop("fsdp_config", {}).items():
-        settings[f"fsdp_config.{key}"] = value
+    for section in ("fsdp_config", "dynamo_config"):
+        for key, value in settings.pop(section, {}).items():
+            settings[f"{section}.{key}"] = value
     rows += [(f"  {key}", str(value)) for key, value in settings.items()]
+    rows.append(("Dynamo (torch.compile)", _dynamo_in_use(cfg)))
     rows += [(name, value) for name, value in env.set_variables().items()]
     return rows
+
+
+def _dynamo_in_use(cfg: LaunchConfig) -> str:
+    """What ``TorchDynamoPlugin()`` would resolve to in a worker of ``fullshard launch`` with ``cfg``: the config
+    file's ``dynamo_config`` over the ``ACCELERATE_DYNAMO_*`` variables set here, over the plugin's defaults."""
+    from fullshard.frontend.compile import TorchDynamoPlugin
+
+    try:
+        with env.patched(env.format_env(cfg.dynamo_config, env.DYNAMO_VARS)):
+            plugin = TorchDynamoPlugin()
+            from_env = set(env.read_dynamo_env())
+    except ValueError as exc:
+        return f"error: {exc}"
+    sources = [name for name, fields in (("the config file", set(cfg.dynamo_config)),
+                                         ("ACCELERATE_DYNAMO_* variables", from_env - set(cfg.dynamo_config)))
+               if fields]  # fmt: skip
+    origin = f" (from {' and '.join(sources)})" if sources else " (the default)"
+    if not plugin.enabled:
+        return f"backend no: the model is not compiled{origin}"
+    settings = ", ".join(f"{key}={value}" for key, value in plugin.to_kwargs().items())
+    return f"{settings}, use_regional_compilation={plugin.use_regional_compilation}{origin}"
 
 
 def _config_file_rows(config_file: str | None) -> list[tuple[str, str]]:
@@ -95,7 +119,8 @@ def _config_file_rows(config_file: str | None) -> list[tuple[str, str]]:
 def env_command(config_file: str | None) -> None:
     """Print, as a table to paste into a bug report: the versions of fullshard, Python, torch, transformers,
     accelerate, numpy and safetensors; the devices; the config file `fullshard launch` reads (and whether it
-    exists), whether Accelerate's default config file exists and is used; its settings; the FSDP_* and
+    exists), whether Accelerate's default config file exists and is used; its settings; the torch.compile settings
+    the workers would get (the file's dynamo_config over the ACCELERATE_DYNAMO_* variables set); the FSDP_* and
     ACCELERATE_* variables set."""
     from rich.console import Console
     from rich.table import Table

@@ -1,8 +1,8 @@
 """``fullshard launch [--config_file F] [flags] script.py args…``: start the workers of a training script.
 
 The config file (default: the one ``fullshard config`` wrote) gives the settings; flags override it. Every
-``--fsdp_*`` flag comes from the table in :mod:`fullshard.frontend.env`, so the flags, the config keys and the
-variables the workers read never disagree. torchrun's spellings (``--nproc_per_node``, ``--nnodes``,
+``--fsdp_*`` and ``--dynamo_*`` flag comes from the tables in :mod:`fullshard.frontend.env`, so the flags, the
+config keys and the variables the workers read never disagree. torchrun's spellings (``--nproc_per_node``, ``--nnodes``,
 ``--node_rank``, ``--master_addr``, ``--master_port``, ``--rdzv_*``) are accepted too: :func:`torchrun_spellings`
 turns them into fullshard's. An option this command does not know is reported as one, with the closest known
 spellings; only after SCRIPT is everything passed to the script as it is.
@@ -101,6 +101,21 @@ def _table_options(table: tuple[env.EnvVar, ...]) -> Callable[[Callable[..., Any
     return decorate
 
 
+def _dynamo_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--dynamo_backend``, ``--dynamo_mode`` and the on/off ``--dynamo_use_*`` flags of ``env.DYNAMO_VARS``, as
+    ``accelerate launch`` has them; ``--no_dynamo_use_*`` turns off what the config file turns on."""
+    for var in reversed(env.DYNAMO_VARS):
+        if var.parse is env.parse_bool:
+            help = f"{var.help.removesuffix(' (true/false).')} (torch.compile). --no_{var.config_key} sets false."
+            func = click.option(f"{var.flag}/--no_{var.config_key}", var.config_key, default=None, help=help)(func)
+        else:
+            metavar = "|".join(var.choices) if var.field == "mode" else "NAME"
+            func = click.option(var.flag, var.config_key, callback=_parsed_by(var), metavar=metavar, help=var.help)(
+                func
+            )
+    return func
+
+
 def _opt(name: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """An option spelled with underscores (Accelerate's) and with dashes."""
     spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
@@ -158,6 +173,7 @@ def _torchrun_opt(name: str, meaning: str, **kwargs: Any) -> Callable[[Callable[
 @click.option("-m", "--module", is_flag=True, default=False,
               help="SCRIPT is a module name, run as `python -m SCRIPT`.")  # fmt: skip
 @_table_options(env.FSDP_VARS)
+@_dynamo_options
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch_command(
