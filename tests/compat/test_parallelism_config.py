@@ -45,7 +45,8 @@ def _model(tp_mesh: Any) -> TinyGPT:
     model = TinyGPT(CFG)
     if tp_mesh is not None:
         for block in model.blocks:
-            parallelize_module(block, tp_mesh, {"fc": ColwiseParallel(use_local_output=False), "fc_out": RowwiseParallel()})
+            plan = {"fc": ColwiseParallel(use_local_output=False), "fc_out": RowwiseParallel()}
+            parallelize_module(block, tp_mesh, plan)
     return model
 
 
@@ -124,14 +125,15 @@ def train_both(rank: int, world: int, sizes: dict[str, int], clip: bool) -> dict
 )
 def test_training_equals_torch_fsdp2(pool4: WorkerPool, sizes: dict[str, int], clip: bool, mesh: tuple) -> None:
     results = pool4.run(train_both, sizes, clip)
-    for rank, result in enumerate(results):
+    for result in results:
         assert result["mesh"] == mesh
         torch.testing.assert_close(result["losses"], result["torch_losses"], atol=1e-5, rtol=1e-5)
         if clip:
             assert result["torch_norms"][0] > CLIP  # the clip really clips
             torch.testing.assert_close(result["norms"], result["torch_norms"], atol=1e-5, rtol=1e-5)
         for name, want in result["torch_params"].items():
-            torch.testing.assert_close(result["params"][name], want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            ours = result["params"][name]
+            torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
         for ours, theirs in zip(result["batches"], result["torch_batches"]):
             assert torch.equal(ours, theirs)
     tp = sizes.get("tp_size", 1)
@@ -141,3 +143,33 @@ def test_training_equals_torch_fsdp2(pool4: WorkerPool, sizes: dict[str, int], c
     assert not torch.equal(results[0]["batches"][0], results[tp]["batches"][0])
     if tp > 1:
         assert results[0]["wte"] == ((Shard(0), Replicate()), ("dp_shard_cp", "tp"))
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """The messages of what a ParallelismConfig refuses on 4 ranks (each raised before any collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    messages = []
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2), fsdp_plugin=plugin)
+    with pytest.raises(NotImplementedError) as refused:  # tp_size=2, a model that is not tensor parallel
+        accelerator.prepare(_model(None))
+    messages.append(str(refused.value))
+    other_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "tp"))["tp"]
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=4), fsdp_plugin=plugin)
+    with pytest.raises(ValueError) as refused:  # tensor parallel over 2, configured tp_size=1
+        accelerator.prepare(_model(other_tp))
+    messages.append(str(refused.value))
+    for config, version in ((ParallelismConfig(dp_shard_size=2), 2), (ParallelismConfig(dp_shard_size=4), 1)):
+        with pytest.raises(ValueError) as refused:
+            Accelerator(parallelism_config=config, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=version))
+        messages.append(str(refused.value))
+    return messages
+
+
+def test_refusals(pool4: WorkerPool) -> None:
+    for no_tp, other_size, total, version in pool4.run(refusals):
+        assert "with tp_size=2: the model is not tensor parallel" in no_tp
+        assert "tp_size is 1 but the model is tensor parallel over 2 ranks" in other_size
+        assert "total_size 2 (dp_replicate x dp_shard x tp) differs from the 4 processes" in total
+        assert "with fsdp_version=1: a ParallelismConfig shards with fully_shard" in version

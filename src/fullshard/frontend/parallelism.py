@@ -107,12 +107,13 @@ class ParallelismConfig:
             self.tp_handler = TorchTensorParallelConfig()
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}_size={getattr(self, f'{name}_size')}" for name in ("dp_replicate", "dp_shard", "tp"))
-        return f"ParallelismConfig({sizes}, cp_size={self.cp_size}, sp_size={self.sp_size}, total_size={self.total_size})"
+        sizes = ", ".join(f"{d}_size={self._size(d)}" for d in ("dp_replicate", "dp_shard", "tp", "cp", "sp"))
+        return f"ParallelismConfig({sizes}, total_size={self.total_size})"
 
     def to_json(self) -> dict[str, Any]:
         """The settings as plain values (the mesh left out)."""
-        return {k: (dict(vars(v)) if hasattr(v, "__dict__") else v) for k, v in vars(self).items() if k != "device_mesh"}
+        items = vars(self).items()
+        return {k: (dict(vars(v)) if hasattr(v, "__dict__") else v) for k, v in items if k != "device_mesh"}
 
     # --- sizes and dimension names (Accelerate's properties) -----------------------------------------
 
