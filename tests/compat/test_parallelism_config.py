@@ -6,9 +6,9 @@ column-wise, ``fc_out`` row-wise) before ``prepare``. The reference builds the s
 same plan, and torch's ``fully_shard`` on each block and the root over ``mesh[fsdp_dim_names]``, fed the same
 batches by hand (the global batch of the data parallel ranks, each dp rank its slice).
 
-Cases: dp_shard=2 x tp=2 (clipped), and dp_replicate=2 x dp_shard=2 (HSDP). Accelerate itself cannot run the
-tensor parallel case here: with FSDP2 its ``prepare`` imports ``ReplicateParallel`` from transformers, which
-transformers 5.24 no longer has (an ImportError), and its HSDP path needs nothing fullshard lacks.
+Cases: dp_shard=2 x tp=2 (clipped), and dp_replicate=2 x dp_shard=2 (HSDP). Accelerate itself runs neither on
+CPU: it sets ``DistributedType.FSDP`` only on accelerators (so gloo ranks never shard), and its FSDP2 + TP
+``prepare`` imports ``ReplicateParallel`` from transformers, which transformers 5.24 no longer has.
 
 Check: losses, clipped gradient norms and final parameters equal torch FSDP2's; the ranks of one tp group were
 given the same batches and the two dp groups different ones; the parameters the plan left plain are sharded
