@@ -42,6 +42,7 @@ from fullshard.frontend.handlers import (
     ProfileKwargs,
 )
 from fullshard.frontend.memory import find_executable_batch_size
+from fullshard.frontend.parallelism import ParallelismConfig
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
 
@@ -71,6 +72,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ParallelismConfig",
     "ProfileKwargs",
     "ProjectConfiguration",
     "ShardedOptimStateDictConfig",

@@ -1,9 +1,5 @@
-"""``accelerate.parallelism_config``: imported by transformers at module level; fullshard shards data-parallel only."""
+"""``accelerate.parallelism_config``."""
 
-from fullshard.frontend.refused import refused_class
-
-ParallelismConfig = refused_class(
-    "ParallelismConfig", "fullshard shards data-parallel only (no tensor, context or sequence parallelism)"
-)
+from fullshard.frontend.parallelism import ParallelismConfig
 
 __all__ = ["ParallelismConfig"]

@@ -32,10 +32,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fullshard.cli import failures, shutdown
-from fullshard.cli.config_file import LaunchConfig
+from fullshard.cli.config_file import LaunchConfig, did_you_mean
 from fullshard.frontend import env
 
-__all__ = ["DEFAULT_PORT", "WORKER_MODULE", "LaunchPlan", "build_launch", "launch_env", "run_launch", "torchrun_argv"]
+__all__ = [
+    "DEFAULT_PORT",
+    "WORKER_MODULE",
+    "LaunchPlan",
+    "build_launch",
+    "launch_env",
+    "parallelism_env",
+    "run_launch",
+    "torchrun_argv",
+]
 
 WORKER_MODULE = "fullshard.cli.worker"
 
@@ -164,14 +173,55 @@ def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:
 def launch_env(cfg: LaunchConfig) -> dict[str, str]:
     """``ACCELERATE_*`` launch variables, the ``FSDP_*`` variables of ``cfg.fsdp_config`` when FSDP is on
     (``FSDP_VERSION`` always: :data:`env.DEFAULT_FSDP_VERSION` when the config gives none, as the plugin would),
-    and the ``ACCELERATE_DYNAMO_*`` variables of the settings ``cfg.dynamo_config`` has (FSDP or not)."""
+    the ``ACCELERATE_DYNAMO_*`` variables of the settings ``cfg.dynamo_config`` has (FSDP or not), and the
+    ``PARALLELISM_CONFIG_*`` ones of a ``parallelism_config`` section (:func:`parallelism_env`)."""
     launch = {"use_fsdp": cfg.use_fsdp, "mixed_precision": cfg.mixed_precision, "use_cpu": cfg.use_cpu}
     variables = env.format_env({**launch, "debug": cfg.debug or None}, env.LAUNCH_VARS)
     if cfg.use_fsdp:
         fsdp = {"fsdp_version": env.DEFAULT_FSDP_VERSION, **_fsdp_settings(cfg.fsdp_config)}
         variables.update(env.format_env(fsdp))
     variables.update(env.format_env(cfg.dynamo_config, env.DYNAMO_VARS))
+    variables.update(parallelism_env(cfg))
     return variables
+
+
+def parallelism_env(cfg: LaunchConfig) -> dict[str, str]:
+    """The ``PARALLELISM_CONFIG_*`` variables (and ``ACCELERATE_USE_PARALLELISM_CONFIG=true``) of the config file's
+    ``parallelism_config`` section, kept in ``cfg.extra``; ``{}`` when it is absent or empty (as Accelerate).
+
+    Keys are Accelerate's (``parallelism_config_dp_shard_size``, ...; the prefix may be left out). Raises
+    ``ValueError`` for an unknown key or value, for sizes whose product is not ``num_processes``, and for FSDP
+    version 1 (a ParallelismConfig shards with ``fully_shard``).
+    """
+    section = cfg.extra.get("parallelism_config")
+    if not section:
+        return {}
+    if not isinstance(section, dict):
+        raise ValueError(f"parallelism_config={section!r}: expected a mapping of parallelism_config_* keys to values.")
+    keys = {var.config_key: var for var in env.PARALLELISM_VARS[1:]}
+    values: dict[str, object] = {"use_parallelism_config": True}
+    for key, value in section.items():
+        var = keys.get(str(key)) or keys.get(f"parallelism_config_{key}")
+        if var is None:
+            raise ValueError(
+                f"parallelism_config has an unknown key {key!r}{did_you_mean([str(key)], keys)}. Use one of: "
+                f"{', '.join(keys)}."
+            )
+        if value is not None:
+            values[var.field] = var.parse(value, where=f"parallelism_config.{var.config_key}")
+    sizes = [int(values.get(f"{dim}_size", 1)) for dim in ("dp_replicate", "dp_shard", "tp", "cp", "sp")]  # type: ignore[call-overload]
+    total = sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4]
+    if total > 1 and total != cfg.num_processes:
+        raise ValueError(
+            f"parallelism_config sizes {dict(zip(('dp_replicate', 'dp_shard', 'tp', 'cp', 'sp'), sizes))} multiply to "
+            f"{total}, but num_processes is {cfg.num_processes}. Make them agree."
+        )
+    if cfg.use_fsdp and cfg.fsdp_config.get("fsdp_version", env.DEFAULT_FSDP_VERSION) != 2:
+        raise ValueError(
+            "parallelism_config with FSDP version 1: a ParallelismConfig shards with fully_shard, as in Accelerate. "
+            "Set fsdp_version: 2 in fsdp_config (or pass --fsdp_version 2)."
+        )
+    return env.format_env(values, env.PARALLELISM_VARS)
 
 
 def _fsdp_settings(fsdp: dict[str, object]) -> dict[str, object]:

@@ -141,6 +141,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
+    tp_mesh: DeviceMesh | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
@@ -153,7 +154,10 @@ def fully_shard(
     Beyond torch's signature, ``param_init_fn`` and ``sync_module_states`` mean what they mean for
     ``FullyShardedDataParallel``: they materialize this unit's meta-device modules at once (``param_init_fn``,
     else ``reset_parameters()``), and every rank takes rank 0's values (so that ranks other than 0 may build
-    the model on ``meta``).
+    the model on ``meta``). ``tp_mesh`` (fullshard's, for Accelerate's ``ParallelismConfig``): the tensor parallel
+    dimension of the same mesh; the unit's plain parameters are then replicated over it (their sharded form is a
+    ``DTensor`` over (``mesh``'s dims, tp) placed ``Replicate()`` on tp), as Accelerate replicates the parameters
+    a tensor parallel plan left plain; modules still compute with plain tensors.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
@@ -168,6 +172,8 @@ def fully_shard(
     device = resolve_device(None, module)
     mesh = mesh if mesh is not None else _default_mesh(device.type)
     shard_group = shard_group_from_mesh(mesh, device)
+    if tp_mesh is not None:
+        shard_group = replace(shard_group, tp_mesh=tp_mesh)
     config = UnitConfig(
         reshard_after_forward=reshard_after_forward,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,

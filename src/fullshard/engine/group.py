@@ -181,7 +181,8 @@ class ParamGroup:
     def _tp_spec(self, name: str, param: nn.Parameter) -> TPSpec | None:
         """A tensor parallel parameter's spec (see [Note: tensor parallel parameters] in ``mesh.py``)."""
         if not isinstance(param, DTensor):
-            return None
+            tp_mesh = self.shard_group.tp_mesh
+            return None if tp_mesh is None or not self.use_dtensor else self.shard_group.replicated_tp_spec(param, name)
         if not self.use_dtensor:
             raise ValueError(
                 f"unit {self.label!r}: parameter {name!r} is a DTensor over mesh {param.device_mesh} "

@@ -12,7 +12,10 @@ A :class:`ShardGroup` is the engine's view of the process topology for one unit:
 
 A parameter that is already a ``DTensor`` on another mesh dimension (tensor parallel, from torch's
 ``parallelize_module``) carries a :class:`TPSpec` (built by :meth:`ShardGroup.tp_spec`); see
-[Note: tensor parallel parameters] below.
+[Note: tensor parallel parameters] below. With ``tp_mesh`` set (``fully_shard(..., tp_mesh=...)``, which
+Accelerate's ``ParallelismConfig`` uses), the unit's plain parameters are replicated over that tp dimension: their
+sharded form is a ``DTensor`` over (dp dims..., tp) with ``Replicate()`` on tp, while modules still compute with
+plain tensors (:meth:`ShardGroup.replicated_tp_spec`).
 
 Gradients are averaged over ``data_parallel_size = shard_size * replicate_size`` ranks.
 """
@@ -65,6 +68,8 @@ class ShardGroup:
     replicate_pg: dist.ProcessGroup | None
     device: torch.device
     mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None = None
+    """The tensor parallel dimension plain parameters are replicated over (``None``: they stay dp-only)."""
 
     def __post_init__(self) -> None:
         if self.replicate_pg is not None and dist.get_world_size(self.replicate_pg) == 1:
@@ -140,6 +145,21 @@ class ShardGroup:
             spmd_placements=(*dp, *param.placements),
         )
 
+    def replicated_tp_spec(self, param: torch.Tensor, fqn: str) -> TPSpec:
+        """The :class:`TPSpec` of a plain parameter replicated over :attr:`tp_mesh`: sharded over dp like any
+        parameter, a ``DTensor`` placed ``Replicate()`` on tp, computed with as a plain tensor."""
+        assert self.tp_mesh is not None
+        shape = tuple(param.shape)
+        return TPSpec(
+            mesh=self.tp_mesh,
+            placements=(Replicate(),),
+            shape=shape,
+            stride=tuple(torch.empty(shape, device="meta").stride()),
+            spmd_mesh=_spmd_mesh(self.get_mesh(), self.tp_mesh, fqn),
+            spmd_placements=(*self.placements(), Replicate()),
+            plain_compute=True,
+        )
+
 
 @dataclass(frozen=True)
 class TPSpec:
@@ -167,6 +187,9 @@ class TPSpec:
     stride: tuple[int, ...]  # global
     spmd_mesh: DeviceMesh  # (dp dims..., tp)
     spmd_placements: tuple[Placement, ...]
+    plain_compute: bool = False
+    """Modules compute with the plain local tensor (a plain parameter replicated over tp by ``tp_mesh``): every
+    tp rank computes the same gradient, so nothing is redistributed over tp."""
 
     @property
     def num_shards(self) -> int:
@@ -174,13 +197,18 @@ class TPSpec:
         return self.mesh.size() if any(p.is_shard() for p in self.placements) else 1
 
     def compute_view(self, local: torch.Tensor) -> DTensor:
-        """``local`` (this rank's tp part, full over dp) as the ``DTensor`` modules compute with."""
+        """``local`` (this rank's tp part, full over dp) as the ``DTensor`` modules compute with (``local``
+        itself when :attr:`plain_compute`)."""
+        if self.plain_compute:
+            return local
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
         )
 
     def full_of(self, local: torch.Tensor) -> torch.Tensor:
-        """The global tensor from every tp rank's ``local`` (a collective over the tp mesh)."""
+        """The global tensor from every tp rank's ``local`` (a collective over the tp mesh unless replicated)."""
+        if all(p.is_replicate() for p in self.placements):
+            return local
         return self.compute_view(local).full_tensor()
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,14 @@ from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolv
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
 from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
+from fullshard.frontend.parallelism import (
+    ParallelismConfig,
+    check_model_tp,
+    data_parallel_position,
+    resolve_parallelism_config,
+)
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
-from fullshard.frontend.prepare import prepare_model, switch_optimizer_to_sharded
+from fullshard.frontend.prepare import is_sharded, prepare_model, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.shared_state import AcceleratorState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
@@ -77,6 +83,14 @@ def _check_args(gradient_accumulation_steps: object, fsdp_plugin: object) -> Non
         )
 
 
+def _default_plugin(config: ParallelismConfig | None) -> FullyShardedDataParallelPlugin:
+    """The plugin when none is given: from the environment; under a ParallelismConfig, version 2 unless the
+    environment says otherwise (the config's mesh is ``fully_shard``'s)."""
+    if config is not None and "fsdp_version" not in env.read_env():
+        return FullyShardedDataParallelPlugin(fsdp_version=2)
+    return FullyShardedDataParallelPlugin()
+
+
 def _resolve_precision(mixed_precision: object) -> PrecisionType:
     if mixed_precision is None:
         mixed_precision = env.read_launch_env().get("mixed_precision")
@@ -107,6 +121,7 @@ class Accelerator:
         device_placement: bool = True,
         dynamo_backend: DynamoBackend | str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        parallelism_config: ParallelismConfig | None = None,
         **kwargs: Any,
     ) -> None:
         _refuse_accelerate_only_plugins(kwargs)
@@ -115,7 +130,8 @@ class Accelerator:
                 f"Accelerator({sorted(kwargs)[0]}=...): not an argument fullshard knows. Supported: split_batches, "
                 "mixed_precision, gradient_accumulation_steps, cpu, dataloader_config, fsdp_plugin, rng_types, "
                 "even_batches, step_scheduler_with_optimizer, gradient_accumulation_plugin, kwargs_handlers, "
-                "log_with, project_dir, project_config, device_placement, dynamo_backend, dynamo_plugin."
+                "log_with, project_dir, project_config, device_placement, dynamo_backend, dynamo_plugin, "
+                "parallelism_config."
             )
         _check_device_placement(device_placement, "Accelerator")
         _check_args(gradient_accumulation_steps, fsdp_plugin)
@@ -128,7 +144,8 @@ class Accelerator:
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self.mixed_precision = _resolve_precision(mixed_precision).value
         cpu = cpu or bool(env.read_launch_env().get("use_cpu", False))
-        self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
+        self.parallelism_config = resolve_parallelism_config(parallelism_config)
+        self.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else _default_plugin(self.parallelism_config)
         if self.mixed_precision != "no" and self.fsdp_plugin.mixed_precision_policy is None:
             self.fsdp_plugin.set_mixed_precision(self.mixed_precision)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -139,6 +156,10 @@ class Accelerator:
             adjust_scheduler=accumulation.adjust_scheduler,
         )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
+        self.torch_device_mesh = None
+        if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
+            self.parallelism_config._validate_accelerator(self)
+            self.torch_device_mesh = self.parallelism_config.get_device_mesh(self.device.type)
         self._objects = state_io.TrainingObjects()
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
@@ -147,7 +168,7 @@ class Accelerator:
         self._tracking = TrackerSet(self.log_with, self.logging_dir)
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        AcceleratorState.register(self.fsdp_plugin, self.mixed_precision, self.dynamo_plugin)
+        AcceleratorState.register(self.fsdp_plugin, self.mixed_precision, self.dynamo_plugin, self.parallelism_config)
 
     # --- process ------------------------------------------------------------------------------------
 
@@ -171,8 +192,38 @@ class Accelerator:
     def is_fsdp2(self) -> bool:
         return self.fsdp_plugin.fsdp_version == 2
 
-    parallelism_config = None  # Accelerate's tensor/context parallelism: fullshard shards data-parallel only
-    torch_device_mesh = None
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        return self.is_fsdp2
+
+    def _mesh_rank(self, dim: str, what: str) -> int:
+        if self.parallelism_config is None:
+            raise RuntimeError(f"{what} rank: no ParallelismConfig. Pass Accelerator(parallelism_config=...).")
+        enabled = dim in self.parallelism_config.active_mesh_dims and self.torch_device_mesh is not None
+        return self.torch_device_mesh.get_local_rank(dim) if enabled else 0
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's position in its tp group (0 without tensor parallelism); needs a ParallelismConfig."""
+        return self._mesh_rank("tp", "Tensor parallel")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's replica (``dp_replicate`` position; 0 without replication); needs a ParallelismConfig."""
+        return self._mesh_rank("dp_replicate", "Data parallel")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """This rank's ``dp_shard`` position (0 without sharding); needs a ParallelismConfig."""
+        return self._mesh_rank("dp_shard", "Data parallel shard")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        raise NotImplementedError("Accelerator.context_parallel_rank: fullshard has no context parallelism.")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        raise NotImplementedError("Accelerator.pipeline_parallel_rank: fullshard has no pipeline parallelism.")
 
     @property
     def _models(self) -> list[nn.Module]:
@@ -266,7 +317,7 @@ class Accelerator:
         """Shard ``model`` as the plugin says (see ``prepare.py``), compile it if the dynamo plugin says so (see
         ``compile.py``), and remember it for checkpoints."""
         _check_device_placement(device_placement, "Accelerator.prepare_model")
-        prepared = prepare_model(model, self.fsdp_plugin, self.device)
+        prepared = prepare_model(model, self.fsdp_plugin, self.device, **self._mesh_options(model))
         ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
         autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
@@ -275,14 +326,25 @@ class Accelerator:
         self._objects.models.append(prepared)
         return prepared
 
+    def _mesh_options(self, model: nn.Module) -> dict[str, Any]:
+        """``fully_shard``'s mesh (and the tp mesh plain parameters are replicated over) under a ParallelismConfig;
+        see ``parallelism.py``. Refuses a model of another tensor parallel size first."""
+        config, mesh = self.parallelism_config, self.torch_device_mesh
+        if config is None or mesh is None or is_sharded(model):
+            return {}
+        check_model_tp(model, config)
+        return {"mesh": mesh[tuple(config.fsdp_dim_names)], "tp_mesh": mesh["tp"] if config.tp_enabled else None}
+
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
         """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data.py``."""
         _check_device_placement(device_placement, "Accelerator.prepare_data_loader")
         config = self.dataloader_config
+        # Under a ParallelismConfig the ranks of one tp group share a batch (see parallelism.py).
+        index, count = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)
         prepared = prepare_data_loader(
             data_loader,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
+            num_processes=count,
+            process_index=index,
             device=self.device,
             gradient_state=self.gradient_state,
             even_batches=config.even_batches,
@@ -587,18 +649,16 @@ class Accelerator:
         return profiling.profile(handler, self.process_index, self.wait_for_everyone)
 
 
-_ACCELERATE_ONLY = (
-    "deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config"
-)  # fmt: skip
+_ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin")
 
 
 def _refuse_accelerate_only_plugins(kwargs: dict[str, Any]) -> None:
-    """Accelerate's DeepSpeed/Megatron/parallelism arguments: ``None`` is dropped; a value is refused."""
+    """Accelerate's DeepSpeed/Megatron/TP-plugin arguments: ``None`` is dropped; a value is refused."""
     for name in _ACCELERATE_ONLY:
         if name in kwargs and kwargs.pop(name) is not None:
             raise TypeError(
-                f"Accelerator({name}=...): fullshard is FSDP only (no DeepSpeed, Megatron-LM or tensor/context "
-                "parallelism). Leave it None and configure sharding with fsdp_plugin."
+                f"Accelerator({name}=...): fullshard is FSDP only (no DeepSpeed or Megatron-LM; tensor parallelism "
+                "goes through parallelism_config=ParallelismConfig(tp_size=...)). Leave it None."
             )
 
 

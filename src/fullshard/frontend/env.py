@@ -8,7 +8,9 @@ also the ``fullshard launch --<key>`` flag) and how its value is parsed and writ
 
 The names are Accelerate 1.15's (``accelerate/utils/launch.py``, ``commands/launch.py``,
 ``utils/dataclasses.py``), so an Accelerate config file and an environment set by ``accelerate launch``
-work unchanged. :data:`LAUNCH_VARS` holds the few ``ACCELERATE_*`` variables the launcher also sets.
+work unchanged. :data:`LAUNCH_VARS` holds the few ``ACCELERATE_*`` variables the launcher also sets;
+:data:`PARALLELISM_VARS` the ``PARALLELISM_CONFIG_*`` ones of the config file's ``parallelism_config`` section,
+which :class:`~fullshard.frontend.parallelism.ParallelismConfig` reads back.
 
 This is the only module of the package that reads or writes an ``FSDP_*`` variable.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "FSDP_VARS",
     "LAUNCH_VARS",
     "MIXED_PRECISION_CHOICES",
+    "PARALLELISM_VARS",
     "SHARDING_STRATEGY_CHOICES",
     "STATE_DICT_TYPE_CHOICES",
     "EnvVar",
@@ -49,6 +52,7 @@ __all__ = [
     "read_env",
     "read_dynamo_env",
     "read_launch_env",
+    "read_parallelism_env",
     "write_field",
 ]
 
@@ -292,6 +296,43 @@ DYNAMO_VARS: tuple[EnvVar, ...] = (
 )  # fmt: skip
 
 
+def _size(value: object, *, where: str = "value") -> int:
+    size = parse_int(value, where=where, example=2)
+    if size < 1:
+        raise ValueError(f"{where}={value!r}: a parallelism size must be at least 1.")
+    return size
+
+
+# Accelerate's ParallelismConfig: the config file's ``parallelism_config`` section (keys ``parallelism_config_*``),
+# which the launcher turns into these variables (ACCELERATE_USE_PARALLELISM_CONFIG=true when the section is not
+# empty); the Accelerator then builds ParallelismConfig() from them, which reads the sizes it was not given.
+PARALLELISM_VARS: tuple[EnvVar, ...] = (
+    _var("use_parallelism_config", "ACCELERATE_USE_PARALLELISM_CONFIG", "use_parallelism_config", parse_bool,
+         "Build Accelerator(parallelism_config=ParallelismConfig()) from these variables (true/false)."),
+    _var("dp_replicate_size", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "parallelism_config_dp_replicate_size", _size,
+         "Replicas of the sharded model (HSDP's replicate dimension; 1: none)."),
+    _var("dp_shard_size", "PARALLELISM_CONFIG_DP_SHARD_SIZE", "parallelism_config_dp_shard_size", _size,
+         "Ranks the model is sharded over (FSDP's shard dimension)."),
+    _var("tp_size", "PARALLELISM_CONFIG_TP_SIZE", "parallelism_config_tp_size", _size,
+         "Tensor parallel ranks (the model arrives tensor parallel over them; 1: none)."),
+    _var("cp_size", "PARALLELISM_CONFIG_CP_SIZE", "parallelism_config_cp_size", _size,
+         "Context parallel ranks (only 1: fullshard has no context parallelism)."),
+    _var("cp_backend", "PARALLELISM_CONFIG_CP_BACKEND", "parallelism_config_cp_backend", _parse_text,
+         "Context parallelism backend (Accelerate's: torch)."),
+    _var("cp_comm_strategy", "PARALLELISM_CONFIG_CP_COMM_STRATEGY", "parallelism_config_cp_comm_strategy",
+         _parse_text, "Context parallelism communication (Accelerate's: allgather or alltoall)."),
+    _var("sp_size", "PARALLELISM_CONFIG_SP_SIZE", "parallelism_config_sp_size", _size,
+         "Sequence parallel ranks (only 1: fullshard has no DeepSpeed sequence parallelism)."),
+    _var("sp_backend", "PARALLELISM_CONFIG_SP_BACKEND", "parallelism_config_sp_backend", _parse_text,
+         "Sequence parallelism backend (Accelerate's: deepspeed)."),
+)  # fmt: skip
+
+
+def read_parallelism_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """ParallelismConfig field (and ``use_parallelism_config``) → value, for every variable set in ``environ``."""
+    return _read(PARALLELISM_VARS, environ)
+
+
 def read_dynamo_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """TorchDynamoPlugin field → value, for every ``ACCELERATE_DYNAMO_*`` variable set in ``environ``."""
     return _read(DYNAMO_VARS, environ)
@@ -366,9 +407,10 @@ def write_field(field: str, value: object, environ: MutableMapping[str, str] | N
 
 
 def set_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The variables of both tables that are set in ``environ`` (default ``os.environ``), as raw text."""
+    """The variables of every table that are set in ``environ`` (default ``os.environ``), as raw text."""
     environ = os.environ if environ is None else environ
-    return {v.env: environ[v.env] for v in (*LAUNCH_VARS, *FSDP_VARS, *DYNAMO_VARS) if v.env in environ}
+    tables = (*LAUNCH_VARS, *FSDP_VARS, *DYNAMO_VARS, *PARALLELISM_VARS)
+    return {v.env: environ[v.env] for v in tables if v.env in environ}
 
 
 @contextlib.contextmanager

@@ -190,15 +190,26 @@ def _check_activation_checkpointing(plugin: FullyShardedDataParallelPlugin) -> N
         )
 
 
-def prepare_model(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> nn.Module:
+def prepare_model(
+    model: nn.Module,
+    plugin: FullyShardedDataParallelPlugin,
+    device: torch.device,
+    *,
+    mesh: Any = None,
+    tp_mesh: Any = None,
+) -> nn.Module:
     """Shard ``model`` as ``plugin`` says; a model that is already sharded is returned as it is.
 
     One trip down: the plugin is resolved once (:func:`resolve_plan`) and the engine shards by that plan.
+    ``mesh`` and ``tp_mesh`` (a ``ParallelismConfig``'s, ``fsdp_version=2`` only) go to every ``fully_shard``.
     """
     if is_sharded(model):
         return model
     _check_activation_checkpointing(plugin)
-    return _apply(model, resolve_plan(plugin, model, device))
+    plan = resolve_plan(plugin, model, device)
+    if mesh is not None:
+        plan = dataclasses.replace(plan, options={**plan.options, "mesh": mesh, "tp_mesh": tp_mesh})
+    return _apply(model, plan)
 
 
 def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: Mapping[Any, Any]) -> None:

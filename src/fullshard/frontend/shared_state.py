@@ -10,8 +10,8 @@ instance sees the same state, and ``_reset_state`` forgets it.
   ``distributed_type`` is Accelerate's for a process group without a plugin: ``NO`` for one process,
   ``MULTI_GPU`` / ``MULTI_CPU`` for several.
 - ``AcceleratorState`` is filled by :meth:`AcceleratorState.register` when an ``Accelerator`` is built; it then
-  says ``FSDP`` and holds that accelerator's ``fsdp_plugin`` and ``mixed_precision``. DeepSpeed, Megatron-LM and
-  parallelism configurations are always ``None``.
+  says ``FSDP`` and holds that accelerator's ``fsdp_plugin``, ``mixed_precision`` and ``parallelism_config``
+  (with its ``device_mesh``). DeepSpeed and Megatron-LM plugins are always ``None``.
 """
 
 from __future__ import annotations
@@ -130,10 +130,13 @@ class AcceleratorState:
             self._partial = PartialState(cpu, **{k: v for k, v in kwargs.items() if k in ("backend", "timeout")})
 
     @classmethod
-    def register(cls, fsdp_plugin: Any, mixed_precision: str, dynamo_plugin: Any = None) -> AcceleratorState:
+    def register(
+        cls, fsdp_plugin: Any, mixed_precision: str, dynamo_plugin: Any = None, parallelism_config: Any = None
+    ) -> AcceleratorState:
         """Called by ``Accelerator.__init__``: this process's state is now that accelerator's."""
         state = cls()
         state.fsdp_plugin = fsdp_plugin
+        state.parallelism_config = parallelism_config
         state._mixed_precision = mixed_precision
         state.dynamo_plugin = dynamo_plugin
         return state
@@ -160,9 +163,12 @@ class AcceleratorState:
         return self.fsdp_plugin is not None and self.fsdp_plugin.fsdp_version == 2
 
     @property
-    def torch_device_mesh(self) -> None:
-        """Accelerate's device mesh for parallelism configurations; fullshard's sharding needs none."""
-        return None
+    def device_mesh(self) -> Any:
+        """The ParallelismConfig's mesh (``None`` without one)."""
+        config = self.__dict__.get("parallelism_config")
+        return None if config is None else config.device_mesh
+
+    torch_device_mesh = device_mesh
 
     def __getattr__(self, name: str) -> Any:  # rank, world, device, ...: the PartialState's
         if name.startswith("__") or name == "_partial":

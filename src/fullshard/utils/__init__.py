@@ -86,6 +86,7 @@ from fullshard.frontend.ops import (
     slice_tensors,
     wait_for_everyone,
 )
+from fullshard.frontend.parallelism import ParallelismConfig, TorchTensorParallelConfig
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.preemption import install_preemption_handler, preemption_signal
 from fullshard.frontend.prepare import (
@@ -113,6 +114,7 @@ __all__ = [
     "DummyScheduler",
     "DynamoBackend",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
@@ -122,6 +124,7 @@ __all__ = [
     "MegatronLMDummyScheduler",
     "OPTIMIZER_NAME",
     "PrecisionType",
+    "ParallelismConfig",
     "PrepareForLaunch",
     "ProfileKwargs",
     "RNGType",

@@ -19,6 +19,7 @@ from fullshard.utils import (
     ProjectConfiguration,
     RNGType,
     TorchDynamoPlugin,
+    TorchTensorParallelConfig,
 )
 
 _WHY = "fullshard is FSDP only (no DeepSpeed)"
@@ -45,4 +46,5 @@ __all__ = [
     "ProjectConfiguration",
     "RNGType",
     "TorchDynamoPlugin",
+    "TorchTensorParallelConfig",
 ]
