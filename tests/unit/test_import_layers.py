@@ -2,7 +2,8 @@
 accelerate (the mirror of Accelerate's modules: front end and public names only),
 and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. Inside a
 package no modules import each other in a circle (function-level imports count), and checkpoint/'s modules
-import one way, up its levels (its ``__init__`` docstring)."""
+import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/ aside),
+engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule."""
 
 from __future__ import annotations
 
@@ -81,10 +82,8 @@ def _circle(graph: dict[str, set[str]]) -> list[str]:
     return next((found for name in sorted(graph) if (found := visit(name, []))), [])
 
 
-def _packages() -> list[object]:
-    known = {"engine": "engine/group.py <-> engine/materialize.py (the engine's own, tracked there)"}
-    folders = sorted(p.parent for p in SRC.rglob("__init__.py"))
-    return [pytest.param(f, marks=pytest.mark.xfail(reason=known[f.name])) if f.name in known else f for f in folders]
+def _packages() -> list[Path]:
+    return sorted(p.parent for p in SRC.rglob("__init__.py"))
 
 
 # checkpoint/: the level of each module (docs/design.md, checkpoint/__init__.py); a module imports only modules
@@ -164,3 +163,117 @@ def test_checker_finds_a_circle_through_a_function_level_import(tmp_path: Path) 
     assert _circle(_package_graph(package, tmp_path)) == ["fullshard.pkg.a", "fullshard.pkg.b", "fullshard.pkg.a"]
     (package / "b.py").write_text("def f():\n    pass\n")
     assert _circle(_package_graph(package, tmp_path)) == []
+
+
+# --- the engine's surface -------------------------------------------------------------------------------------
+
+ENGINE = SRC / "engine"
+# (module outside engine/, engine submodule) -> why it reaches past the surface. Keep this short.
+INSIDE_ENGINE = {
+    ("fullshard.testing.bench", "fullshard.engine.p2p"): (
+        "ring_reduce_scatter is the ring that benchmarks/collectives.py measures against p2p's pairwise "
+        "reduce-scatter: it returns p2p's work type and sends on p2p's tag"
+    ),
+}
+
+
+def _engine_surface() -> set[str]:
+    """``fullshard.engine.__all__``, read without importing it."""
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    found = [n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__"]
+    return set(ast.literal_eval(found[0]))
+
+
+def _engine_submodules() -> set[str]:
+    return {p.stem for p in ENGINE.glob("*.py") if p.name != "__init__.py"}
+
+
+def _reaches_inside_engine(path: Path, surface: set[str], submodules: set[str]) -> list[str]:
+    """The engine submodules ``path`` imports, and the names it imports from ``fullshard.engine`` that are not on
+    its surface (``from fullshard.engine import state`` is a submodule too)."""
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            bad.extend(a.name for a in node.names if a.name.startswith("fullshard.engine."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("fullshard.engine."):
+                bad.append(node.module)
+            elif node.module == "fullshard.engine":
+                for alias in node.names:
+                    if alias.name in submodules and alias.name not in surface:
+                        bad.append(f"fullshard.engine.{alias.name}")
+                    elif alias.name not in surface:
+                        bad.append(f"fullshard.engine.{alias.name} (not in fullshard.engine.__all__)")
+    return bad
+
+
+def _outside_engine() -> list[Path]:
+    return [p for p in _sources() if ENGINE not in p.parents]
+
+
+@pytest.mark.parametrize("path", _outside_engine(), ids=lambda p: str(p.relative_to(SRC)))
+def test_other_packages_use_the_engine_surface(path: Path) -> None:
+    module = _module(path)
+    bad = [
+        n
+        for n in _reaches_inside_engine(path, _engine_surface(), _engine_submodules())
+        if (module, n) not in INSIDE_ENGINE
+    ]
+    assert not bad, (
+        f"{path} imports from inside the engine: {bad}; import the name from fullshard.engine (add it to "
+        "engine/__init__.py's __all__ if it is missing)"
+    )
+
+
+def test_engine_exemptions_are_still_used() -> None:
+    for module, target in INSIDE_ENGINE:
+        path = SRC.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        assert target in _reaches_inside_engine(path, _engine_surface(), _engine_submodules()), (
+            f"{module} no longer imports {target}: drop it from INSIDE_ENGINE"
+        )
+
+
+def test_engine_surface_is_re_exports_only() -> None:
+    # - Set up: what engine/__init__.py binds, and what it lists
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    others = [n for n in tree.body if not isinstance(n, ast.ImportFrom | ast.Assign | ast.Expr)]
+    # - Check: every imported name is listed and every listed name imported, from a submodule; no logic
+    assert bound == _engine_surface(), (
+        f"imported but not in __all__, or listed but not imported: {bound ^ _engine_surface()}"
+    )
+    assert not others, "engine/__init__.py holds re-exports only"
+    sources = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert all(m and m.startswith("fullshard.engine.") for m in sources), sources
+
+
+def test_engine_modules_never_import_the_surface() -> None:
+    """The surface imports every engine module; an engine module that took a name from it would see it half built
+    when imported first. ``from fullshard.engine import state_dict`` (a submodule) is fine."""
+    submodules = _engine_submodules()
+    bad = [
+        f"{path.name}: {alias.name}"
+        for path in sorted(ENGINE.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "fullshard.engine"
+        for alias in node.names
+        if alias.name not in submodules
+    ]
+    assert not bad, f"engine modules import from the engine's surface: {bad}"
+
+
+def test_checker_catches_a_reach_inside_the_engine(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from fullshard.engine import ShardingStrategy, group\n"
+        "from fullshard.engine.state import unit_state\n"
+        "import fullshard.engine.param\n"
+        "def f():\n    from fullshard.engine import not_public\n"
+    )
+    found = _reaches_inside_engine(bad, {"ShardingStrategy"}, {"group", "state", "param"})
+    assert sorted(found) == [
+        "fullshard.engine.group",
+        "fullshard.engine.not_public (not in fullshard.engine.__all__)",
+        "fullshard.engine.param",
+        "fullshard.engine.state",
+    ]

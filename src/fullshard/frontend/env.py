@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from dataclasses import dataclass
 from typing import Any
 
-from fullshard.engine.api import BackwardPrefetch, ShardingStrategy, StateDictType
+from fullshard.engine import BackwardPrefetch, ShardingStrategy, StateDictType
 
 __all__ = [
     "AUTO_WRAP_POLICIES",

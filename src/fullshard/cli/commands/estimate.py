@@ -29,7 +29,7 @@ import click
 import torch
 from torch import nn
 
-from fullshard.engine.api import ShardingStrategy
+from fullshard.engine import ShardingStrategy
 from fullshard.frontend.estimate import (
     PROCESS_BASELINE,
     MemoryEstimate,
