@@ -1,9 +1,9 @@
 """The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli,
 accelerate (the mirror of Accelerate's modules: front end and public names only),
-and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. Inside a
-package no modules import each other in a circle (function-level imports count), and checkpoint/'s modules
-import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/ aside),
-engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule."""
+and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. No modules
+import each other in a circle, inside a package or across src/ (function-level imports count); checkpoint/'s
+modules import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/
+aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule."""
 
 from __future__ import annotations
 
@@ -86,6 +86,33 @@ def _packages() -> list[Path]:
     return sorted(p.parent for p in SRC.rglob("__init__.py"))
 
 
+def _source_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the modules under ``root`` it imports, anywhere in it. ``from fullshard.engine import state`` is
+    an edge to the submodule ``fullshard.engine.state``; ``from fullshard.engine import fully_shard`` (a name of
+    the package's surface) one to the package, whose ``__init__`` runs."""
+    paths = {_module(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in paths:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in paths and not _binds(paths[node.module], alias.name) else node.module)
+        graph[name] = deps - {name}
+    return graph
+
+
+def _binds(init: Path, name: str) -> bool:
+    """``init`` (a package's ``__init__``) binds ``name`` itself, so ``from package import name`` takes that."""
+    tree = ast.parse(init.read_text())
+    return any(
+        (a.asname or a.name) == name for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names
+    )
+
+
 # checkpoint/: the level of each module (docs/design.md, checkpoint/__init__.py); a module imports only modules
 # of its level or a lower one: names/errors -> manifest/checksum -> folder -> reader/writer -> transaction ->
 # verify/merge/export. A new module gets a level here.
@@ -141,6 +168,25 @@ def test_checker_catches_a_peer_import(tmp_path: Path) -> None:
 def test_no_import_circle_inside_a_package(folder: Path) -> None:
     circle = _circle(_package_graph(folder))
     assert not circle, f"{folder}: its modules import each other in a circle: {' -> '.join(circle)}"
+
+
+def test_no_import_circle_in_src() -> None:
+    """Across packages too: the surfaces (``__init__`` re-exports) and the top-level modules included."""
+    circle = _circle(_source_graph())
+    assert not circle, f"modules of src/ import each other in a circle: {' -> '.join(circle)}"
+
+
+def test_checker_finds_a_circle_through_a_package_surface(tmp_path: Path) -> None:
+    # - Set up: pkg's surface re-exports a.x; a imports the surface's name y, which is b's, and b imports pkg.a
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from fullshard.pkg.a import x\nfrom fullshard.pkg.b import y\n")
+    (package / "a.py").write_text("from fullshard.pkg import y\nx = 1\n")
+    (package / "b.py").write_text("y = 2\n")
+    # - Run / Check: a -> the surface -> a; taking b as a submodule instead has no circle
+    assert _circle(_source_graph(tmp_path)) == ["fullshard.pkg", "fullshard.pkg.a", "fullshard.pkg"]
+    (package / "a.py").write_text("from fullshard.pkg import b\nx = 1\n")
+    assert _circle(_source_graph(tmp_path)) == []
 
 
 def test_checkpoint_modules_import_up_their_levels() -> None:
