@@ -5,12 +5,15 @@ This module re-exports the public surface; it holds no logic.
 
 from fullshard.algorithms.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
-from fullshard.engine.api import (
+from fullshard.engine import (
+    FSDP,
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    FSDPModule,
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    FullyShardedDataParallel,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
@@ -24,9 +27,8 @@ from fullshard.engine.api import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    fully_shard,
 )
-from fullshard.engine.fully_shard import FSDPModule, fully_shard
-from fullshard.engine.wrapper import FSDP, FullyShardedDataParallel
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.bigmodel.empty import init_empty_weights
 from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model

@@ -1,6 +1,6 @@
 """``fullshard.wrap``: auto-wrap policies and manual wrapping (re-exports only)."""
 
-from fullshard.engine.wrap import (
+from fullshard.engine import (
     CustomPolicy,
     ModuleWrapPolicy,
     always_wrap_policy,

@@ -1,15 +1,24 @@
-"""The names Accelerate's published examples import exist in fullshard at the same module paths, and the
-dataloader configuration refuses what it cannot do by name.
+"""The names Accelerate's published examples import exist in fullshard at the same module paths, no public name
+is lost, and the dataloader configuration refuses what it cannot do by name.
 
 The lists are the ``from accelerate import ...`` / ``from accelerate.utils import ...`` names of Accelerate's
 ``examples/*.py`` and ``examples/by_feature/*.py`` (huggingface/accelerate, read for this test).
+
+``public_names.txt`` (beside this file) records every public name of ``fullshard``, ``fullshard.utils``, the
+top-level public modules and the Accelerate mirror ``fullshard.accelerate`` with all its submodules: a module's
+``__all__`` that it binds, and ``__version__``. A reorganisation that loses one fails here; a name added is
+recorded with ``python tests/unit/test_dropin_names.py`` (PYTHONPATH as for pytest), so the surface changes
+only in a reviewed diff.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +34,43 @@ EXAMPLE_IMPORTS = {
                         "is_xpu_available", "patch_environment", "set_seed", "tqdm"],
     "fullshard.logging": ["get_logger"],
 }  # fmt: skip
+
+
+PUBLIC_NAMES = Path(__file__).with_name("public_names.txt")
+PUBLIC_MODULES = ["fullshard", "fullshard.utils", "fullshard.wrap", "fullshard.comm_hooks", "fullshard.logging",
+                  "fullshard.tracking", "fullshard.accelerate"]  # fmt: skip
+
+
+def _public_modules() -> list[str]:
+    import fullshard.accelerate
+
+    mirror = [m.name for m in pkgutil.walk_packages(fullshard.accelerate.__path__, "fullshard.accelerate.")]
+    return sorted({*PUBLIC_MODULES, *mirror})
+
+
+def _public_names() -> set[str]:
+    """``module name`` for every public name of the public modules, as written in ``public_names.txt``."""
+    found: set[str] = set()
+    for module in _public_modules():
+        loaded = importlib.import_module(module)
+        names = [n for n in getattr(loaded, "__all__", []) if hasattr(loaded, n)]
+        names += ["__version__"] if hasattr(loaded, "__version__") else []
+        found.update(f"{module} {name}" for name in names)
+    return found
+
+
+def _recorded() -> set[str]:
+    return {line for line in PUBLIC_NAMES.read_text().splitlines() if line and not line.startswith("#")}
+
+
+def test_no_public_name_is_lost() -> None:
+    lost = sorted(_recorded() - _public_names())
+    assert not lost, f"public names lost (module name): {lost}; re-export them where they were"
+
+
+def test_new_public_names_are_recorded() -> None:
+    new = sorted(_public_names() - _recorded())
+    assert not new, f"new public names {new}: record them with python tests/unit/test_dropin_names.py"
 
 
 @pytest.mark.parametrize("module", sorted(EXAMPLE_IMPORTS))
@@ -81,3 +127,9 @@ def test_split_batches_needs_a_divisible_batch() -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         prepare_data_loader(DataLoader(list(range(8)), batch_size=3), num_processes=2, process_index=0, device=None,
                             gradient_state=GradientState(), split_batches=True)  # fmt: skip
+
+
+if __name__ == "__main__":  # record the public names: python tests/unit/test_dropin_names.py
+    header = "# module name: the public surface (tests/unit/test_dropin_names.py); regenerate with that file\n"
+    PUBLIC_NAMES.write_text(header + "".join(f"{line}\n" for line in sorted(_public_names())))
+    print(f"{PUBLIC_NAMES}: {len(_public_names())} names", file=sys.stderr)

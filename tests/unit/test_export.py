@@ -48,13 +48,22 @@ def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Te
 
 @pytest.mark.parametrize(
     ("size", "expected"),
-    [(123, 123), ("5GB", 5 * 10**9), ("5GiB", 5 * 2**30), ("500MB", 500 * 10**6), ("10KiB", 10240), ("1.5 kB", 1500)],
-)
+    [(123, 123), ("5GB", 5 * 10**9), ("5GiB", 5 * 2**30), ("500MB", 500 * 10**6), ("10KiB", 10240), ("1.5 kB", 1500),
+     # estimate-memory's sizes (--budget, --baseline): any case, K/M/G/T, a bare number, a leading point
+     ("8gib", 8 * 2**30), ("7.5 GB", 7_500_000_000), ("512MiB", 512 * 2**20), ("2g", 2 * 10**9), (".5K", 500),
+     ("123", 123)],
+)  # fmt: skip
 def test_parse_size(size: int | str, expected: int) -> None:
     assert parse_size(size) == expected
 
 
-@pytest.mark.parametrize("size", ["5Gb", "five GB", "", "10XB", True, 0, -3, 1.5])
+def test_parse_size_minimum() -> None:
+    assert parse_size("0", arg="--baseline", minimum=0) == 0
+    with pytest.raises(ValueError, match=re.escape("--budget='0': the size must be at least 1024 bytes.")):
+        parse_size("0", arg="--budget", minimum=1024)
+
+
+@pytest.mark.parametrize("size", ["5Gb", "5Mb", "five GB", "", "10XB", "5.", "-3", True, 0, -3, 1.5])
 def test_parse_size_rejects(size: object) -> None:
     with pytest.raises(ValueError, match=re.escape(f"max_shard_size={size!r}: ")):
         parse_size(size)  # type: ignore[arg-type]

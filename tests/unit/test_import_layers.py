@@ -1,8 +1,9 @@
 """The package never imports a peer; its layers import one way: engine <- algorithms, checkpoint <- frontend <- cli,
 accelerate (the mirror of Accelerate's modules: front end and public names only),
-and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. Inside a
-package no modules import each other in a circle (function-level imports count), and checkpoint/'s modules
-import one way, up its levels (its ``__init__`` docstring)."""
+and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. No modules
+import each other in a circle, inside a package or across src/ (function-level imports count); checkpoint/'s
+modules import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/
+aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "fullshard"
 FORBIDDEN = ("torch.distributed.fsdp", "torch.distributed._composable", "accelerate", "deepspeed", "fairscale")
 # Torch-only modules every layer may import; they import nothing of fullshard.
 NEUTRAL = {"ranks"}
+TOP_LEVEL = "top-level"  # the modules directly in fullshard/ (NEUTRAL aside), as one layer
 # Which top-level subpackages each layer may import from (besides itself and NEUTRAL).
 ALLOWED = {
     "engine": set(),
@@ -22,6 +24,8 @@ ALLOWED = {
     "checkpoint": set(),  # torch only, as the engine (docs/design.md)
     "frontend": {"engine", "algorithms", "checkpoint"},
     "cli": {"frontend", "checkpoint", "algorithms", "engine"},
+    "utils": {"frontend", "checkpoint", "cli"},  # fullshard.utils: re-exports
+    TOP_LEVEL: {"engine", "algorithms", "frontend"},  # fullshard/*.py but ranks.py: re-exports
     # Accelerate's module layout (served as `accelerate`): re-exports of the public surfaces and the front end.
     "accelerate": {
         "frontend",
@@ -81,10 +85,35 @@ def _circle(graph: dict[str, set[str]]) -> list[str]:
     return next((found for name in sorted(graph) if (found := visit(name, []))), [])
 
 
-def _packages() -> list[object]:
-    known = {"engine": "engine/group.py <-> engine/materialize.py (the engine's own, tracked there)"}
-    folders = sorted(p.parent for p in SRC.rglob("__init__.py"))
-    return [pytest.param(f, marks=pytest.mark.xfail(reason=known[f.name])) if f.name in known else f for f in folders]
+def _packages() -> list[Path]:
+    return sorted(p.parent for p in SRC.rglob("__init__.py"))
+
+
+def _source_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the modules under ``root`` it imports, anywhere in it. ``from fullshard.engine import state`` is
+    an edge to the submodule ``fullshard.engine.state``; ``from fullshard.engine import fully_shard`` (a name of
+    the package's surface) one to the package, whose ``__init__`` runs."""
+    paths = {_module(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in paths:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in paths and not _binds(paths[node.module], alias.name) else node.module)
+        graph[name] = deps - {name}
+    return graph
+
+
+def _binds(init: Path, name: str) -> bool:
+    """``init`` (a package's ``__init__``) binds ``name`` itself, so ``from package import name`` takes that."""
+    tree = ast.parse(init.read_text())
+    return any(
+        (a.asname or a.name) == name for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names
+    )
 
 
 # checkpoint/: the level of each module (docs/design.md, checkpoint/__init__.py); a module imports only modules
@@ -116,8 +145,9 @@ def test_no_peer_imports(path: Path) -> None:
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(SRC)))
 def test_layers_import_one_way(path: Path) -> None:
-    layer = path.relative_to(SRC).parts[0]
-    if layer not in ALLOWED:
+    parts = path.relative_to(SRC).parts
+    layer = TOP_LEVEL if len(parts) == 1 else parts[0]
+    if layer not in ALLOWED or (len(parts) == 1 and path.stem in NEUTRAL):
         return
     used = {n.split(".")[1] for n in _imports(path) if n.startswith("fullshard.") and len(n.split(".")) > 1}
     wrong = used - ALLOWED[layer] - {layer} - NEUTRAL
@@ -144,6 +174,25 @@ def test_no_import_circle_inside_a_package(folder: Path) -> None:
     assert not circle, f"{folder}: its modules import each other in a circle: {' -> '.join(circle)}"
 
 
+def test_no_import_circle_in_src() -> None:
+    """Across packages too: the surfaces (``__init__`` re-exports) and the top-level modules included."""
+    circle = _circle(_source_graph())
+    assert not circle, f"modules of src/ import each other in a circle: {' -> '.join(circle)}"
+
+
+def test_checker_finds_a_circle_through_a_package_surface(tmp_path: Path) -> None:
+    # - Set up: pkg's surface re-exports a.x; a imports the surface's name y, which is b's, and b imports pkg.a
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from fullshard.pkg.a import x\nfrom fullshard.pkg.b import y\n")
+    (package / "a.py").write_text("from fullshard.pkg import y\nx = 1\n")
+    (package / "b.py").write_text("y = 2\n")
+    # - Run / Check: a -> the surface -> a; taking b as a submodule instead has no circle
+    assert _circle(_source_graph(tmp_path)) == ["fullshard.pkg", "fullshard.pkg.a", "fullshard.pkg"]
+    (package / "a.py").write_text("from fullshard.pkg import b\nx = 1\n")
+    assert _circle(_source_graph(tmp_path)) == []
+
+
 def test_checkpoint_modules_import_up_their_levels() -> None:
     graph = _package_graph(SRC / "checkpoint")
     level = {f"fullshard.checkpoint.{name}": n for name, n in CHECKPOINT_LEVELS.items()}
@@ -164,3 +213,117 @@ def test_checker_finds_a_circle_through_a_function_level_import(tmp_path: Path) 
     assert _circle(_package_graph(package, tmp_path)) == ["fullshard.pkg.a", "fullshard.pkg.b", "fullshard.pkg.a"]
     (package / "b.py").write_text("def f():\n    pass\n")
     assert _circle(_package_graph(package, tmp_path)) == []
+
+
+# --- the engine's surface -------------------------------------------------------------------------------------
+
+ENGINE = SRC / "engine"
+# (module outside engine/, engine submodule) -> why it reaches past the surface. Keep this short.
+INSIDE_ENGINE = {
+    ("fullshard.testing.bench", "fullshard.engine.p2p"): (
+        "ring_reduce_scatter is the ring that benchmarks/collectives.py measures against p2p's pairwise "
+        "reduce-scatter: it returns p2p's work type and sends on p2p's tag"
+    ),
+}
+
+
+def _engine_surface() -> set[str]:
+    """``fullshard.engine.__all__``, read without importing it."""
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    found = [n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__"]
+    return set(ast.literal_eval(found[0]))
+
+
+def _engine_submodules() -> set[str]:
+    return {p.stem for p in ENGINE.glob("*.py") if p.name != "__init__.py"}
+
+
+def _reaches_inside_engine(path: Path, surface: set[str], submodules: set[str]) -> list[str]:
+    """The engine submodules ``path`` imports, and the names it imports from ``fullshard.engine`` that are not on
+    its surface (``from fullshard.engine import state`` is a submodule too)."""
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            bad.extend(a.name for a in node.names if a.name.startswith("fullshard.engine."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("fullshard.engine."):
+                bad.append(node.module)
+            elif node.module == "fullshard.engine":
+                for alias in node.names:
+                    if alias.name in submodules and alias.name not in surface:
+                        bad.append(f"fullshard.engine.{alias.name}")
+                    elif alias.name not in surface:
+                        bad.append(f"fullshard.engine.{alias.name} (not in fullshard.engine.__all__)")
+    return bad
+
+
+def _outside_engine() -> list[Path]:
+    return [p for p in _sources() if ENGINE not in p.parents]
+
+
+@pytest.mark.parametrize("path", _outside_engine(), ids=lambda p: str(p.relative_to(SRC)))
+def test_other_packages_use_the_engine_surface(path: Path) -> None:
+    module = _module(path)
+    bad = [
+        n
+        for n in _reaches_inside_engine(path, _engine_surface(), _engine_submodules())
+        if (module, n) not in INSIDE_ENGINE
+    ]
+    assert not bad, (
+        f"{path} imports from inside the engine: {bad}; import the name from fullshard.engine (add it to "
+        "engine/__init__.py's __all__ if it is missing)"
+    )
+
+
+def test_engine_exemptions_are_still_used() -> None:
+    for module, target in INSIDE_ENGINE:
+        path = SRC.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        assert target in _reaches_inside_engine(path, _engine_surface(), _engine_submodules()), (
+            f"{module} no longer imports {target}: drop it from INSIDE_ENGINE"
+        )
+
+
+def test_engine_surface_is_re_exports_only() -> None:
+    # - Set up: what engine/__init__.py binds, and what it lists
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    others = [n for n in tree.body if not isinstance(n, ast.ImportFrom | ast.Assign | ast.Expr)]
+    # - Check: every imported name is listed and every listed name imported, from a submodule; no logic
+    assert bound == _engine_surface(), (
+        f"imported but not in __all__, or listed but not imported: {bound ^ _engine_surface()}"
+    )
+    assert not others, "engine/__init__.py holds re-exports only"
+    sources = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert all(m and m.startswith("fullshard.engine.") for m in sources), sources
+
+
+def test_engine_modules_never_import_the_surface() -> None:
+    """The surface imports every engine module; an engine module that took a name from it would see it half built
+    when imported first. ``from fullshard.engine import state_dict`` (a submodule) is fine."""
+    submodules = _engine_submodules()
+    bad = [
+        f"{path.name}: {alias.name}"
+        for path in sorted(ENGINE.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "fullshard.engine"
+        for alias in node.names
+        if alias.name not in submodules
+    ]
+    assert not bad, f"engine modules import from the engine's surface: {bad}"
+
+
+def test_checker_catches_a_reach_inside_the_engine(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from fullshard.engine import ShardingStrategy, group\n"
+        "from fullshard.engine.state import unit_state\n"
+        "import fullshard.engine.param\n"
+        "def f():\n    from fullshard.engine import not_public\n"
+    )
+    found = _reaches_inside_engine(bad, {"ShardingStrategy"}, {"group", "state", "param"})
+    assert sorted(found) == [
+        "fullshard.engine.group",
+        "fullshard.engine.not_public (not in fullshard.engine.__all__)",
+        "fullshard.engine.param",
+        "fullshard.engine.state",
+    ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
+from fullshard.engine import all_reduce_flat, predivide_factor, reduce_scatter_flat
 
 __all__ = [
     "DefaultState",

@@ -17,9 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.names import clean_key
-from fullshard.engine.optim_state import StateSpec, model_params, scatter_states
-from fullshard.engine.state_dict import expected_entries, mismatches
+from fullshard.engine import StateSpec, clean_key, expected_entries, mismatches, model_params, scatter_states
 
 __all__ = ["load_full_state_dict"]
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from fullshard.engine.param import local_tensor
+from fullshard.engine import local_tensor
 
 __all__ = ["ShardedGradScaler"]
 

@@ -18,12 +18,20 @@ from typing import Any
 from torch import nn
 
 from fullshard.algorithms.checkpointing import checkpoint_module
-from fullshard.engine.api import MixedPrecision, MixedPrecisionPolicy
-from fullshard.engine.fully_shard import FSDPModule, fully_shard
-from fullshard.engine.state import unit_state
-from fullshard.engine.unit import InitOptions
-from fullshard.engine.wrap import UnitPlan, plan_units
-from fullshard.engine.wrapper import FULL_PRECISION_OUTPUT, FullyShardedDataParallel, plan_wrapper_units, wrap_units
+from fullshard.engine import (
+    FULL_PRECISION_OUTPUT,
+    FSDPModule,
+    FullyShardedDataParallel,
+    InitOptions,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    UnitPlan,
+    fully_shard,
+    plan_units,
+    plan_wrapper_units,
+    unit_state,
+    wrap_units,
+)
 
 __all__ = ["ShardingPlan", "apply_plan", "plan_sharding"]
 

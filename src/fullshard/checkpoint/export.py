@@ -19,8 +19,9 @@ Tied or shared storage: safetensors' ``save_file`` refuses tensors that share me
 written with its own copy of the bytes, so tied weights (``lm_head.weight`` is ``embed.weight``) come out as
 two equal entries; loaders re-tie them. Nothing is dropped and nothing aliases on disk.
 
-Sizes: an int is bytes. A string is a number and a unit; decimal units are powers of 10 and binary units
-powers of 2, as in Hugging Face: ``"5GB" == 5 * 10**9``, ``"5GiB" == 5 * 2**30``, ``"10KiB" == 10240``.
+Sizes (:func:`parse_size`, also behind ``get_max_memory`` and ``estimate-memory --budget``): an int is bytes. A
+string is a number and a unit in any case; decimal units are powers of 10 and binary units powers of 2, as in
+Hugging Face: ``"5GB" == 5 * 10**9``, ``"5GiB" == 5 * 2**30``, ``"10KiB" == 10240``.
 """
 
 from __future__ import annotations
@@ -66,19 +67,10 @@ __all__ = [
     "write_weights",
 ]
 
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "kB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+# Units of a size, in capitals (any case is accepted); decimal units are powers of 10, *iB units powers of 2.
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d*\.?\d+)\s*([A-Za-z]*)\s*$")
 
 # safetensors dtype names (format spec); getattr keeps older torch builds without some dtypes working.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -130,20 +122,25 @@ class TensorSpec:
         return cls(name, tensor.dtype, tuple(tensor.shape))
 
 
-def parse_size(size: int | str, *, arg: str = "max_shard_size") -> int:
-    """Bytes in ``size``: an int, or a string such as ``"5GB"`` (5*10**9), ``"5GiB"`` (5*2**30), ``"500MB"``."""
+def parse_size(size: int | str, *, arg: str = "max_shard_size", minimum: int = 1) -> int:
+    """Bytes in ``size``: an int, or a number and a unit in any case: ``"5GB"`` (5*10**9), ``"5GiB"`` (5*2**30),
+    ``"7.5 gb"``, ``"512M"``, ``"123"``. ``"5Gb"`` (a capital and a small b) reads as bits, which are refused.
+    ValueError (naming ``arg``) for anything else or a size below ``minimum``."""
+    match = _SIZE_RE.match(size) if isinstance(size, str) else None
+    unit = match.group(2) if match else ""
     if isinstance(size, int) and not isinstance(size, bool):
         value = size
-    elif isinstance(size, str) and (match := _SIZE_RE.match(size)) and match.group(2) in _UNITS | {"": 1}:
-        value = int(float(match.group(1)) * (_UNITS.get(match.group(2)) or 1))
+    elif match and unit.upper() in _UNITS and not (len(unit) == 2 and unit[0].isupper() and unit[1] == "b"):
+        value = int(float(match.group(1)) * _UNITS[unit.upper()])
     else:
-        units = ", ".join(_UNITS)
         raise ValueError(
-            f"{arg}={size!r}: expected a byte count (int) or a string like '5GB' or '500MiB'. "
-            f"Units: {units} (decimal units are powers of 10, *iB units powers of 2; bits are not accepted)."
+            f"{arg}={size!r}: expected a byte count (int) or a string like '5GB' or '500MiB'. Units, in any case: "
+            "B, KB (or K), MB (M), GB (G), TB (T), KiB, MiB, GiB, TiB (decimal units are powers of 10, *iB units "
+            "powers of 2; bits are not accepted)."
         )
-    if value <= 0:
-        raise ValueError(f"{arg}={size!r}: the size must be positive.")
+    if value < minimum:
+        least = "positive" if minimum == 1 else f"at least {minimum} bytes"
+        raise ValueError(f"{arg}={size!r}: the size must be {least}.")
     return value
 
 

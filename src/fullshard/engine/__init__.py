@@ -1,1 +1,137 @@
-"""The sharding engine: imports torch only, knows nothing of the front end."""
+"""The sharding engine: imports torch only, knows nothing of the front end.
+
+Layout rule: one module per noun (docs/design.md); a new module imports only engine modules and torch. This
+``__init__`` is the engine's surface: every other package (algorithms/, checkpoint/, frontend/, cli/, testing/,
+utils/, accelerate/ and the top-level modules) imports engine names from ``fullshard.engine`` alone, never from a
+submodule (``tests/unit/test_import_layers.py``); a name another package needs goes into ``__all__`` here. Engine
+modules import each other by submodule, never from this surface, so importing any of them first has no circle.
+"""
+
+from fullshard.engine.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    Offload,
+    OffloadPolicy,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from fullshard.engine.coerce import coerce_enum
+from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
+from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.grad_norm import clip_grad_norm_
+from fullshard.engine.layout import ShardLayout
+from fullshard.engine.names import clean_key
+from fullshard.engine.optim_state import (
+    StateSpec,
+    model_params,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    scatter_full_optim_state_dict,
+    scatter_states,
+)
+from fullshard.engine.param import local_tensor, replacement_for, retired_data_ptr
+from fullshard.engine.state import gradient_sync, unit_state, unit_states_in
+from fullshard.engine.state_dict import expected_entries, mismatches, state_dict_type
+from fullshard.engine.summon import summon_full_params
+from fullshard.engine.unit import InitOptions
+from fullshard.engine.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    UnitPlan,
+    always_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    plan_units,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+    wrap,
+)
+from fullshard.engine.wrapper import (
+    FSDP,
+    FULL_PRECISION_OUTPUT,
+    FullyShardedDataParallel,
+    plan_wrapper_units,
+    wrap_units,
+)
+
+__all__ = [
+    # the two entry points (wrapper.py, fully_shard.py) and auto-wrap (wrap.py)
+    "FSDP",
+    "FSDPModule",
+    "FullyShardedDataParallel",
+    "fully_shard",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+    # public enums and configuration (api.py), and the coercion every enum argument goes through
+    "BackwardPrefetch",
+    "CPUOffload",
+    "CPUOffloadPolicy",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "Offload",
+    "OffloadPolicy",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "coerce_enum",
+    # planning units once, applied through the entry points (algorithms/plan.py)
+    "FULL_PRECISION_OUTPUT",
+    "InitOptions",
+    "UnitPlan",
+    "plan_units",
+    "plan_wrapper_units",
+    "wrap_units",
+    # a sharded model's units and parameters
+    "ShardLayout",
+    "clean_key",
+    "gradient_sync",
+    "local_tensor",
+    "replacement_for",
+    "retired_data_ptr",
+    "unit_state",
+    "unit_states_in",
+    # state dicts, full parameters, gradients
+    "StateSpec",
+    "clip_grad_norm_",
+    "expected_entries",
+    "mismatches",
+    "model_params",
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "scatter_full_optim_state_dict",
+    "scatter_states",
+    "state_dict_type",
+    "summon_full_params",
+    # the collectives a communication hook calls (algorithms/comm_hooks.py)
+    "all_reduce_flat",
+    "predivide_factor",
+    "reduce_scatter_flat",
+]

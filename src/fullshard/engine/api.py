@@ -25,6 +25,7 @@ __all__ = [
     "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
+    "Offload",
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
@@ -145,6 +146,15 @@ class OffloadPolicy:
 class CPUOffloadPolicy(OffloadPolicy):
     """Offload sharded parameters and gradients to the CPU; ``pin_memory`` pins them for faster,
     asynchronous copies to and from an accelerator."""
+
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What both entry points resolve their offload argument to (``CPUOffload(offload_params=True)`` or a
+    ``CPUOffloadPolicy``): keep the shards and their gradients on the CPU (``pin_memory``: pinned, when an
+    accelerator exists)."""
 
     pin_memory: bool = True
 

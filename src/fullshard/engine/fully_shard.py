@@ -20,9 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard.engine import state_dict as sd
-from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, OffloadPolicy, StateDictType
-from fullshard.engine.group import Offload
-from fullshard.engine.materialize import adopt_applied_params
+from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, Offload, OffloadPolicy, StateDictType
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
@@ -94,7 +92,7 @@ class FSDPModule:
             state.group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
-            adopt_applied_params(state.group)
+            state.group.adopt_applied_params()
         return result
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

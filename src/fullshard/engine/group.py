@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import collective_check, trace
+from fullshard.engine.api import Offload
 from fullshard.engine.collectives import (
     PendingReduce,
     all_gather_flat,
@@ -67,7 +67,7 @@ from fullshard.engine.precision import GroupPrecision
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
-__all__ = ["Offload", "ParamGroup", "ShardState"]
+__all__ = ["ParamGroup", "ShardState"]
 
 
 class ShardState(enum.Enum):
@@ -76,13 +76,6 @@ class ShardState(enum.Enum):
     SHARDED = enum.auto()
     UNSHARDING = enum.auto()
     UNSHARDED = enum.auto()
-
-
-@dataclass(frozen=True)
-class Offload:
-    """Keep the shards and their gradients on the CPU (``pin_memory``: pinned, when an accelerator exists)."""
-
-    pin_memory: bool = True
 
 
 class ParamGroup:
@@ -260,6 +253,51 @@ class ParamGroup:
         self.flat_shard = self._new_flat_shard()
         self.flat_full = self._new_flat_full()
         self._unsharded_version = -1
+
+    def adopt_applied_params(self) -> None:
+        """Make the sharded parameters views of ``flat_shard`` again after ``nn.Module._apply``.
+
+        Nothing to do while they stay on ``meta`` or still share ``flat_shard``'s storage (``.to`` to where they
+        already are). Otherwise a new ``flat_shard`` is allocated on their (single) device and their values are
+        copied in. Precondition: the group is sharded (the caller reshards first).
+        """
+        for sp in self.params:
+            module, name = sp.registrations[0]
+            current = module._parameters[name]
+            # replaced (overwrite_module_params_on_conversion), not changed in place
+            if current is not sp.sharded_param:
+                sp.sharded_param = current
+                sp.register_sharded()
+        locals_ = [local_tensor(sp.sharded_param).detach() for sp in self.params]  # type: ignore[arg-type]
+        storage = self.flat_shard.untyped_storage()
+        if all(t.is_meta for t in locals_):
+            return
+        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
+            return
+        devices = {t.device for t in locals_}
+        dtypes = {t.dtype for t in locals_}
+        if len(devices) != 1 or dtypes != {self.dtype}:
+            raise ValueError(
+                f"unit {self.label!r}: after moving the module its sharded parameters are on "
+                f"{sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))}, but a unit keeps its parameters "
+                f"in {self.dtype} on one device. "
+                "Move the whole model at once (model.to_empty(device=...) or model.to(device)), and cast dtypes before "
+                "sharding."
+            )
+        self.new_shard_storage(devices.pop())
+        with torch.no_grad():
+            for sp, local in zip(self.params, locals_):
+                view = sp.local_view(self.flat_shard)
+                view.copy_(local)
+                if self.use_dtensor:
+                    sp.sharded_param._local_tensor = view  # type: ignore[union-attr]
+                else:
+                    sp.sharded_param.data = view  # type: ignore[union-attr]
+                set_owner(sp.sharded_param, self.label)  # type: ignore[arg-type]
+
+    def meta_parameter_names(self) -> list[str]:
+        """The names of the parameters that still have no storage."""
+        return [sp.fqn for sp in self.params if sp.sharded_param is not None and sp.sharded_param.is_meta]
 
     @property
     def state(self) -> ShardState:

@@ -38,7 +38,6 @@ from torch.utils.hooks import RemovableHandle
 from fullshard.engine import collective_check, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
-from fullshard.engine.materialize import meta_parameter_names
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
@@ -454,7 +453,7 @@ def _reshard_leftovers(ctx: RootContext) -> None:
 
 def _refuse_meta(states: list[UnitState]) -> None:
     """Parameters left on meta by ``fully_shard`` must be given storage before the first forward."""
-    names = [f"{s.label}: {n}" for s in states if s.group is not None for n in meta_parameter_names(s.group)]
+    names = [f"{s.label}: {n}" for s in states if s.group is not None for n in s.group.meta_parameter_names()]
     if names:
         raise RuntimeError(
             f"parameters still on the meta device at the first forward: {names[:5]}{' ...' if len(names) > 5 else ''}"

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.engine.api import Offload
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
-from fullshard.engine.group import Offload, ParamGroup
+from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for

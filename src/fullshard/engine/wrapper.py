@@ -26,11 +26,11 @@ from fullshard.engine.api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
+    Offload,
     ShardingStrategy,
     StateDictType,
 )
 from fullshard.engine.coerce import coerce_enum, coerce_optional_enum
-from fullshard.engine.group import Offload
 from fullshard.engine.mesh import build_shard_group, require_process_group
 from fullshard.engine.names import WRAPPED_NAME, clean_key
 from fullshard.engine.param import owner_label

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from dataclasses import dataclass
 from typing import Any
 
-from fullshard.engine.api import BackwardPrefetch, ShardingStrategy, StateDictType
+from fullshard.engine import BackwardPrefetch, ShardingStrategy, StateDictType
 from fullshard.frontend.enums import DynamoBackend
 
 __all__ = [

@@ -38,9 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fullshard.engine.api import ShardingStrategy
-from fullshard.engine.layout import ShardLayout
-from fullshard.engine.wrap import ModuleWrapPolicy, plan_units
+from fullshard.engine import ModuleWrapPolicy, ShardingStrategy, ShardLayout, plan_units
 from fullshard.frontend.activations import ActivationProfile, profile_activations
 
 __all__ = ["MemoryEstimate", "estimate_memory", "find_unit_classes", "unit_parameters"]

@@ -26,7 +26,7 @@ from torch import nn
 from fullshard.checkpoint import load_sharded, save_sharded
 from fullshard.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, optimizer_file_name
 from fullshard.checkpoint.safe_load import load_small_file
-from fullshard.engine.api import StateDictType
+from fullshard.engine import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.training import extract_model_from_parallel

@@ -23,9 +23,14 @@ from torch import nn
 
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.optim_init import init_optimizer_state as engine_init_optimizer_state
-from fullshard.engine.api import FullStateDictConfig, StateDictType
-from fullshard.engine.optim_state import optim_state_dict, optim_state_dict_to_load, scatter_full_optim_state_dict
-from fullshard.engine.state_dict import state_dict_type
+from fullshard.engine import (
+    FullStateDictConfig,
+    StateDictType,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    scatter_full_optim_state_dict,
+    state_dict_type,
+)
 from fullshard.frontend.optim import AcceleratedOptimizer
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 

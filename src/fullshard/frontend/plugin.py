@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine.api import (
+from fullshard.engine import (
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
@@ -52,8 +52,9 @@ from fullshard.engine.api import (
     ShardingStrategy,
     StateDictConfig,
     StateDictType,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
 )
-from fullshard.engine.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from fullshard.frontend import env
 from fullshard.frontend import plugin_values as values
 

@@ -16,16 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine.api import (
+from fullshard.engine import (
     CPUOffload,
     CPUOffloadPolicy,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    coerce_enum,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
 )
-from fullshard.engine.coerce import coerce_enum
-from fullshard.engine.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 from fullshard.frontend import env
 
 __all__ = [

@@ -30,9 +30,7 @@ from torch import nn
 
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
-from fullshard.engine.param import replacement_for, retired_data_ptr
-from fullshard.engine.state import unit_state
-from fullshard.engine.unit import InitOptions
+from fullshard.engine import InitOptions, replacement_for, retired_data_ptr, unit_state
 from fullshard.frontend import env
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.ranks import first_difference, require_agreement

@@ -13,11 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine import grad_norm
-from fullshard.engine.fully_shard import FSDPModule
-from fullshard.engine.param import local_tensor
-from fullshard.engine.state import gradient_sync, unit_states_in
-from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.engine import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    clip_grad_norm_,
+    gradient_sync,
+    local_tensor,
+    unit_states_in,
+)
 from fullshard.frontend import ops
 from fullshard.frontend.data import GradientState
 from fullshard.frontend.enums import PrecisionType
@@ -79,7 +82,7 @@ def clip_grad_norm(
             states = unit_states_in(model)
             managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
             others = [p for p in model.parameters() if id(p) not in managed]
-            return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+            return clip_grad_norm_(states, others, max_norm, norm_type)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
 

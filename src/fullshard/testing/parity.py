@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine.fully_shard import fully_shard
-from fullshard.engine.summon import summon_full_params
+from fullshard.engine import fully_shard, summon_full_params
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
 __all__ = ["RunResult", "TrainSpec", "fully_shard_blocks", "reference_run", "sharded_run", "without_sync"]

@@ -29,7 +29,8 @@ import click
 import torch
 from torch import nn
 
-from fullshard.engine.api import ShardingStrategy
+from fullshard.checkpoint import parse_size
+from fullshard.engine import ShardingStrategy
 from fullshard.frontend.estimate import (
     PROCESS_BASELINE,
     MemoryEstimate,
@@ -38,20 +39,17 @@ from fullshard.frontend.estimate import (
     profile_training,
 )
 
-__all__ = ["estimate_command", "load_model_spec", "parse_size"]
+__all__ = ["estimate_command", "load_model_spec"]
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
-def parse_size(text: str) -> int:
-    """``8GiB``, ``7.5 GB``, ``512MiB`` or a plain byte count, in bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise click.BadParameter(f"{text!r}: expected a size such as 8GiB, 7.5GB or 512MiB.")
-    return int(float(match.group(1)) * _UNITS[unit])
+def _size(text: str, option: str) -> int:
+    """``--budget`` / ``--baseline``: ``8GiB``, ``7.5 GB``, ``512MiB`` or a byte count (``checkpoint.parse_size``)."""
+    try:
+        return parse_size(text, arg=option, minimum=0)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected a size such as 8GiB, 7.5GB or 512MiB.") from None
 
 
 def _factory_kwargs(model_args: tuple[str, ...], model_config: Path | None) -> dict[str, Any]:
@@ -260,8 +258,8 @@ def estimate_command(
     """
     from rich.console import Console
 
-    budget_bytes = parse_size(budget) if budget is not None else None
-    baseline_bytes = parse_size(baseline) if baseline is not None else PROCESS_BASELINE
+    budget_bytes = _size(budget, "--budget") if budget is not None else None
+    baseline_bytes = _size(baseline, "--baseline") if baseline is not None else PROCESS_BASELINE
     counts = _num_processes(num_processes)
     model = load_model_spec(model_spec, _factory_kwargs(model_args, model_config))
     seq = seq if seq is not None else _default_seq(model)

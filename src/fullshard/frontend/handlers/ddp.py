@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.algorithms.comm_hooks import LowPrecisionState, bf16_compress_hook, fp16_compress_hook
-from fullshard.engine.api import ShardingStrategy
-from fullshard.engine.wrapper import FullyShardedDataParallel
+from fullshard.engine import FullyShardedDataParallel, ShardingStrategy
 from fullshard.frontend.handlers.base import KwargsHandler
 
 __all__ = ["DDPCommunicationHookType", "DistributedDataParallelKwargs", "apply_ddp_kwargs"]
