@@ -48,6 +48,8 @@ def test_accelerate_modules_and_metadata_are_fullshards() -> None:
         assert FullyShardedDataParallelPlugin is fullshard.FullyShardedDataParallelPlugin
         assert constants.FSDP_AUTO_WRAP_POLICY[:2] == ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"]
         assert importlib.metadata.version("accelerate") == "1.15.0"
+        import os
+        assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # from_pretrained's cpu_ram_efficient_loading reads it
         with pytest.raises(ModuleNotFoundError, match="fullshard's mirror, which has no fullshard.accelerate.commands"):
             import accelerate.commands.launch
         with pytest.raises(NotImplementedError, match="accelerate's DeepSpeedPlugin is not provided by fullshard"):

@@ -30,6 +30,7 @@ from fullshard.comm_hooks import (
 )
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_state
+from fullshard.frontend.prepare import switch_optimizer_to_sharded
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
@@ -349,6 +350,33 @@ def _sync_from_rank0(rank: int, world: int) -> RunResult:
 def test_sync_module_states_from_rank0_with_meta_elsewhere(pool2: WorkerPool, reference: RunResult) -> None:
     for got in pool2.run(_sync_from_rank0):
         assert_parity(got, reference)
+
+
+def _optimizer_built_on_meta(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    with torch.device("meta" if rank else "cpu"):
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False))
+    model[2].weight = model[0].weight  # an output head tied to its embedding
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # as the Trainer does for FSDP2: before sharding
+    fully_shard(model[1], sync_module_states=True)
+    fully_shard(model, sync_module_states=True)
+    switched = switch_optimizer_to_sharded(optimizer)
+    return {
+        "switched": switched,
+        "optimizer_holds_the_shards": [id(p) for p in optimizer.param_groups[0]["params"]]
+        == [id(p) for p in model.parameters()],
+        "tied": model[2].weight is model[0].weight,
+        "sums": [float(p.full_tensor().sum()) for p in model.parameters()],
+    }
+
+
+def test_optimizer_built_on_a_meta_model_is_switched_to_the_shards(pool2: WorkerPool) -> None:
+    # Ranks > 0 on meta (cpu_ram_efficient_loading): materializing a unit keeps each parameter object, so the
+    # optimizer built before sharding still finds the shards that replaced them, and the tie survives.
+    got = pool2.run(_optimizer_built_on_meta)
+    for result in got:
+        assert result["switched"] == 3 and result["optimizer_holds_the_shards"] and result["tied"], result
+    assert got[0]["sums"] == got[1]["sums"]
 
 
 def _reset_parameters_default(rank: int, world: int) -> list[float]:

@@ -1,7 +1,7 @@
 """Optimizer state dicts: every method round-trips exactly, matches the unwrapped optimizer, and reshards.
 
 Set up: TinyGPT (tied weights, uneven sizes) sharded on 2 ranks through both entry points; Adam, AdamW,
-SGD with momentum, and AdamW with two param groups of different hyperparameters.
+SGD with momentum, AdamW with two param groups of different hyperparameters, and AdamW with an empty group.
 Run: K steps, save the model (FULL) and the optimizer through one of the methods, build a fresh model and
 optimizer from other weights, load both, train M more steps.
 Check: the loaded optimizer holds bitwise the state the saved one had, and the losses equal bitwise those
@@ -60,6 +60,9 @@ def make_optim(model: nn.Module, kind: str) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if kind == "empty_group":  # as transformers' Trainer builds it when no parameter takes weight decay
+        groups = [{"params": [], "weight_decay": 0.1}, {"params": list(model.parameters()), "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2)
     named = list(model.named_parameters())
     decay = [p for n, p in named if n.endswith("weight") and "ln" not in n]
     rest = [p for n, p in named if not (n.endswith("weight") and "ln" not in n)]
@@ -213,6 +216,13 @@ def test_hybrid_2x2_round_trips_exactly(pool4: WorkerPool, method: str) -> None:
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
 def test_each_optimizer_round_trips_exactly(pool2: WorkerPool, entry: str, kind: str) -> None:
     for result in pool2.run(_resume, entry, kind, "optim_state_dict:FULL_STATE_DICT"):
+        assert result["exact_state"] and result["resumed"] == result["want"]
+
+
+@pytest.mark.parametrize("method", ["scatter_full", "optim_state_dict:FULL_STATE_DICT+rank0"])
+def test_an_empty_param_group_round_trips_exactly(pool2: WorkerPool, method: str) -> None:
+    # The Trainer's FULL_STATE_DICT checkpoints: its weight-decay group is empty with weight_decay=0
+    for result in pool2.run(_resume, "fsdp", "empty_group", method):
         assert result["exact_state"] and result["resumed"] == result["want"]
 
 

@@ -36,6 +36,7 @@ __all__ = ["ACCELERATE_VERSION", "ENV_VAR", "AccelerateMirror", "install", "inst
 ENV_VAR = "FULLSHARD_AS_ACCELERATE"
 MIRROR = "fullshard.accelerate"
 ACCELERATE_VERSION = "1.15.0"
+_USE_FSDP_VAR = "ACCELERATE_USE_FSDP"
 
 
 def requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
@@ -106,7 +107,11 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Serve ``accelerate`` from fullshard in this process (idempotent); see [Note: serving accelerate]."""
+    """Serve ``accelerate`` from fullshard in this process (idempotent); see [Note: serving accelerate].
+
+    Also sets ``ACCELERATE_USE_FSDP=true`` unless it is set: under fullshard every prepared model is sharded,
+    and transformers' ``cpu_ram_efficient_loading`` (rank 0 alone reads the pretrained weights) looks for it.
+    """
     if installed():
         return
     loaded = sys.modules.get("accelerate")
@@ -118,3 +123,7 @@ def install() -> None:
         )
     sys.meta_path.insert(0, AccelerateMirror())
     importlib.invalidate_caches()
+    # Every model an Accelerator prepares here is sharded, so say so as `accelerate launch --use_fsdp` does:
+    # transformers' from_pretrained reads this (with FSDP_CPU_RAM_EFFICIENT_LOADING, which TrainingArguments
+    # writes from fsdp_config) to load the weights on rank 0 only and build the model on meta elsewhere.
+    os.environ.setdefault(_USE_FSDP_VAR, "true")

@@ -338,11 +338,17 @@ def _loadable(
         _check_names({f: None for g in saved_groups for f in g["params"]}, params, caller)
         rows = [[params[f] for f in g["params"]] for g in saved_groups]
     group_of = {fqn: g for g in saved_groups for fqn in g["params"]}
+    # A group with no parameters (transformers' Trainer leaves its weight-decay group empty when no parameter
+    # takes weight decay) takes the saved empty groups in their order.
+    empty_saved = [g for g in saved_groups if not g["params"]]
     out_state: dict[Any, Any] = {}
     out_groups = []
     next_id = 0
     for row in rows:
-        source = next((group_of[p.fqn] for p in row if p.fqn in group_of), None)
+        if row:
+            source = next((group_of[p.fqn] for p in row if p.fqn in group_of), None)
+        else:
+            source = empty_saved.pop(0) if empty_saved else None
         if source is None:
             raise ValueError(
                 f"{caller}: the optimizer's param group holding {[p.fqn for p in row][:4]} matches no param group "

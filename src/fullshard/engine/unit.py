@@ -5,6 +5,7 @@ Both entry points (``FullyShardedDataParallel`` and ``fully_shard``) end here, s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -176,7 +177,7 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
         if init.param_init_fn is not None:
             init.param_init_fn(module)
             continue
-        module.to_empty(device=device, recurse=False)
+        _to_empty_keeping_parameters(module, device)
         if init.sync_module_states and global_rank() != 0:
             continue  # rank 0's values arrive by broadcast
         if hasattr(module, "reset_parameters"):
@@ -189,6 +190,25 @@ def _materialize(modules: list[tuple[str, nn.Module]], device: torch.device, ini
                 "build that module on a real device."
             )
     return problem
+
+
+def _to_empty_keeping_parameters(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device, recurse=False)``, but each meta parameter keeps its identity.
+
+    Leaving ``meta``, ``nn.Module._apply`` registers a new ``Parameter`` (meta and real tensors cannot share
+    ``.data``). Anything that holds the old object would then hold a parameter the model no longer has: an
+    optimizer built on a model that was on meta on ranks > 0 (transformers' ``Trainer`` creates its optimizer
+    before preparing an FSDP2 model; it would never be switched to the shards, and those ranks would silently
+    stop training), or a module that shares the parameter (a tied output head would come untied from its
+    embedding). So plain parameters get storage in place (``torch.utils.swap_tensors``); the rest (buffers,
+    parameter subclasses, parameters something holds a weak reference to) go through ``to_empty``.
+    """
+    for param in module._parameters.values():
+        if param is not None and param.is_meta and type(param) is nn.Parameter and not weakref.getweakrefcount(param):
+            real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            torch.utils.swap_tensors(param, real)
+    if any(t.is_meta for t in [*module._parameters.values(), *module._buffers.values()] if t is not None):
+        module.to_empty(device=device, recurse=False)
 
 
 def _broadcast_from_rank0(

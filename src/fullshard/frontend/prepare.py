@@ -12,7 +12,8 @@ fullshard's extensions of torch's signature; see [Note: RAM-efficient loading]).
 [Note: RAM-efficient loading]
 With ``cpu_ram_efficient_loading`` (which forces ``sync_module_states``) only rank 0 reads the pretrained
 weights; the other ranks build the model on the ``meta`` device. Sharding then goes unit by unit, innermost
-first: ranks > 0 give the unit's own modules empty storage (``to_empty``), rank 0 broadcasts the unit's
+first: ranks > 0 give the unit's own modules empty storage (``to_empty``, each parameter keeping its identity,
+so an optimizer built on the meta model still finds its shards), rank 0 broadcasts the unit's
 parameters and buffers, and the unit is sharded at once, which frees the full tensors. So a rank > 0 holds at
 most one unit in full (plus the shards of the units done), never the whole model.
 """

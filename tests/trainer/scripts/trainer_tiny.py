@@ -5,6 +5,13 @@ evaluation and prediction results, and a checksum of the final weights.
 
     python trainer_tiny.py --output_dir OUT [--model gpt2|llama|bert] [--fsdp none|v1|v2] [--max_steps N]
         [--save_steps N] [--resume] [--state_dict_type FULL_STATE_DICT|SHARDED_STATE_DICT] [--save_model]
+        [--from_pretrained DIR] [--cpu_ram_efficient_loading] [--activation_checkpointing]
+        [--min_num_params N] [--eval_first] [--others_on_meta]
+
+What the FSDP settings did is recorded too: whether each rank's model came out of ``from_pretrained`` on the
+meta device, which modules became units, how often each module ran forward with gradients enabled (twice a
+step inside a block that activation checkpointing recomputes), and how many elements the model held after an
+``evaluate()`` before training.
 """
 
 from __future__ import annotations
@@ -12,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import Dataset
 from transformers import (
+    AutoModelForCausalLM,
     BertConfig,
     BertForSequenceClassification,
     GPT2Config,
@@ -46,30 +55,37 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
-def build(kind: str) -> tuple[torch.nn.Module, str]:
+def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        return GPT2LMHeadModel(config), "GPT2Block"
+        return GPT2LMHeadModel(config)
     if kind == "llama":
         config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)  # fmt: skip
-        return LlamaForCausalLM(config), "LlamaDecoderLayer"
+        return LlamaForCausalLM(config)
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=2, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, num_labels=2)  # fmt: skip
-    return BertForSequenceClassification(config), "BertLayer"
+    return BertForSequenceClassification(config)
 
 
-def fsdp_args(how: str, layer: str, state_dict_type: str) -> dict[str, object]:
-    if how == "none":
+def fsdp_args(args: argparse.Namespace, layer: str) -> dict[str, object]:
+    if args.fsdp == "none":
         return {}
-    if how == "v1":  # the string form, FSDP1
-        return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 1, "transformer_layer_cls_to_wrap": [layer],
-                                                                "state_dict_type": state_dict_type}}  # fmt: skip
-    return {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": [layer],
-                                          "state_dict_type": state_dict_type}}  # fmt: skip
+    config: dict[str, object] = {"state_dict_type": args.state_dict_type}
+    if args.min_num_params:
+        config.update(auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=args.min_num_params)
+    else:
+        config["transformer_layer_cls_to_wrap"] = [layer]
+    if args.cpu_ram_efficient_loading:
+        config["cpu_ram_efficient_loading"] = True
+    if args.activation_checkpointing:
+        config["activation_checkpointing"] = True
+    if args.fsdp == "v1":  # the string form, FSDP1
+        return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 1, **config}}
+    return {"fsdp": True, "fsdp_config": {"version": 2, **config}}
 
 
 def first(value: object) -> object:
@@ -79,6 +95,27 @@ def first(value: object) -> object:
 def local_numel(model: torch.nn.Module) -> int:
     """Elements of the parameters this rank holds (a DTensor's local shard only)."""
     return sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+
+
+def units(model: torch.nn.Module) -> list[str]:
+    """Names of the modules that are FSDP units (an FSDP1 wrapper, or a module ``fully_shard`` made FSDP<Class>)."""
+    return [name for name, m in model.named_modules() if type(m).__name__.startswith(("FSDP", "FullyShardedData"))]
+
+
+def count_grad_forwards(model: torch.nn.Module) -> dict[str, int]:
+    """Per module name, a counter of the forward calls made with gradients enabled (filled as training runs)."""
+    counts = dict.fromkeys((name for name, _ in model.named_modules()), 0)
+
+    def hook(name: str) -> Callable[[torch.nn.Module, object, object], None]:
+        def count(module: torch.nn.Module, args: object, output: object) -> None:
+            if torch.is_grad_enabled():
+                counts[name] += 1
+
+        return count
+
+    for name, module in model.named_modules():
+        module.register_forward_hook(hook(name))
+    return counts
 
 
 def main() -> None:
@@ -91,9 +128,15 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--state_dict_type", default="FULL_STATE_DICT")
     parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--from_pretrained")
+    parser.add_argument("--cpu_ram_efficient_loading", action="store_true")
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--min_num_params", type=int, default=0)
+    parser.add_argument("--eval_first", action="store_true")
+    parser.add_argument("--others_on_meta", action="store_true")
     args = parser.parse_args()
 
-    model, layer = build(args.model)
+    layer = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "bert": "BertLayer"}[args.model]
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         use_cpu=True,
@@ -107,17 +150,34 @@ def main() -> None:
         report_to=[],
         seed=0,
         disable_tqdm=True,
-        **fsdp_args(args.fsdp, layer, args.state_dict_type),
+        **fsdp_args(args, layer),
     )
+    # After TrainingArguments, as in transformers' examples: the process group is up and the FSDP settings
+    # (cpu_ram_efficient_loading) are in the environment when from_pretrained runs.
+    model = AutoModelForCausalLM.from_pretrained(args.from_pretrained) if args.from_pretrained else build(args.model)
+    on_meta = {"from_pretrained": any(p.is_meta for p in model.parameters())}
+    if args.others_on_meta and training_args.process_index > 0:
+        # transformers 5 reads the weights on every rank; drop them here, as with a from_pretrained that reads
+        # them on rank 0 only: sharding must then take every value, buffers included, from rank 0.
+        model.to("meta")
+        model.tie_weights()  # leaving for meta made new parameters: tie the output head to the embedding again
+    on_meta["trainer"] = any(p.is_meta for p in model.parameters())
+    grad_forwards = count_grad_forwards(model)
     classify = args.model == "bert"
     trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1, classify),
                       eval_dataset=Tokens(10, 2, classify))  # fmt: skip
+    numel_after_eval = None
+    if args.eval_first:
+        trainer.evaluate()
+        numel_after_eval = local_numel(trainer.model)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     metrics = trainer.evaluate()
     predictions = trainer.predict(Tokens(10, 2, classify))
     if args.save_model:
         trainer.save_model(os.path.join(args.output_dir, "final"))
     state = trainer.accelerator.get_state_dict(trainer.model)
+    on_meta_by_rank: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(on_meta_by_rank, on_meta)
     if trainer.accelerator.is_main_process:
         result = {
             "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
@@ -128,6 +188,10 @@ def main() -> None:
             "model_class": type(trainer.model).__name__,
             "local_numel": local_numel(trainer.model),
             "full_numel": sum(v.numel() for v in state.values()),
+            "on_meta": on_meta_by_rank,
+            "units": units(trainer.model),
+            "grad_forwards": grad_forwards,
+            "local_numel_after_eval": numel_after_eval,
         }
         with open(os.path.join(args.output_dir, "result.json"), "w") as fp:
             json.dump(result, fp)
