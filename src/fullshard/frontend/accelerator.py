@@ -239,10 +239,10 @@ class Accelerator:
         return preemption.check_trigger(self.device)
 
     def end_training(self) -> None:
-        """Finish the trackers, wait for a background save (raising its failure) and for every process, then
-        release the process group if this Accelerator created it."""
-        self._tracking.finish()
+        """Wait for a background save (raising its failure, before anything else), finish the trackers, wait for
+        every process, then release the process group if this Accelerator created it."""
         state_io.wait_for_save()
+        self._tracking.finish()
         self.wait_for_everyone()
         runtime.shutdown()
 
