@@ -5,6 +5,7 @@
         [--keep] [--workdir DIR] [--dd-gb 2]
     python benchmarks/checkpoint.py merge [--params 300e6 | --quick | --checkpoint DIR] [--repeats 2] [--dd]
         [--max-shard-size 1GB] [--gpt-layers N] [--workdir DIR]
+    python benchmarks/checkpoint.py async [--layers 5] [--width 2048] [--vocab 12288] [--rounds 2] [--steps 2]
     python benchmarks/checkpoint.py merge --repeats 1 --dd --max-shard-size 1GB \
         --checkpoint /tmp/fullshard-bench/ckscale/bench_checkpoint_scale/ours/pytorch_model_fsdp_0 --gpt-layers 16
 
@@ -27,6 +28,14 @@ AdamW step, then: ``dd``'s sequential write and cold read bandwidth under ``--wo
 state. Prints per phase: seconds, GB/s and its share of ``dd``'s, peak RSS per rank (sampled every 2 ms, against
 the training step's) and whether the load was correct. Needs root (drop_caches) and about 2.5x the checkpoint
 free under ``--workdir``; run the full size alone (about 16 GB of memory). Deletes what it wrote unless ``--keep``.
+
+``async``: the GPT of ``scale`` (default 5 layers x 2048, vocabulary 12288: 302M parameters) under
+``Accelerator`` with AdamW, one training step, then ``--rounds`` pairs of saves in one run, alternating
+``save_state(dir)`` and ``save_state(dir, async_save=True)``; after each, ``--steps`` training steps, then the
+wait for the background write (what the next ``save_state`` would wait). Prints per save the time the call held
+the training loop (``blocked``), the steps' times (an async save's steps run beside its write), the wait after
+them, and the peak RSS per rank of each phase (the async phase's extra is the host copy). Each checkpoint is
+deleted after its round; needs about 2x the checkpoint in memory beside training.
 
 ``merge``: writes a sharded fp32 checkpoint in Accelerate's layout (``pytorch_model_fsdp_0``, 2 ranks, ``--params``
 parameters) or takes ``--checkpoint``, then runs fullshard's ``merge_fsdp_weights`` and Accelerate's, each in a
@@ -61,7 +70,7 @@ from fullshard import Accelerator, FullyShardedDataParallelPlugin, load_checkpoi
 from fullshard.checkpoint import checksum
 from fullshard.checkpoint.dcp import load_sharded, save_sharded, write_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
-from fullshard.frontend import model_state
+from fullshard.frontend import model_state, state_io
 from fullshard.testing.bench import RssSampler, describe_machine, on_fresh_ranks
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
@@ -442,6 +451,104 @@ def report_scale(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, f
     )
 
 
+# ==== async ==============================================================================================
+
+
+def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, rounds: int, steps: int) -> Any:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    sampler = RssSampler(0.002, keep_samples=False).start()
+    cfg = GPTConfig(**cfg_args)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    accelerator = Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, sharding_strategy="FULL_SHARD", state_dict_type="SHARDED_STATE_DICT",
+            auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+        )
+    )  # fmt: skip
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.to_local().normal_(0.0, 0.02, generator=torch.Generator().manual_seed(rank))
+    x, y = make_batch(cfg, WORLD, seed=0)
+    x, y = x[rank : rank + 1], y[rank : rank + 1]
+
+    def step() -> float:
+        t = time.perf_counter()
+        accelerator.backward(model(x, y))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
+        return time.perf_counter() - t
+
+    sampler.set_phase("train")
+    first = step()  # the optimizer state exists from here on
+    rows = []
+    for r in range(rounds):
+        for mode in ("sync", "async"):  # alternating, in the same run
+            folder = Path(workdir) / f"{mode}_{r}"
+            dist.barrier()
+            sampler.set_phase(mode)
+            t = time.perf_counter()
+            accelerator.save_state(folder, async_save=mode == "async")
+            blocked = time.perf_counter() - t
+            step_s = [step() for _ in range(steps)]  # during the background write, for async
+            t = time.perf_counter()
+            state_io.wait_for_save()  # what the next save_state would wait for
+            waited = time.perf_counter() - t
+            sampler.set_phase("idle")
+            rows.append({"mode": mode, "blocked": blocked, "steps": step_s, "waited": waited})
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder)
+    peaks = sampler.stop()
+    result = {"rank": rank, "rows": rows, "peaks": peaks, "first_step": first, "params": n_params}
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, result)
+    return everyone if rank == 0 else None
+
+
+def async_main(args: argparse.Namespace) -> None:
+    cfg = {"vocab_size": args.vocab, "block_size": 128, "n_layer": args.layers, "n_head": 16, "n_embd": args.width}
+    work = Path(args.workdir) / "bench_checkpoint_async"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        ranks = on_fresh_ranks(_async_rank, cfg, str(work), args.rounds, args.steps, world=WORLD)[0]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gib = 2**30
+    print(
+        f"\nGPT {args.layers} layers x {args.width}, vocabulary {args.vocab}: {ranks[0]['params'] / 1e6:.0f}M "
+        f"parameters, FULL_SHARD, SHARDED_STATE_DICT, AdamW, {WORLD} gloo ranks, 1 thread each; load average "
+        f"{os.getloadavg()}"
+    )
+    print(f"first training step {max(r['first_step'] for r in ranks):.1f} s")
+    print(f"{'round':>5} {'mode':<6} {'blocked s':>10} {'steps s (max over ranks)':>30} {'then waited s':>14}")
+    for i in range(len(ranks[0]["rows"])):
+        rows = [r["rows"][i] for r in ranks]
+        steps = [max(s) for s in zip(*(row["steps"] for row in rows), strict=True)]
+        print(
+            f"{i // 2:>5} {rows[0]['mode']:<6} {max(row['blocked'] for row in rows):10.2f} "
+            f"{', '.join(f'{s:.2f}' for s in steps):>30} {max(row['waited'] for row in rows):14.2f}"
+        )
+    for mode in ("train", "sync", "async"):
+        print(f"peak RSS per rank, {mode:<5} phase: {max(r['peaks'][mode] for r in ranks) / gib:.2f} GiB")
+    extra = max(r["peaks"]["async"] - r["peaks"]["sync"] for r in ranks)
+    print(f"extra peak per rank of async over sync (same steps after the save): {extra / gib:.2f} GiB")
+
+
+def _async_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=12288, help="with 5 x 2048: 302M parameters")
+    parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating in one run")
+    parser.add_argument("--steps", type=int, default=2, help="training steps after each save, before waiting")
+    parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckasync")
+
+
 # ==== merge ==============================================================================================
 
 
@@ -619,6 +726,7 @@ MODES = {
     "checksums": (_checksums_args, checksums_main, "what the CRC-32 checksums cost a sharded save and load"),
     "scale": (_scale_args, scale_main, "save_state/load_state of a GPT's training state against dd and torch's DCP"),
     "merge": (_merge_args, merge_main, "merge_fsdp_weights, ours against Accelerate's"),
+    "async": (_async_args, async_main, "time the training loop is blocked per save_state, async_save vs not"),
 }
 
 

@@ -233,3 +233,22 @@ def test_a_rank_ending_while_collective_threads_hold_tensors_exits_cleanly(
     for rank in (0, 1):  # what an exit must still do: atexit handlers, non-daemon threads joined
         assert f"END rank={rank}" in result.stdout and f"ATEXIT rank={rank}" in result.stdout, result.stdout
         assert (f"THREAD done rank={rank}" in result.stdout) == (ending == "after_barrier"), result.stdout
+
+
+def test_a_kill_during_a_background_save_keeps_the_last_complete_checkpoint(
+    tmp_path: Path, child_env: dict[str, str]
+) -> None:
+    # Attempt 0: checkpoint_0 is saved in the background and completes; rank 1 is SIGKILLed while the background
+    # thread writes checkpoint_1. Attempt 1 loads the latest complete checkpoint: checkpoint_0, whole.
+    result = _launch(["--max_restarts", "1", str(SCRIPTS / "async_save_killed.py"), str(tmp_path)], child_env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KILLING rank 1 in thread fullshard-background-save" in result.stdout, result.stdout
+    assert re.search(r"^RESUMED checkpoint_0$", result.stdout, flags=re.MULTILINE), result.stdout
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) in (
+        ["checkpoint_0", "checkpoint_1.incomplete"],
+        ["checkpoint_0"],  # the restarted attempt found the staging folder abandoned and removed it
+    )
+    expected, got = torch.load(tmp_path / "at_save.pt"), torch.load(tmp_path / "resumed.pt")
+    assert expected.keys() == got.keys() and expected
+    assert all(torch.equal(expected[k], got[k]) for k in expected)

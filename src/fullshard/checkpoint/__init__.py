@@ -3,9 +3,9 @@
 One owner per idea, and imports run one way, up these levels (a module imports only its level or lower ones;
 ``tests/unit/test_import_layers.py`` holds the table): names, errors, files, boundary (every file name and
 suffix, every error class, how files are created, which files a folder may name) -> manifest, checksum,
-safe_load, collective -> folder (what a folder is, the one recorded-size check) -> reader, writer ->
-transaction (the one commit protocol), rotation -> dcp, verify, merge, export. A new module goes on the lowest
-level whose modules it needs.
+safe_load, collective, background (async saves: host copies, a thread, their own process group) -> folder (what a
+folder is, the one recorded-size check) -> reader, writer -> transaction (the one commit protocol), rotation ->
+dcp, verify, merge, export. A new module goes on the lowest level whose modules it needs.
 """
 
 from fullshard.checkpoint.dcp import check_sharded, load_sharded, save_sharded

@@ -7,7 +7,13 @@ whichever load, merge or verify finds it.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointBusyError", "CheckpointDamagedError", "CheckpointFileError", "NotACheckpointError"]
+__all__ = [
+    "BackgroundSaveError",
+    "CheckpointBusyError",
+    "CheckpointDamagedError",
+    "CheckpointFileError",
+    "NotACheckpointError",
+]
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -25,3 +31,8 @@ class CheckpointBusyError(RuntimeError):
 
 class CheckpointFileError(RuntimeError):
     """A checkpoint file that cannot be loaded safely; the message names the file and what to do."""
+
+
+class BackgroundSaveError(RuntimeError):
+    """A save started with ``async_save=True`` failed in the background; raised by the next call that waits for
+    it. The message is the save's own (the step, the failing ranks, the file); the checkpoint is unchanged."""

@@ -290,8 +290,9 @@ class Accelerator:
         return preemption.check_trigger(self.device)
 
     def end_training(self) -> None:
-        """Finish the trackers, wait for every process, then release the process group if this Accelerator
-        created it."""
+        """Wait for a background save (raising its failure, before anything else), finish the trackers, wait for
+        every process, then release the process group if this Accelerator created it."""
+        state_io.wait_for_save()
         self._tracking.finish()
         self.wait_for_everyone()
         runtime.shutdown()
@@ -460,7 +461,14 @@ class Accelerator:
     project_dir = property(lambda self: self.project_configuration.project_dir, doc="ProjectConfiguration's folder.")
     save_iteration = property(lambda self: self.project_configuration.iteration, doc="The next checkpoint_<i>.")
 
-    def save_state(self, output_dir: str | Path | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+    def save_state(
+        self,
+        output_dir: str | Path | None = None,
+        safe_serialization: bool = True,
+        *,
+        async_save: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
 
         With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
@@ -469,6 +477,11 @@ class Accelerator:
         :meth:`register_save_state_pre_hook` run first. ``safe_serialization`` is accepted as in Accelerate,
         where under FSDP it changes nothing either: sharded models and optimizers are DCP folders, full ones
         ``.bin`` files. Accelerate's other keywords go to DeepSpeed's ``save_checkpoint`` and are refused here.
+
+        ``async_save=True`` (torch's ``dcp.async_save``): return once this rank's state is copied to host memory;
+        the files are written, checksummed and committed in a background thread, and the old checkpoints rotated
+        after. The next ``save_state``, ``load_state`` and ``end_training`` (and process exit) wait for it, and
+        raise its failure; the folder appears only once complete. See ``docs/checkpoints.md``.
         """
         _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
         del safe_serialization
@@ -478,7 +491,8 @@ class Accelerator:
                 hook(self._objects.models, [], str(folder))
 
         return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
-                                                     self.project_configuration, before=run_hooks))  # fmt: skip
+                                                     self.project_configuration, before=run_hooks,
+                                                     async_save=async_save))  # fmt: skip
 
     def load_state(
         self,

@@ -24,6 +24,7 @@ unpickling arbitrary objects (``checkpoint/safe_load.py``).
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from torch import nn
 
 from fullshard.checkpoint import (
     SCALER_NAME,
+    background,
     check_sharded,
     load_sharded,
     model_folder_name,
@@ -45,6 +47,7 @@ from fullshard.checkpoint import (
     rng_state_file_name,
     scheduler_file_name,
 )
+from fullshard.checkpoint.background import host_copy
 from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
@@ -70,7 +73,15 @@ from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.ranks import gather_from_ranks
 
-__all__ = ["TrainingObjects", "load_state", "load_state_as_configured", "save_state", "save_state_as_configured"]
+__all__ = [
+    "TrainingObjects",
+    "load_state",
+    "load_state_as_configured",
+    "save_state",
+    "save_state_as_configured",
+    "start_save_state",
+    "wait_for_save",
+]
 
 
 @dataclass
@@ -133,68 +144,135 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
 
 
+@dataclass(frozen=True)
+class _Part:
+    """A model or optimizer part: a file rank 0 writes whole (``FULL_STATE_DICT``) or a sharded (DCP) folder."""
+
+    name: str
+    sharded: bool
+    build: Callable[[], dict[str, Any]]  # may be a collective: called outside the transaction's steps
+
+
+def _parts_to_save(objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> list[_Part]:
+    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
+    parts = []
+    for i, model in enumerate(objects.models):
+        if full:
+            parts.append(_Part(_full_model_file(i), False, partial(model_state.full_model_state_dict, model)))
+        else:
+            build = partial(lambda m: {"model": model_state.sharded_model_state_dict(m, plugin)}, model)
+            parts.append(_Part(model_folder_name(i), True, build))
+    for i, optimizer in enumerate(objects.optimizers):
+        model = objects.model_for(i)
+        if full:
+            build = partial(model_state.optim_state, model, optimizer, plugin, full=True)
+            parts.append(_Part(optimizer_file_name(i), False, build))
+        else:
+            parts.append(_Part(optimizer_folder_name(i), True, partial(_sharded_optim_state, model, optimizer, plugin)))
+    return parts
+
+
+def _sharded_optim_state(model: nn.Module, optimizer: Any, plugin: FullyShardedDataParallelPlugin) -> dict[str, Any]:
+    # A checkpoint always holds every parameter's state (zeros before the first step): then any fresh
+    # optimizer, given the same zero template by load_state, finds every key it expects.
+    model_state.init_optimizer_state(optimizer)
+    return {"optimizer": model_state.optim_state(model, optimizer, plugin)}
+
+
+def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
+    """File name -> state of the small files this rank writes: rank 0 the shared ones, every rank its RNG states."""
+    states: dict[str, Any] = {}
+    if rank == 0:
+        states.update({scheduler_file_name(i): s.state_dict() for i, s in enumerate(objects.schedulers)})
+        states.update({sampler_file_name(i): d.state_dict() for i, d in enumerate(objects.dataloaders)})
+        states.update({custom_checkpoint_file_name(i): o.state_dict() for i, o in enumerate(objects.custom)})
+        if objects.scaler is not None:
+            states[SCALER_NAME] = objects.scaler.state_dict()
+    states[rng_state_file_name(rank)] = _rng_state()
+    return states
+
+
+def _write_part(tx: SaveTransaction, part: _Part, state: dict[str, Any]) -> None:
+    if part.sharded:
+        for leaf, record in write_sharded(state, tx.staging / part.name, process_group=tx.process_group).items():
+            tx.record(f"{part.name}/{leaf}", record)
+    elif tx.rank == 0:
+        tx.record(part.name, save_with_checksum(state, tx.staging / part.name))
+
+
+def _write_small_files(tx: SaveTransaction, states: dict[str, Any]) -> None:
+    for name, state in states.items():
+        tx.record(name, save_with_checksum(state, tx.staging / name))
+
+
+_SMALL_FILES = "writing the schedulers, samplers, registered objects and random states"
+
+
 def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
     """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
 
     Every part is staged in ``<output_dir>.incomplete`` and the folder is renamed into place only when all
     ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. On failure
-    every rank raises and ``output_dir`` holds what it held before.
+    every rank raises and ``output_dir`` holds what it held before. A background save still running is waited
+    for first (and its failure raised).
     """
+    background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
-    out = check_output_dir(output_dir, where)
-    rank = dist.get_rank()
-    full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
-    tx = SaveTransaction(out, where)
+    tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
-
-    def write_file(obj: Any, name: str, everywhere: bool = False) -> None:
-        if everywhere or rank == 0:
-            tx.record(name, save_with_checksum(obj, tx.staging / name))
-
-    def write_folder(state: dict[str, Any], name: str) -> None:
-        for leaf, record in write_sharded(state, tx.staging / name).items():
-            tx.record(f"{name}/{leaf}", record)
-
     # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
     # by one rank that failed. The writes run inside it, so that every rank learns of any rank's failure.
-    for i, model in enumerate(objects.models):
-        if full:
-            sd = model_state.full_model_state_dict(model)
-            tx.step(f"writing {_full_model_file(i)}", partial(write_file, sd, _full_model_file(i)), local_nbytes(sd))
-        else:
-            msd = {"model": model_state.sharded_model_state_dict(model, plugin)}
-            tx.step(
-                f"writing {model_folder_name(i)}", partial(write_folder, msd, model_folder_name(i)), local_nbytes(msd)
-            )
-    for i, optimizer in enumerate(objects.optimizers):
-        model = objects.model_for(i)
-        if full:
-            osd = model_state.optim_state(model, optimizer, plugin, full=True)
-            tx.step(
-                f"writing {optimizer_file_name(i)}", partial(write_file, osd, optimizer_file_name(i)), local_nbytes(osd)
-            )
-        else:
-            # A checkpoint always holds every parameter's state (zeros before the first step): then any
-            # fresh optimizer, given the same zero template by load_state, finds every key it expects.
-            model_state.init_optimizer_state(optimizer)
-            state = {"optimizer": model_state.optim_state(model, optimizer, plugin)}
-            name = optimizer_folder_name(i)
-            tx.step(f"writing {name}", partial(write_folder, state, name), local_nbytes(state))
-
-    def small_files() -> None:  # rank 0 writes the shared ones, every rank its own random states
-        for i, scheduler in enumerate(objects.schedulers):
-            write_file(scheduler.state_dict(), scheduler_file_name(i))
-        for i, loader in enumerate(objects.dataloaders):
-            write_file(loader.state_dict(), sampler_file_name(i))
-        for i, obj in enumerate(objects.custom):
-            write_file(obj.state_dict(), custom_checkpoint_file_name(i))
-        if objects.scaler is not None:
-            write_file(objects.scaler.state_dict(), SCALER_NAME)
-        write_file(_rng_state(), rng_state_file_name(rank), everywhere=True)
-
-    tx.step("writing the schedulers, samplers, registered objects and random states", small_files)
+    for part in _parts_to_save(objects, plugin):
+        state = part.build()
+        tx.step(f"writing {part.name}", partial(_write_part, tx, part, state), local_nbytes(state))
+    tx.step(_SMALL_FILES, lambda: _write_small_files(tx, _small_states(objects, tx.rank)))
     return tx.commit()
+
+
+def start_save_state(
+    output_dir: str | Path,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    after: Callable[[Path, dist.ProcessGroup | None], None] | None = None,
+) -> Path:
+    """:func:`save_state` that returns once this rank's state is copied to host memory (a collective).
+
+    The writes, the commit and then ``after(folder, process_group)`` run in a background thread over their own
+    process group; the next ``save_state``, ``load_state`` or ``end_training`` waits for it and raises its
+    failure. The files are those of :func:`save_state`. See [Note: background saves] in ``checkpoint/background.py``.
+    """
+    background.wait()
+    where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
+    _check(objects, where)
+    tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
+    tx.begin()
+    parts = _parts_to_save(objects, plugin)
+
+    def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        copies = [host_copy(st) if part.sharded else copy.deepcopy(st) for part, st in zip(parts, states, strict=True)]
+        return copies, copy.deepcopy(_small_states(objects, tx.rank))
+
+    # The built state dicts are views of the live parameters and optimizer state: dropped once copied.
+    copies, small = tx.step("copying the state to host memory", partial(copy_to_host, [p.build() for p in parts]))
+
+    def write_and_commit() -> None:
+        for part in parts:
+            state = copies.pop(0)  # each host copy is freed once written
+            tx.step(f"writing {part.name}", partial(_write_part, tx, part, state), local_nbytes(state))
+            del state
+        tx.step(_SMALL_FILES, partial(_write_small_files, tx, small))
+        tx.commit()
+        if after is not None:
+            after(tx.target, tx.process_group)
+
+    background.start(write_and_commit, where)
+    return tx.target
+
+
+def wait_for_save() -> None:
+    """Wait for the background save of ``save_state(..., async_save=True)``, if one runs; raise its failure."""
+    background.wait()
 
 
 def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
@@ -294,6 +372,7 @@ def load_state(
     ``strict=False`` ignores model keys in the checkpoint that the models lack (every key a model has must
     still be there); optimizers always load strictly.
     """
+    background.wait()  # a save still being written may be the one to load; its failure is raised here
     where = f"Accelerator.load_state(input_dir='{input_dir}')"
     _check(objects, where)
     folder = _resolve_input_dir(input_dir, where)
@@ -391,9 +470,16 @@ def save_state_as_configured(
     plugin: FullyShardedDataParallelPlugin,
     config: ProjectConfiguration,
     before: Callable[[Path], None] | None = None,
+    *,
+    async_save: bool = False,
 ) -> Path:
     """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), call ``before(folder)``
-    (the pre-save hooks, which see the folder actually written), save, then rotate."""
+    (the pre-save hooks, which see the folder actually written), save, then rotate.
+
+    ``async_save``: return once the state is copied to host memory; the write, the commit and the rotation run
+    in the background (:func:`start_save_state`). A previous background save is waited for first.
+    """
+    background.wait()
     if config.automatic_checkpoint_naming:
         folder = checkpoint_folder(config.project_dir or ".", config.iteration)
         taken = [folder.exists() if dist.get_rank() == 0 else None]
@@ -413,13 +499,22 @@ def save_state_as_configured(
         folder = Path(output_dir)
     if before is not None:
         before(folder)
-    path = save_state(folder, objects, plugin)
-    if config.automatic_checkpoint_naming:
-        if dist.get_rank() == 0:
-            prune_checkpoints(config.project_dir or ".", config.total_limit, keep=path)
-        dist.barrier()  # nobody lists the checkpoints while rank 0 deletes old ones
+    rotate = partial(_rotate, config) if config.automatic_checkpoint_naming else None
+    if async_save:
+        path = start_save_state(folder, objects, plugin, after=rotate)
+    else:
+        path = save_state(folder, objects, plugin)
+        if rotate is not None:
+            rotate(path, None)
     config.iteration += 1
     return path
+
+
+def _rotate(config: ProjectConfiguration, path: Path, group: dist.ProcessGroup | None) -> None:
+    """Delete the oldest complete checkpoints beyond ``total_limit`` once ``path`` is complete (a collective)."""
+    if dist.get_rank() == 0:
+        prune_checkpoints(config.project_dir or ".", config.total_limit, keep=path)
+    dist.barrier(group=group)  # nobody lists the checkpoints while rank 0 deletes old ones
 
 
 def load_state_as_configured(
@@ -439,6 +534,7 @@ def load_state_as_configured(
     ``checkpoint_<i+1>`` (``config.iteration`` is raised to ``i + 1``; Accelerate leaves it and then refuses
     to overwrite).
     """
+    background.wait()  # before looking for the latest checkpoint, which may be the one being written
     if input_dir is not None:
         if before is not None:
             before(Path(input_dir))
