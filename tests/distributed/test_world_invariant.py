@@ -36,6 +36,7 @@ CASES = [
     ("fully-shard-G4-clip", "fully_shard", None, 4, True),
     ("fully-shard-G8-clip", "fully_shard", None, 8, True),  # 4 ranks accumulate too
     ("fsdp-hybrid-G4-clip", "fsdp", "HYBRID_SHARD", 4, True),
+    ("fsdp-no-shard-G4-clip", "fsdp", "NO_SHARD", 4, True),
 ]
 
 
@@ -145,3 +146,29 @@ def test_refusals(pool2: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _wrap_with(rank: int, world: int, micro_batches: int) -> None:
     fully_shard(TinyGPT(CFG), invariant_micro_batches=micro_batches)
+
+
+def _misuse(rank: int, world: int, what: str) -> None:
+    """G=8 on 2 ranks: 4 micro-batches per rank per step."""
+    model = fully_shard(TinyGPT(CFG), invariant_micro_batches=None if what == "mixed" and rank else 8)
+    x, y = make_batch(CFG, 2, seed=0)
+    if what == "mixed":
+        model(x, y)
+    for k in range(4):
+        model.set_requires_gradient_sync(what != "no_sync on the last" or k < 3)
+        model(x, y).backward()
+        if what == "clip early" and k == 2:
+            model.clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("clip early", "3 micro-batches of unit .* folded but not reduced"),
+        ("no_sync on the last", "micro-batch 4 of 4 on this rank ran with gradient sync off"),
+        ("mixed", "invariant_micro_batches=8"),
+    ],
+)
+def test_misuse_is_refused(pool2: WorkerPool, what: str, message: str) -> None:
+    with pytest.raises(RankFailure, match=message):
+        pool2.run(_misuse, what)

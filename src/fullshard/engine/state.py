@@ -213,7 +213,10 @@ class UnitState:
     def signature(self) -> tuple[Any, ...]:
         """What every rank must agree on: the unit's name and its parameters' names, shapes and dtypes."""
         params = [] if self.group is None else [(sp.fqn, sp.shape, str(sp.dtype)) for sp in self.group.params]
-        return (self.label, tuple(params))
+        label = self.label
+        if self.config.invariant_micro_batches is not None:  # ranks must agree on the mode too
+            label = f"{label} (invariant_micro_batches={self.config.invariant_micro_batches})"
+        return (label, tuple(params))
 
     @property
     def is_root(self) -> bool:
