@@ -9,7 +9,8 @@ of ``N`` ranks runs its ``G/N`` micro-batches per step. Three loops:
 - ``default, no_sync``: ``set_requires_gradient_sync(False)`` for all but the last micro-batch;
 - ``invariant``: ``fully_shard(..., invariant_micro_batches=G)``, sync left on (the engine accumulates).
 
-Prints the median step time of each (ms, after one warm-up step), per pass, and the ratio to the first loop.
+The three take turns step by step in the same ranks. Prints the median step time of each (ms, after one warm-up
+step; a step ends when its slowest rank does), per pass, and the median over passes against the first loop.
 """
 
 from __future__ import annotations
@@ -27,29 +28,39 @@ from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 LOOPS = ["default, sync each micro-batch", "default, no_sync", "invariant"]
 
 
-def steps(rank: int, world: int, loop: str, cfg: GPTConfig, micro_batches: int, rows: int, n_steps: int) -> list[float]:
+def _build(loop: str, cfg: GPTConfig, micro_batches: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     g = micro_batches if loop == "invariant" else None
     for block in model.blocks:
         fully_shard(block, invariant_micro_batches=g)
     fully_shard(model, invariant_micro_batches=g)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def steps(rank: int, world: int, cfg: GPTConfig, micro_batches: int, rows: int, n_steps: int) -> dict[str, list[float]]:
+    """Every loop's step times; the loops take turns step by step (rotating who goes first), so that the load
+    of a shared machine falls on all of them alike."""
+    built = {loop: _build(loop, cfg, micro_batches) for loop in LOOPS}
     per_rank = micro_batches // world
-    times = []
+    times: dict[str, list[float]] = {loop: [] for loop in LOOPS}
     for step in range(n_steps + 1):
         x, y = make_batch(cfg, micro_batches * rows, seed=step)
-        start = time.perf_counter()
-        for k in range(per_rank):
-            if loop == "default, no_sync":
-                model.set_requires_gradient_sync(k == per_rank - 1)
-            first = (rank * per_rank + k) * rows
-            (model(x[first : first + rows], y[first : first + rows]) / per_rank).backward()
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-    return times[1:]
+        for i in range(len(LOOPS)):
+            loop = LOOPS[(step + i) % len(LOOPS)]
+            model, opt = built[loop]
+            start = time.perf_counter()
+            for k in range(per_rank):
+                if loop == "default, no_sync":
+                    model.set_requires_gradient_sync(k == per_rank - 1)
+                first = (rank * per_rank + k) * rows
+                (model(x[first : first + rows], y[first : first + rows]) / per_rank).backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            if step:  # the first is a warm-up
+                times[loop].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -69,9 +80,9 @@ def main() -> None:
         pool = WorkerPool(world)
         medians: dict[str, list[float]] = {loop: [] for loop in LOOPS}
         for _ in range(args.passes):
+            per_rank = pool.run(steps, cfg, args.micro_batches, args.rows, args.steps)
             for loop in LOOPS:
-                per_rank = pool.run(steps, loop, cfg, args.micro_batches, args.rows, args.steps)
-                step_times = [max(ts) for ts in zip(*per_rank)]  # a step ends when its slowest rank does
+                step_times = [max(ts) for ts in zip(*(r[loop] for r in per_rank))]  # the slowest rank ends a step
                 medians[loop].append(1000 * statistics.median(step_times))
         pool.close()
         base = statistics.median(medians[LOOPS[0]])

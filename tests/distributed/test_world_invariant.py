@@ -72,17 +72,20 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str | None, i
         model = _build(entry, strategy, micro_batches, world)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         per_rank = micro_batches // world
-        norms = []
+        norms, references = [], []
         for step in range(STEPS):
             x, y = make_batch(CFG, micro_batches * MICRO_ROWS, seed=1000 + step)  # the global batch
             for k in range(per_rank):  # this rank's consecutive micro-batches, accumulated by the engine
                 rows = slice((rank * per_rank + k) * MICRO_ROWS, (rank * per_rank + k + 1) * MICRO_ROWS)
                 (model(x[rows], y[rows]) / per_rank).backward()
             if clip:
+                if entry == "fully_shard":  # the plain norm of the full gradients, to check the value
+                    full = [p.grad.full_tensor().double().reshape(-1) for p in model.parameters()]
+                    references.append(float(torch.linalg.vector_norm(torch.cat(full))))
                 norms.append(model.clip_grad_norm_(MAX_NORM))
             opt.step()
             opt.zero_grad()
-        results[name] = {"params": _full_params(model), "norms": norms}
+        results[name] = {"params": _full_params(model), "norms": norms, "references": references}
     return results
 
 
@@ -104,6 +107,8 @@ def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, obj
     clip = next(c[4] for c in CASES if c[0] == case)
     if clip:  # the clipping coefficient was below 1 at every step, so clipping changed the gradients
         assert all(float(n) > MAX_NORM for n in want["norms"]), want["norms"]
+        for norm, reference in zip(want["norms"], want["references"]):  # fully_shard cases
+            assert float(norm) == pytest.approx(reference, rel=1e-6)
     for world, results in runs.items():
         for rank, result in enumerate(results):
             got = result[case]

@@ -91,7 +91,8 @@ class FSDPModule:
         """Clip the gradients of this (root) module's parameters to a global norm; return the norm before clipping.
 
         fullshard's addition to torch's ``FSDPModule`` (where ``torch.nn.utils.clip_grad_norm_`` over the ``DTensor``
-        parameters does it). In world-size-invariant mode the norm is the same, bitwise, on every world size."""
+        parameters does it). In world-size-invariant mode the norm is the same, bitwise, on every world size (torch's
+        function over the ``DTensor`` parameters sums per-rank partial norms: not invariant)."""
         states = unit_states_in(self)  # type: ignore[arg-type]
         managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
         others = [p for p in self.parameters() if id(p) not in managed]  # type: ignore[attr-defined]

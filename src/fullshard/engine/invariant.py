@@ -31,10 +31,10 @@ locally, and the order of gloo's or NCCL's reduction). Invariant mode fixes ever
 What this costs: each rank keeps up to ``log2(G/N) + 1`` unsharded gradients of a unit between micro-batches
 (the default's sharded accumulation keeps none; ``no_sync()`` keeps one), an all-to-all instead of a
 reduce-scatter (the same bytes; on gloo the pairwise reduce-scatter overlaps better), and the tree additions.
-Float32 only: a bf16 or fp16 reduction would need the partial sums kept in float32 and a rounding to the low
-precision at one fixed point of the tree. Forward and backward kernels must themselves be deterministic and
-shape-stable (the same micro-batch shape on every ``N``, the same intra-op thread count; on CUDA
-``torch.use_deterministic_algorithms(True)``), which this module cannot enforce.
+Float32 only for now: the tree is order-fixed in any dtype, but a bf16 or fp16 run should keep the partial sums in
+a float32 ``reduce_dtype`` and round once, at one fixed point, rather than at every level of the tree. Forward and
+backward kernels must themselves be deterministic and shape-stable (the same micro-batch shape on every ``N``, the
+same intra-op thread count; on CUDA ``torch.use_deterministic_algorithms(True)``), which this module cannot enforce.
 """
 
 from __future__ import annotations
@@ -274,11 +274,12 @@ def _reduce(group: ParamGroup, total: torch.Tensor) -> None:
 @dataclass
 class _Param:
     """One trainable parameter as the norm sees it: its flattened full gradient's ``numel``, each shard rank's
-    ``[start, end)`` of it, and this rank's local gradient (flattened)."""
+    ``[start, end)`` of it (none when every rank holds all of it: a parameter outside every unit, or a unit with one
+    rank per shard group), and this rank's local gradient."""
 
     numel: int
     ranges: list[tuple[int, int]]
-    local: torch.Tensor | None  # None: held whole by every rank (a parameter outside every unit)
+    local: torch.Tensor  # flattened; ``ranges`` empty: the whole gradient, held by every rank
 
 
 def _ceil_to(value: int, step: int) -> int:
@@ -325,8 +326,8 @@ def clip_grad_norm_(
                 flat = torch.zeros(lay.local_numel, device=group.storage_device)
             else:
                 flat = local.detach().reshape(-1)
-            ranges = []
-            for r in range(lay.world):
+            ranges = []  # none: held whole by every rank (one rank per shard group, e.g. NO_SHARD)
+            for r in range(lay.world if lay.world > 1 else 0):
                 rl = lay.for_rank(r)
                 start = rl.row_offset * rl.row_numel
                 ranges.append((start, start + rl.local_numel))
@@ -378,7 +379,7 @@ def _piece_sums(
         head_offsets.append(offsets)
     heads = torch.zeros(size, dtype=torch.float32, device=device)
     for p, offsets in zip(params, head_offsets):
-        if p.ranges and p.local is not None:
+        if p.ranges:
             start, end = p.ranges[shard_rank]
             lo, hi = _head(start, end)
             heads[offsets[shard_rank] : offsets[shard_rank] + hi - lo] = p.local[: hi - lo].float()
@@ -394,7 +395,7 @@ def _piece_sums(
     sums = torch.zeros(count, dtype=torch.float32, device=device)
     shared = torch.zeros(count, dtype=torch.bool, device=device)
     for p, offsets, first in zip(params, head_offsets, first_piece):
-        if not p.ranges:  # held whole by every rank: summed everywhere, added after the exchange
+        if not p.ranges:  # held whole by every rank: summed everywhere, kept out of the exchange
             values, begin = p.local, 0
             shared[first : first + -(-p.numel // PIECE)] = True
         else:
@@ -409,7 +410,6 @@ def _piece_sums(
                 values = torch.cat([own.float(), heads[after : after + stop - end]])
             else:
                 values = own
-        assert values is not None
         n_pieces = -(-values.numel() // PIECE)
         block = torch.zeros(n_pieces * PIECE, dtype=torch.float32, device=device)
         block[: values.numel()] = _powered(values, norm_type)
