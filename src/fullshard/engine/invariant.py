@@ -219,8 +219,11 @@ def fold_backward(state: Any) -> None:
         )
     grad = group.flat_full.grad
     group.flat_full.grad = None
+    rdtype = group.precision.reduce_dtype
     if grad is None:
-        grad = torch.zeros(group.world * group.shard_numel, dtype=group.precision.reduce_dtype, device=group.device)
+        grad = torch.zeros(group.world * group.shard_numel, dtype=rdtype, device=group.device)
+    elif grad.dtype != rdtype:
+        grad = grad.to(rdtype)
     tree.push(grad)
     if last:
         _reduce(group, tree.take())
