@@ -119,12 +119,9 @@ def validate_group(group: ParamGroup, micro_batches: int, where: str) -> None:
 
 def check_one_mode(states: Sequence[Any]) -> None:
     """At the root's lazy init: every unit of one model runs in the same mode (the same ``G``, or none)."""
-    modes = {s.config.invariant_micro_batches for s in states if s.group is not None and s.group.requires_grad}
+    modes = {s.config.invariant_micro_batches for s in states}
     if len(modes) > 1:
-        labels = {
-            mode: next(s.label for s in states if s.group is not None and s.config.invariant_micro_batches == mode)
-            for mode in modes
-        }
+        labels = {mode: next(s.label for s in states if s.config.invariant_micro_batches == mode) for mode in modes}
         shown = ", ".join(f"{labels[m]!r}: {m}" for m in sorted(modes, key=str))
         raise ValueError(
             f"the units of one model mix world-size-invariant modes (invariant_micro_batches per unit: {shown}); pass "

@@ -402,7 +402,8 @@ class UnitState:
             raise AssertionError(f"[rank {global_rank()}] {self.label}: final callback without a root context")
         with trace.phase(trace.FINAL_CALLBACK):
             try:
-                invariant.fold_leftovers([s for s in ctx.states if s.config.invariant_micro_batches is not None])
+                if self.config.invariant_micro_batches is not None:  # every unit's mode is the root's (check_one_mode)
+                    invariant.fold_leftovers(ctx.states)
                 for state in ctx.states:
                     group = state.group
                     if group is None or not state.requires_gradient_sync or state.config.invariant_micro_batches:
