@@ -7,6 +7,7 @@ Every case of one world size runs in one pool call (the training is tiny); the 1
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -37,6 +38,7 @@ CASES = [
     ("fully-shard-G8-clip", "fully_shard", None, 8, True),  # 4 ranks accumulate too
     ("fsdp-hybrid-G4-clip", "fsdp", "HYBRID_SHARD", 4, True),
     ("fsdp-no-shard-G4-clip", "fsdp", "NO_SHARD", 4, True),
+    ("fsdp-full-G8-no_sync", "fsdp", "FULL_SHARD", 8, False),  # no_sync() around all but a rank's last micro-batch
 ]
 
 
@@ -77,7 +79,9 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str | None, i
             x, y = make_batch(CFG, micro_batches * MICRO_ROWS, seed=1000 + step)  # the global batch
             for k in range(per_rank):  # this rank's consecutive micro-batches, accumulated by the engine
                 rows = slice((rank * per_rank + k) * MICRO_ROWS, (rank * per_rank + k + 1) * MICRO_ROWS)
-                (model(x[rows], y[rows]) / per_rank).backward()
+                skip_sync = name.endswith("no_sync") and k < per_rank - 1
+                with model.no_sync() if skip_sync else contextlib.nullcontext():
+                    (model(x[rows], y[rows]) / per_rank).backward()
             if clip:
                 if entry == "fully_shard":  # the plain norm of the full gradients, to check the value
                     full = [p.grad.full_tensor().double().reshape(-1) for p in model.parameters()]
