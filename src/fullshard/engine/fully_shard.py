@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fullshard.engine import grad_norm, invariant
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, Offload, OffloadPolicy, StateDictType
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
@@ -84,6 +85,17 @@ class FSDPModule:
                 )
             unit.group.set_comm_hook(state, hook)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of this (root) module's parameters to a global norm; return the norm before clipping.
+
+        fullshard's addition to torch's ``FSDPModule`` (where ``torch.nn.utils.clip_grad_norm_`` over the ``DTensor``
+        parameters does it). In world-size-invariant mode the norm is the same, bitwise, on every world size (torch's
+        function over the ``DTensor`` parameters sums per-rank partial norms: not invariant)."""
+        states = unit_states_in(self)  # type: ignore[arg-type]
+        managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
+        others = [p for p in self.parameters() if id(p) not in managed]  # type: ignore[attr-defined]
+        return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``), then take the moved sharded parameters back
         into the unit's flat shard (see ``materialize.py``)."""
@@ -140,6 +152,7 @@ def fully_shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
     tp_mesh: DeviceMesh | None = None,
+    invariant_micro_batches: int | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
@@ -156,6 +169,11 @@ def fully_shard(
     dimension of the same mesh; the unit's plain parameters are then replicated over it (their sharded form is a
     ``DTensor`` over (``mesh``'s dims, tp) placed ``Replicate()`` on tp), as Accelerate replicates the parameters
     a tensor parallel plan left plain; modules still compute with plain tensors.
+    ``invariant_micro_batches=G`` (or ``FULLSHARD_INVARIANT_MICRO_BATCHES=G``) turns on world-size-invariant mode:
+    for a fixed global batch cut into ``G`` micro-batches (a power of two, a multiple of the world size), the
+    weights after every step are bitwise the same on any number of ranks; each rank runs its ``G/N`` consecutive
+    micro-batches per step and the engine accumulates them; clip with :meth:`FSDPModule.clip_grad_norm_`. See
+    [Note: world-size invariance] in ``invariant.py``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
@@ -172,11 +190,13 @@ def fully_shard(
     shard_group = shard_group_from_mesh(mesh, device)
     if tp_mesh is not None:
         shard_group = replace(shard_group, tp_mesh=tp_mesh)
+    micro_batches = invariant.resolve(invariant_micro_batches, "fully_shard")
     config = UnitConfig(
         reshard_after_forward=reshard_after_forward,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
         casts=casts_from_policy(mp_policy),
+        invariant_micro_batches=micro_batches,
     )
     offload = _resolve_offload(offload_policy, device)
     ignored = Ignored(param_ids=frozenset(id(p) for p in (ignored_params or ())))
@@ -193,6 +213,8 @@ def fully_shard(
         init=init,
     )
     where = f"fully_shard({type(module).__name__})"
+    if micro_batches is not None and state.group is not None:
+        invariant.validate_group(state.group, micro_batches, where)
     sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
     module.__class__ = _fsdp_class(type(module))
     state.keep_hooks(

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from fullshard.engine import invariant
 from fullshard.engine.param import local_tensor
 from fullshard.engine.state import UnitState
 
@@ -27,8 +28,11 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip the gradients of ``states``' sharded parameters and ``other_params`` to a global norm.
 
-    Returns the total norm (before clipping) as a tensor, equal on every rank.
+    Returns the total norm (before clipping) as a tensor, equal on every rank. Units in world-size-invariant mode
+    sum it in a fixed order instead (``invariant.clip_grad_norm_``).
     """
+    if any(s.config.invariant_micro_batches is not None for s in states):
+        return invariant.clip_grad_norm_(states, other_params, max_norm, norm_type)
     norm_type = float(norm_type)
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) must be positive, or inf.")

@@ -482,6 +482,11 @@ class ParamGroup:
             output = finish_reduce(self._pending.pop(0), self.shard_group, self.label)
             self._accumulate_sharded_grads(output.to(self.storage_device, self.precision.grad_dtype))
 
+    def accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
+        """Add a reduced ``flat_grad`` (1D, G_t, the trainable parameters' shards, storage device and gradient dtype)
+        into their ``.grad`` (world-size-invariant mode reduces on its own, see ``invariant.py``)."""
+        self._accumulate_sharded_grads(flat_grad)
+
     def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``."""
         for sp in self.grad_params:

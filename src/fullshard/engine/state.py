@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from fullshard.engine import collective_check, trace
+from fullshard.engine import collective_check, invariant, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
@@ -82,6 +82,8 @@ class UnitConfig:
     # While gradient sync is off, show each parameter's unreduced local gradient as its .grad (torch's FSDP1
     # does, for every strategy); torch's FSDP2 leaves the sharded .grad alone until the synchronised backward.
     expose_unsynced_grads: bool = False
+    # World-size-invariant mode: G micro-batches per step, summed in one fixed tree (see invariant.py); None: off.
+    invariant_micro_batches: int | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
@@ -210,7 +212,10 @@ class UnitState:
     def signature(self) -> tuple[Any, ...]:
         """What every rank must agree on: the unit's name and its parameters' names, shapes and dtypes."""
         params = [] if self.group is None else [(sp.fqn, sp.shape, str(sp.dtype)) for sp in self.group.params]
-        return (self.label, tuple(params))
+        label = self.label
+        if self.config.invariant_micro_batches is not None:  # ranks must agree on the mode too
+            label = f"{label} (invariant_micro_batches={self.config.invariant_micro_batches})"
+        return (label, tuple(params))
 
     @property
     def is_root(self) -> bool:
@@ -236,6 +241,7 @@ class UnitState:
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
+        invariant.check_one_mode(states)
         _check_same_units_on_all_ranks(states)
 
     def _group_state_changed(self, old: ShardState, new: ShardState) -> None:
@@ -375,7 +381,9 @@ class UnitState:
             return
         with trace.phase(trace.POST_BACKWARD):
             self.training_state = TrainingState.POST_BACKWARD
-            if self.requires_gradient_sync:
+            if self.config.invariant_micro_batches is not None:
+                invariant.fold_backward(self)  # accumulates; reduces on the rank's last micro-batch of the step
+            elif self.requires_gradient_sync:
                 group.reduce_grads()
                 self.reduced = True
                 ctx.backward.in_flight.append(group)
@@ -393,9 +401,11 @@ class UnitState:
             raise AssertionError(f"[rank {global_rank()}] {self.label}: final callback without a root context")
         with trace.phase(trace.FINAL_CALLBACK):
             try:
+                if self.config.invariant_micro_batches is not None:  # every unit's mode is the root's (check_one_mode)
+                    invariant.fold_leftovers(ctx.states)
                 for state in ctx.states:
                     group = state.group
-                    if group is None or not state.requires_gradient_sync:
+                    if group is None or not state.requires_gradient_sync or state.config.invariant_micro_batches:
                         continue
                     if state.ran_forward and not state.reduced and group.requires_grad:
                         group.reduce_grads()

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fullshard.engine import grad_norm, optim_state, summon
+from fullshard.engine import grad_norm, invariant, optim_state, summon
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import (
     BackwardPrefetch,
@@ -87,6 +87,7 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Iterable[Any] | None = None,
         device_mesh: DeviceMesh | None = None,
+        invariant_micro_batches: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -99,6 +100,7 @@ class FullyShardedDataParallel(nn.Module):
         )
         prefetch = coerce_optional_enum(backward_prefetch, BackwardPrefetch, arg="backward_prefetch", allow_int=True)
         require_process_group("FullyShardedDataParallel")
+        micro_batches = invariant.resolve(invariant_micro_batches, "FullyShardedDataParallel")
         ignored = resolve_ignored(module, ignored_modules, ignored_states)
         _refuse_tensor_parallel(module, ignored)
         device = resolve_device(device_id, module)
@@ -116,6 +118,7 @@ class FullyShardedDataParallel(nn.Module):
             "use_orig_params": use_orig_params,
             "ignored_states": list(ignored_modules or []) + list(ignored_states or []) or None,
             "device_mesh": device_mesh,
+            "invariant_micro_batches": micro_batches,
         }
         casts = casts_from_mixed_precision(mixed_precision)
         offload = _resolve_offload(cpu_offload)
@@ -130,6 +133,7 @@ class FullyShardedDataParallel(nn.Module):
             limit_all_gathers=bool(limit_all_gathers),
             casts=casts,
             expose_unsynced_grads=True,
+            invariant_micro_batches=micro_batches,
         )
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
@@ -138,6 +142,9 @@ class FullyShardedDataParallel(nn.Module):
         self._unit = build_unit(
             self, shard_group, config, ignored=ignored, label=type(module).__name__, offload=offload, init=init
         )
+        if micro_batches is not None and self._unit.group is not None:
+            where = f"FullyShardedDataParallel({type(module).__name__})"
+            invariant.validate_group(self._unit.group, micro_batches, where)
         sd.install_state_dict_hooks(
             self,
             self._unit,

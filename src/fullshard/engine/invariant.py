@@ -1,0 +1,423 @@
+"""World-size-invariant training (issue 27 §1): the weights after every step are bitwise the same on 1, 2, 4, ...
+ranks for a fixed global batch and seed. Opt-in: ``invariant_micro_batches=G`` on ``fully_shard`` and
+``FullyShardedDataParallel``, or ``FULLSHARD_INVARIANT_MICRO_BATCHES=G`` in the environment.
+
+[Note: world-size invariance]
+Floating-point addition is not associative, so a gradient summed over the same samples in a different order
+differs in the last bits; by default the order depends on the number of ranks ``N`` (what each rank adds
+locally, and the order of gloo's or NCCL's reduction). Invariant mode fixes every order independently of ``N``:
+
+- The global batch is cut into ``G`` micro-batches, ``G`` a power of two and a multiple of ``N`` (refused
+  otherwise, by name). Micro-batch ``g`` holds the same samples whatever ``N``. The rank at data-parallel index
+  ``i`` (its rank in the shard group for FULL_SHARD and SHARD_GRAD_OP; ``replica * shard_size + shard_rank``
+  for hybrid sharding) runs micro-batches ``i*G/N .. (i+1)*G/N - 1`` in order, one forward and backward each
+  (the training loop does this); the engine accumulates them: every unit's gradient is reduced once per
+  ``G/N`` backward passes, on the last of them, with no ``no_sync()`` needed (a ``no_sync()`` around the
+  first ``G/N - 1`` is accepted; one around the last is refused, it would leave the step unreduced).
+- Gradients are summed over the ``G`` micro-batches in one pairwise tree: within a rank each micro-batch's
+  unsharded gradient is pushed onto a binary-counter stack of partial sums (:class:`TreeSum`), so the rank's
+  ``G/N`` micro-batches make exactly one subtree; across ranks, an all-to-all hands every rank the ``N``
+  partial sums of its chunk, added in the same tree (pairs of neighbouring ranks first). Hybrid sharding does
+  this over the shard group, then all-gathers the ``R`` replicas' chunks and adds them in the same tree (shard
+  groups are consecutive ranks, so this is the global tree over ``N = S*R`` ranks). The average divides by
+  ``N`` as the default does: the loss divided by ``G/N`` and the sum divided by ``N`` are powers of two, which
+  scale every rounding exactly (outside the subnormal range).
+- The gradient norm for ``clip_grad_norm_`` is summed over fixed pieces of ``PIECE`` elements of every
+  parameter's flattened full gradient (not over whatever shard a rank holds): each piece is summed, in a fixed
+  pairwise tree, by the rank holding its first element, which receives the few elements it lacks from the
+  ranks after it (one all-reduce of a buffer in which every element is nonzero on one rank only: adding zeros
+  is exact); the piece sums travel the same way, and every rank adds them in one fixed tree.
+
+What this costs: each rank keeps up to ``log2(G/N) + 1`` unsharded gradients of a unit between micro-batches
+(the default's sharded accumulation keeps none; ``no_sync()`` keeps one), an all-to-all instead of a
+reduce-scatter (the same bytes; on gloo the pairwise reduce-scatter overlaps better), and the tree additions.
+Float32 only for now: the tree is order-fixed in any dtype, but a bf16 or fp16 run should keep the partial sums in
+a float32 ``reduce_dtype`` and round once, at one fixed point, rather than at every level of the tree. Forward and
+backward kernels must themselves be deterministic and shape-stable (the same micro-batch shape on every ``N``, the
+same intra-op thread count; on CUDA ``torch.use_deterministic_algorithms(True)``), which this module cannot enforce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fullshard.engine import collective_check, trace
+from fullshard.engine.collectives import COMM_STATS, all_gather_flat, rank_major
+from fullshard.engine.group import ParamGroup
+from fullshard.engine.param import local_tensor
+
+__all__ = [
+    "ENV",
+    "PIECE",
+    "TreeSum",
+    "check_one_mode",
+    "clip_grad_norm_",
+    "fold_backward",
+    "fold_leftovers",
+    "pending_micro_batches",
+    "resolve",
+    "tree_sum_rows",
+    "validate_group",
+]
+
+ENV = "FULLSHARD_INVARIANT_MICRO_BATCHES"
+"""The environment's ``G`` when the entry point's ``invariant_micro_batches`` is not given (unset, empty or 0: off)."""
+
+PIECE = 1024
+"""Elements per piece of a flattened full gradient in the invariant gradient norm (a power of two; fixed, so
+that the norm is the same function of the gradients on every world size and in every release)."""
+
+
+def resolve(micro_batches: int | None, where: str) -> int | None:
+    """``G`` from the argument, else from :data:`ENV`; ``None`` for the default mode. Refuses a ``G`` that is not
+    a power of two."""
+    value: Any = micro_batches
+    source = f"{where}(invariant_micro_batches={micro_batches!r})"
+    if value is None:
+        text = os.environ.get(ENV, "").strip()
+        if text in ("", "0"):
+            return None
+        source = f"{ENV}={text!r}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{source}: expected the number of micro-batches per step, a power of two.") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(
+            f"{source}: world-size-invariant mode needs the number G of micro-batches per step to be a power of "
+            "two (1, 2, 4, 8, ...), a multiple of every world size it will run on."
+        )
+    return value
+
+
+def validate_group(group: ParamGroup, micro_batches: int, where: str) -> None:
+    """Refuse what invariant mode does not cover, naming it: a ``G`` that the data-parallel size does not divide,
+    reductions below float32, tensor parallel parameters."""
+    n = group.shard_group.data_parallel_size
+    if micro_batches % n:
+        raise ValueError(
+            f"{where}: invariant_micro_batches={micro_batches} is not a multiple of the data-parallel size {n}. "
+            f"Each rank runs G/N micro-batches per step, so G must be a multiple of every world size (powers of two)."
+        )
+    dtypes = {group.dtype, group.precision.param_dtype, group.precision.reduce_dtype, group.precision.grad_dtype}
+    if dtypes != {torch.float32}:
+        raise ValueError(
+            f"{where}: world-size-invariant mode supports float32 parameters, compute and reduction only (got "
+            f"{sorted(str(d) for d in dtypes)}); drop the mixed precision policy, or drop invariant_micro_batches."
+        )
+    if any(sp.tp is not None for sp in group.params):
+        raise ValueError(f"{where}: world-size-invariant mode does not support tensor parallel parameters yet.")
+
+
+def check_one_mode(states: Sequence[Any]) -> None:
+    """At the root's lazy init: every unit of one model runs in the same mode (the same ``G``, or none)."""
+    modes = {s.config.invariant_micro_batches for s in states}
+    if len(modes) > 1:
+        labels = {mode: next(s.label for s in states if s.config.invariant_micro_batches == mode) for mode in modes}
+        shown = ", ".join(f"{labels[m]!r}: {m}" for m in sorted(modes, key=str))
+        raise ValueError(
+            f"the units of one model mix world-size-invariant modes (invariant_micro_batches per unit: {shown}); pass "
+            "the same invariant_micro_batches to every fully_shard call (FullyShardedDataParallel passes it on)."
+        )
+
+
+# --- the tree ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeSum:
+    """A binary-counter stack of partial sums: pushing ``2**k`` tensors leaves one entry, their pairwise tree sum
+    ``((t0 + t1) + (t2 + t3)) + ...``; entries are ``(level, sum of 2**level consecutive pushes)``.
+
+    The pushed tensors become the stack's (they are added into in place).
+    """
+
+    entries: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    count: int = 0
+
+    def push(self, tensor: torch.Tensor) -> None:
+        level = 0
+        while self.entries and self.entries[-1][0] == level:
+            _, left = self.entries.pop()
+            tensor = left.add_(tensor)  # left + right, in place: the same bits as a new tensor
+            level += 1
+        self.entries.append((level, tensor))
+        self.count += 1
+
+    def take(self) -> torch.Tensor:
+        """The sum of every push (their number must be a power of two); the stack is empty afterwards."""
+        if len(self.entries) != 1:
+            raise AssertionError(f"TreeSum.take after {self.count} pushes: not a power of two")
+        total = self.entries.pop()[1]
+        self.count = 0
+        return total
+
+
+def tree_sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The pairwise tree sum of the rows of ``rows`` (``(n, m)``, ``n`` a power of two): rows ``2i`` and ``2i+1``
+    first, as :class:`TreeSum` adds consecutive pushes."""
+    while rows.shape[0] > 1:
+        rows = rows[0::2] + rows[1::2]
+    return rows[0]
+
+
+def _tree_sum_columns(values: torch.Tensor) -> torch.Tensor:
+    """Each row of ``values`` (``(k, w)``, ``w`` a power of two) summed in a fixed pairwise tree: ``(k,)``."""
+    while values.shape[1] > 1:
+        half = values.shape[1] // 2
+        values = values[:, :half] + values[:, half:]
+    return values[:, 0]
+
+
+# --- accumulation and reduction ------------------------------------------------------------------------------
+
+_TREES: weakref.WeakKeyDictionary[ParamGroup, TreeSum] = weakref.WeakKeyDictionary()
+
+
+def _tree(group: ParamGroup) -> TreeSum:
+    tree = _TREES.get(group)
+    if tree is None:
+        tree = _TREES[group] = TreeSum()
+    return tree
+
+
+def pending_micro_batches(group: ParamGroup) -> int:
+    """Micro-batches folded into ``group``'s stack and not reduced yet (0 right after a step's last one)."""
+    tree = _TREES.get(group)
+    return 0 if tree is None else tree.count
+
+
+def fold_backward(state: Any) -> None:
+    """A unit's post-backward in invariant mode: push this micro-batch's unsharded gradient (zeros if it has none)
+    and, on the rank's ``G/N``-th micro-batch, reduce the step (see [Note: world-size invariance]).
+
+    ``state`` is the unit's ``UnitState``; its ``reduced`` flag marks the unit as folded for this backward."""
+    group: ParamGroup = state.group
+    if state.reduced or not group.requires_grad:
+        return
+    state.reduced = True
+    tree = _tree(group)
+    per_rank = state.config.invariant_micro_batches // group.shard_group.data_parallel_size
+    last = tree.count + 1 == per_rank
+    if last and not state.requires_gradient_sync:
+        raise RuntimeError(
+            f"unit {group.label!r}: micro-batch {per_rank} of {per_rank} on this rank ran with gradient sync off "
+            f"(no_sync() or set_requires_gradient_sync(False)); in world-size-invariant mode the engine reduces "
+            f"every G/N = {per_rank} micro-batches itself. Run exactly G/N micro-batches per step, the last one with "
+            "gradient sync on (or never turn it off)."
+        )
+    grad = group.flat_full.grad
+    group.flat_full.grad = None
+    rdtype = group.precision.reduce_dtype
+    if grad is None:
+        grad = torch.zeros(group.world * group.shard_numel, dtype=rdtype, device=group.device)
+    elif grad.dtype != rdtype:
+        grad = grad.to(rdtype)
+    tree.push(grad)
+    if last:
+        _reduce(group, tree.take())
+
+
+def fold_leftovers(states: Sequence[Any]) -> None:
+    """The root's final callback in invariant mode: fold (zeros, or a gradient the post-backward did not see) for
+    every unit that was not folded in this backward, so every unit counts every micro-batch."""
+    for state in states:
+        if state.group is not None:
+            fold_backward(state)
+
+
+def _reduce(group: ParamGroup, total: torch.Tensor) -> None:
+    """Reduce this rank's subtree sum ``total`` (unsharded, laid out like ``flat_full``) to its shard in the tree
+    order, average it and add it into the sharded gradients."""
+    if group.comm_hook is not None:
+        raise ValueError(
+            f"unit {group.label!r}: a communication hook is registered; world-size-invariant mode reduces in its "
+            "own fixed order and takes no hook."
+        )
+    sg = group.shard_group
+    world = group.world
+    with trace.phase(trace.REDUCE_SCATTER):
+        ordered = rank_major(total, group.grad_params, world)  # (S, trainable G)
+        if world > 1:
+            received = torch.empty_like(ordered)
+            pg = sg.shard_pg
+            COMM_STATS.add("reduce_scatter", ordered.numel() * ordered.element_size() * (world - 1) / world)
+            with collective_check.collective("reduce_scatter", group.label, pg):
+                dist.all_to_all_single(received, ordered, group=pg)
+            chunk = tree_sum_rows(received)  # row r: rank r's partial sum of this rank's chunk
+        else:
+            chunk = ordered.view(-1)
+        replicate_pg = sg.replicate_pg
+        if replicate_pg is not None:
+            replicas = sg.replicate_size
+            gathered = torch.empty(replicas, chunk.numel(), dtype=chunk.dtype, device=chunk.device)
+            with collective_check.collective("all_gather", group.label, replicate_pg):
+                all_gather_flat(gathered.view(-1), chunk.contiguous(), replicate_pg, async_op=False)
+            chunk = tree_sum_rows(gathered)
+        n = sg.data_parallel_size
+        if n > 1:
+            chunk = chunk / n  # a power of two: exact
+    group.accumulate_sharded_grads(chunk.to(group.storage_device, group.precision.grad_dtype))
+
+
+# --- the gradient norm ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Param:
+    """One trainable parameter as the norm sees it: its flattened full gradient's ``numel``, each shard rank's
+    ``[start, end)`` of it (none when every rank holds all of it: a parameter outside every unit, or a unit with one
+    rank per shard group), and this rank's local gradient."""
+
+    numel: int
+    ranges: list[tuple[int, int]]
+    local: torch.Tensor  # flattened; ``ranges`` empty: the whole gradient, held by every rank
+
+
+def _ceil_to(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _head(start: int, end: int) -> tuple[int, int]:
+    """The part of ``[start, end)`` that belongs to a piece starting before ``start``."""
+    return start, min(end, _ceil_to(start, PIECE))
+
+
+def clip_grad_norm_(
+    states: Sequence[Any], other_params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``grad_norm.clip_grad_norm_`` in invariant mode: the same total norm, bitwise, on every world size (see
+    [Note: world-size invariance]); then every gradient is multiplied by the same clipping coefficient."""
+    norm_type = float(norm_type)
+    if norm_type <= 0 and not math.isinf(norm_type):
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) must be positive, or inf.")
+    groups: list[ParamGroup] = [s.group for s in states if s.group is not None]
+    for group in groups:
+        if pending_micro_batches(group):
+            raise RuntimeError(
+                f"clip_grad_norm_ with {pending_micro_batches(group)} micro-batches of unit {group.label!r} folded "
+                "but not reduced yet: in world-size-invariant mode run G/N micro-batches per rank before clipping."
+            )
+    shard_pgs = {id(g.shard_group.shard_pg): g.shard_group.shard_pg for g in groups if g.shard_group.shard_size > 1}
+    if len(shard_pgs) > 1:
+        raise ValueError("world-size-invariant clip_grad_norm_ needs every unit sharded over the same process group.")
+    pg = next(iter(shard_pgs.values()), None)
+    shard_rank = dist.get_rank(pg) if pg is not None else 0
+    params: list[_Param] = []
+    grads: list[torch.Tensor] = []  # to clip
+    for group in groups:
+        for sp in group.params:
+            if not sp.requires_grad:
+                continue
+            lay = sp.layout
+            grad = sp.sharded_param.grad
+            local = local_tensor(grad) if grad is not None else None
+            if local is not None:
+                grads.append(local)
+            if local is None:
+                flat = torch.zeros(lay.local_numel, device=group.storage_device)
+            else:
+                flat = local.detach().reshape(-1)
+            ranges = []  # none: held whole by every rank (one rank per shard group, e.g. NO_SHARD)
+            for r in range(lay.world if lay.world > 1 else 0):
+                rl = lay.for_rank(r)
+                start = rl.row_offset * rl.row_numel
+                ranges.append((start, start + rl.local_numel))
+            params.append(_Param(lay.numel, ranges, flat))
+    for p in other_params:
+        if p.grad is not None:
+            grads.append(local_tensor(p.grad))
+            params.append(_Param(p.numel(), [], local_tensor(p.grad).detach().reshape(-1)))
+    device = grads[0].device if grads else torch.device("cpu")
+    if math.isinf(norm_type):
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                total = torch.maximum(total, g.detach().abs().max().float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)  # a maximum does not depend on the order
+    else:
+        piece_sums = _piece_sums(params, pg, shard_rank, norm_type, device)
+        width = 1 << max(0, (piece_sums.numel() - 1).bit_length())
+        padded = torch.zeros(1, width, dtype=torch.float32, device=device)
+        padded[0, : piece_sums.numel()] = piece_sums
+        total = _tree_sum_columns(padded)[0].pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total
+
+
+def _powered(values: torch.Tensor, norm_type: float) -> torch.Tensor:
+    values = values.float()
+    return values * values if norm_type == 2.0 else values.abs().pow(norm_type)
+
+
+def _piece_sums(
+    params: list[_Param], pg: dist.ProcessGroup | None, shard_rank: int, norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """Every piece's sum of ``|g|^p``, in the fixed order (parameters in unit order, pieces in element order),
+    equal on every rank."""
+    # 1. The boundary elements: each rank's head (the part of its range in a piece that starts on an earlier rank),
+    # laid out parameter by parameter, rank by rank, exchanged by one all-reduce (nonzero on one rank each).
+    head_offsets: list[list[int]] = []
+    size = 0
+    for p in params:
+        offsets = []
+        for start, end in p.ranges:
+            offsets.append(size)
+            lo, hi = _head(start, end)
+            size += hi - lo
+        head_offsets.append(offsets)
+    heads = torch.zeros(size, dtype=torch.float32, device=device)
+    for p, offsets in zip(params, head_offsets):
+        if p.ranges:
+            start, end = p.ranges[shard_rank]
+            lo, hi = _head(start, end)
+            heads[offsets[shard_rank] : offsets[shard_rank] + hi - lo] = p.local[: hi - lo].float()
+    if pg is not None and size:
+        with collective_check.collective("all_reduce", "clip_grad_norm_", pg):
+            dist.all_reduce(heads, group=pg)
+    # 2. Each rank sums the pieces that start in its range; the piece sums travel the same way.
+    first_piece: list[int] = []
+    count = 0
+    for p in params:
+        first_piece.append(count)
+        count += -(-p.numel // PIECE)
+    sums = torch.zeros(count, dtype=torch.float32, device=device)
+    shared = torch.zeros(count, dtype=torch.bool, device=device)
+    for p, offsets, first in zip(params, head_offsets, first_piece):
+        if not p.ranges:  # held whole by every rank: summed everywhere, kept out of the exchange
+            values, begin = p.local, 0
+            shared[first : first + -(-p.numel // PIECE)] = True
+        else:
+            start, end = p.ranges[shard_rank]
+            begin = _ceil_to(start, PIECE)
+            if begin >= end:
+                continue  # no piece starts here
+            stop = min(p.numel, _ceil_to(end, PIECE))
+            own = p.local[begin - start :]
+            if stop > end:  # the heads of the ranks after this one, which are contiguous in the buffer
+                after = offsets[shard_rank + 1]
+                values = torch.cat([own.float(), heads[after : after + stop - end]])
+            else:
+                values = own
+        n_pieces = -(-values.numel() // PIECE)
+        block = torch.zeros(n_pieces * PIECE, dtype=torch.float32, device=device)
+        block[: values.numel()] = _powered(values, norm_type)
+        index = first + begin // PIECE
+        sums[index : index + n_pieces] = _tree_sum_columns(block.view(n_pieces, PIECE))
+    if pg is not None and count:
+        exchanged = torch.where(shared, torch.zeros_like(sums), sums)
+        with collective_check.collective("all_reduce", "clip_grad_norm_", pg):
+            dist.all_reduce(exchanged, group=pg)
+        sums = torch.where(shared, sums, exchanged)
+    return sums

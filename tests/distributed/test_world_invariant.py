@@ -1,0 +1,183 @@
+"""World-size-invariant mode (issue 27 §1): for a fixed global batch cut into G micro-batches, the weights after
+AdamW steps are bitwise equal (``torch.equal``) on 1, 2 and 4 ranks, with accumulation (G/N micro-batches per
+rank) and with gradient clipping; see [Note: world-size invariance] in ``engine/invariant.py``.
+
+Every case of one world size runs in one pool call (the training is tiny); the 1-rank world is a pool of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fullshard import FSDP, fully_shard
+from fullshard.engine.api import ShardingStrategy
+from fullshard.engine.invariant import PIECE, TreeSum, resolve, tree_sum_rows
+from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.wrap import ModuleWrapPolicy
+
+# Odd sizes (no dim 0 divides 2 or 4); n_embd 40 makes the MLP weights (161 x 40) span several norm pieces.
+CFG = GPTConfig(n_embd=40, n_head=4)
+MICRO_ROWS, STEPS, MAX_NORM = 2, 3, 0.05
+
+# (name, entry, strategy, G, clip)
+CASES = [
+    ("fsdp-full-G4", "fsdp", "FULL_SHARD", 4, False),
+    ("fsdp-full-G4-clip", "fsdp", "FULL_SHARD", 4, True),
+    ("fsdp-grad-op-G4", "fsdp", "SHARD_GRAD_OP", 4, False),
+    ("fsdp-grad-op-G4-clip", "fsdp", "SHARD_GRAD_OP", 4, True),
+    ("fully-shard-G4", "fully_shard", None, 4, False),
+    ("fully-shard-G4-clip", "fully_shard", None, 4, True),
+    ("fully-shard-G8-clip", "fully_shard", None, 8, True),  # 4 ranks accumulate too
+    ("fsdp-hybrid-G4-clip", "fsdp", "HYBRID_SHARD", 4, True),
+    ("fsdp-no-shard-G4-clip", "fsdp", "NO_SHARD", 4, True),
+    ("fsdp-full-G8-no_sync", "fsdp", "FULL_SHARD", 8, False),  # no_sync() around all but a rank's last micro-batch
+]
+
+
+def _build(entry: str, strategy: str | None, micro_batches: int, world: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    if entry == "fully_shard":
+        for block in model.blocks:
+            fully_shard(block, invariant_micro_batches=micro_batches)
+        return fully_shard(model, invariant_micro_batches=micro_batches)
+    kwargs = {}
+    if strategy == "HYBRID_SHARD":  # (replicate, shard): 1 -> (1, 1), 2 -> (2, 1), 4 -> (2, 2)
+        kwargs["device_mesh"] = init_device_mesh("cpu", (min(world, 2), max(1, world // 2)))
+    return FSDP(
+        model,
+        sharding_strategy=ShardingStrategy[strategy or "FULL_SHARD"],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        invariant_micro_batches=micro_batches,
+        **kwargs,
+    )
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, str, str | None, int, bool]]) -> dict[str, object]:
+    results: dict[str, object] = {}
+    for name, entry, strategy, micro_batches, clip in cases:
+        model = _build(entry, strategy, micro_batches, world)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        per_rank = micro_batches // world
+        norms, references = [], []
+        for step in range(STEPS):
+            x, y = make_batch(CFG, micro_batches * MICRO_ROWS, seed=1000 + step)  # the global batch
+            for k in range(per_rank):  # this rank's consecutive micro-batches, accumulated by the engine
+                rows = slice((rank * per_rank + k) * MICRO_ROWS, (rank * per_rank + k + 1) * MICRO_ROWS)
+                skip_sync = name.endswith("no_sync") and k < per_rank - 1
+                with model.no_sync() if skip_sync else contextlib.nullcontext():
+                    (model(x[rows], y[rows]) / per_rank).backward()
+            if clip:
+                if entry == "fully_shard":  # the plain norm of the full gradients, to check the value
+                    full = [p.grad.full_tensor().double().reshape(-1) for p in model.parameters()]
+                    references.append(float(torch.linalg.vector_norm(torch.cat(full))))
+                norms.append(model.clip_grad_norm_(MAX_NORM))
+            opt.step()
+            opt.zero_grad()
+        results[name] = {"params": _full_params(model), "norms": norms, "references": references}
+    return results
+
+
+@pytest.fixture(scope="module")
+def pool1() -> Iterator[WorkerPool]:
+    pool = WorkerPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[int, list[dict[str, object]]]:
+    return {n: pool.run(train_cases, CASES) for n, pool in ((1, pool1), (2, pool2), (4, pool4))}
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, object]]], case: str) -> None:
+    want = runs[1][0][case]
+    clip = next(c[4] for c in CASES if c[0] == case)
+    if clip:  # the clipping coefficient was below 1 at every step, so clipping changed the gradients
+        assert all(float(n) > MAX_NORM for n in want["norms"]), want["norms"]
+        for norm, reference in zip(want["norms"], want["references"]):  # fully_shard cases
+            assert float(norm) == pytest.approx(reference, rel=1e-6)
+    for world, results in runs.items():
+        for rank, result in enumerate(results):
+            got = result[case]
+            assert sorted(got["params"]) == sorted(want["params"])
+            for name, value in want["params"].items():
+                assert torch.equal(got["params"][name], value), f"{case}: {world} ranks, rank {rank}: {name} differs"
+            for a, b in zip(got["norms"], want["norms"], strict=True):
+                assert torch.equal(a, b), f"{case}: {world} ranks, rank {rank}: norm {a} != {b}"
+
+
+def test_tree_sum_matches_across_splits() -> None:
+    """The stack of one rank's micro-batches, then the tree over ranks' partials: the same bits for every split."""
+    torch.manual_seed(0)
+    grads = [torch.randn(1000) * 10 ** float(i % 5) for i in range(8)]
+    results = []
+    for ranks in (1, 2, 4, 8):
+        partials = []
+        for r in range(ranks):
+            tree = TreeSum()
+            for g in grads[r * 8 // ranks : (r + 1) * 8 // ranks]:
+                tree.push(g.clone())
+            partials.append(tree.take())
+        results.append(tree_sum_rows(torch.stack(partials)))
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert not torch.equal(results[0], sum(grads[1:], grads[0].clone()))  # a left fold rounds differently here
+
+
+def test_refusals(pool2: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        resolve(3, "fully_shard")
+    monkeypatch.setenv("FULLSHARD_INVARIANT_MICRO_BATCHES", "6")
+    with pytest.raises(ValueError, match="FULLSHARD_INVARIANT_MICRO_BATCHES='6'"):
+        resolve(None, "fully_shard")
+    monkeypatch.setenv("FULLSHARD_INVARIANT_MICRO_BATCHES", "0")
+    assert resolve(None, "fully_shard") is None
+    with pytest.raises(RankFailure, match="not a multiple of the data-parallel size 2"):
+        pool2.run(_wrap_with, 1)
+    assert PIECE & (PIECE - 1) == 0
+
+
+def _wrap_with(rank: int, world: int, micro_batches: int) -> None:
+    fully_shard(TinyGPT(CFG), invariant_micro_batches=micro_batches)
+
+
+def _misuse(rank: int, world: int, what: str) -> None:
+    """G=8 on 2 ranks: 4 micro-batches per rank per step."""
+    model = fully_shard(TinyGPT(CFG), invariant_micro_batches=None if what == "mixed" and rank else 8)
+    x, y = make_batch(CFG, 2, seed=0)
+    if what == "mixed":
+        model(x, y)
+    for k in range(4):
+        model.set_requires_gradient_sync(what != "no_sync on the last" or k < 3)
+        model(x, y).backward()
+        if what == "clip early" and k == 2:
+            model.clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("clip early", "3 micro-batches of unit .* folded but not reduced"),
+        ("no_sync on the last", "micro-batch 4 of 4 on this rank ran with gradient sync off"),
+        ("mixed", "invariant_micro_batches=8"),
+    ],
+)
+def test_misuse_is_refused(pool2: WorkerPool, what: str, message: str) -> None:
+    with pytest.raises(RankFailure, match=message):
+        pool2.run(_misuse, what)
