@@ -6,7 +6,7 @@ Prints the machine, then per system (fullshard fully_shard, torch FSDP2) and mod
 first step's time (for compiled blocks: dynamo tracing plus the backend's compilation), the median of the later
 steps, and the losses of the first steps (compiled and eager must agree to the backend's tolerance); then the
 compiled steps of fullshard over torch FSDP2's, and each system's compile gain (eager median over compiled).
-Each (system, mode) runs in fresh ranks (a fresh compile cache), in the order fullshard eager, torch eager,
+Each (system, mode) runs in fresh ranks with an empty inductor cache, in the order fullshard eager, torch eager,
 fullshard compiled, torch compiled; torchtitan's recipe: ``block.compile()`` then ``fully_shard(block)``
 (``--order shard_first`` compiles after sharding). 2 gloo ranks on CPU, the GPT of ``benchmarks/train.py steps``.
 """
@@ -14,7 +14,9 @@ fullshard compiled, torch compiled; torchtitan's recipe: ``block.compile()`` the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -38,6 +40,9 @@ def _shard(model: TinyGPT, name: str) -> None:
 
 
 def _run(rank: int, world: int, name: str, compiled: bool, cfg: GPTConfig, args: dict[str, Any]) -> dict:
+    # A cold compile cache for every run (inductor reads the variable when it compiles): the first system compiled
+    # must not leave the second its kernels, or the first-step times compare a compile with a cache hit.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"fullshard-compile-{rank}-")
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     if compiled and args["order"] == "compile_first":
