@@ -97,7 +97,7 @@ def _resolve_precision(mixed_precision: object) -> PrecisionType:
     return PrecisionType.parse(mixed_precision, arg="Accelerator(mixed_precision)")
 
 
-class Accelerator:
+class Accelerator(runtime.ProcessView):
     """Prepares models, optimizers, dataloaders and schedulers for sharded training; see the module docstring."""
 
     deepspeed_plugin = None  # accelerator.state.deepspeed_plugin: scripts test it to pick DeepSpeed's placeholders
@@ -176,13 +176,6 @@ class Accelerator:
     def state(self) -> Accelerator:
         """Accelerate's ``accelerator.state``: here the accelerator itself (``.fsdp_plugin``, ``.device``, ...)."""
         return self
-
-    device = property(lambda self: self._process.device, doc="The device this process computes on.")
-    process_index = property(lambda self: self._process.process_index, doc="Global rank.")
-    local_process_index = property(lambda self: self._process.local_process_index, doc="Rank on this machine.")
-    num_processes = property(lambda self: self._process.num_processes, doc="World size.")
-    is_main_process = property(lambda self: self._process.is_main_process, doc="Global rank 0.")
-    is_local_main_process = property(lambda self: self._process.is_local_main_process, doc="Local rank 0.")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -265,18 +258,6 @@ class Accelerator:
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._objects.optimizers)
-
-    def wait_for_everyone(self) -> None:
-        self._process.wait_for_everyone()
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self._process.main_process_first()
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self._process.main_process_first(local=True)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self._process.print(*args, **kwargs)
 
     def set_trigger(self) -> None:
         """Raise this process's stop flag; the next :meth:`check_trigger` is True on every rank."""

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "ProcessState", "init_process_state", "resolve_timeout", "shutdown"]
+__all__ = ["DEFAULT_TIMEOUT", "ProcessState", "ProcessView", "init_process_state", "resolve_timeout", "shutdown"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 TIMEOUT_VAR = "FULLSHARD_TIMEOUT"
@@ -82,6 +82,31 @@ class ProcessState:
         """``print`` on the local main process only."""
         if self.is_local_main_process:
             builtins.print(*args, **kwargs)
+
+
+class ProcessView:
+    """What the Accelerator and ``PartialState`` both answer from their :class:`ProcessState` (``self._process``)."""
+
+    _process: ProcessState
+
+    device = property(lambda self: self._process.device, doc="The device this process computes on.")
+    process_index = property(lambda self: self._process.process_index, doc="Global rank.")
+    local_process_index = property(lambda self: self._process.local_process_index, doc="Rank on this machine.")
+    num_processes = property(lambda self: self._process.num_processes, doc="World size.")
+    is_main_process = property(lambda self: self._process.is_main_process, doc="Global rank 0.")
+    is_local_main_process = property(lambda self: self._process.is_local_main_process, doc="Local rank 0.")
+
+    def wait_for_everyone(self) -> None:
+        self._process.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self._process.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        return self._process.main_process_first(local=True)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self._process.print(*args, **kwargs)
 
 
 def _pick_device(cpu: bool, local_rank: int) -> torch.device:

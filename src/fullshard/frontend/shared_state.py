@@ -16,12 +16,9 @@ instance sees the same state, and ``_reset_state`` forgets it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
-
-import torch
 
 from fullshard.frontend import processes, runtime
 from fullshard.frontend.enums import DistributedType
@@ -29,7 +26,7 @@ from fullshard.frontend.enums import DistributedType
 __all__ = ["AcceleratorState", "PartialState"]
 
 
-class PartialState:
+class PartialState(runtime.ProcessView):
     """This process's rank, world and device, shared by every instance; see the module docstring."""
 
     _shared_state: ClassVar[dict[str, Any]] = {}
@@ -59,12 +56,6 @@ class PartialState:
         """Forget the shared state (the process group stays; the next instance adopts it)."""
         PartialState._shared_state.clear()
 
-    device: torch.device = property(lambda self: self._process.device)  # type: ignore[assignment]
-    num_processes: int = property(lambda self: self._process.num_processes)  # type: ignore[assignment]
-    process_index: int = property(lambda self: self._process.process_index)  # type: ignore[assignment]
-    local_process_index: int = property(lambda self: self._process.local_process_index)  # type: ignore[assignment]
-    is_main_process: bool = property(lambda self: self._process.is_main_process)  # type: ignore[assignment]
-    is_local_main_process: bool = property(lambda self: self._process.is_local_main_process)  # type: ignore[assignment]
     backend: str = property(lambda self: self._process.backend)  # type: ignore[assignment]
     use_distributed: bool = property(lambda self: self.num_processes > 1)  # type: ignore[assignment]
     is_last_process: bool = property(lambda self: self.process_index == self.num_processes - 1)  # type: ignore[assignment]
@@ -76,18 +67,6 @@ class PartialState:
         if self.num_processes == 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
-
-    def wait_for_everyone(self) -> None:
-        self._process.wait_for_everyone()
-
-    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self._process.main_process_first()
-
-    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
-        return self._process.main_process_first(local=True)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        self._process.print(*args, **kwargs)
 
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
         return processes.split_between_processes(inputs, apply_padding)
