@@ -81,16 +81,8 @@ def build_launch(
     rdzv_conf: str | None = None,
 ) -> LaunchPlan:
     """The torchrun arguments and the worker environment for ``cfg`` (no side effects)."""
-    argv = torchrun_argv(
-        cfg,
-        script,
-        script_args,
-        module=module,
-        log_dir=log_dir,
-        shutdown_timeout=shutdown_timeout,
-        rdzv_id=rdzv_id,
-        rdzv_conf=rdzv_conf,
-    )
+    options = WorkerOptions(module, log_dir, shutdown_timeout, rdzv_id, rdzv_conf)
+    argv = torchrun_argv(cfg, script, script_args, options)
     local = cfg.num_processes // cfg.num_machines
     return LaunchPlan(
         argv=argv,
@@ -102,24 +94,25 @@ def build_launch(
     )
 
 
-def torchrun_argv(
-    cfg: LaunchConfig,
-    script: str,
-    script_args: Sequence[str] = (),
-    *,
-    module: bool = False,
-    log_dir: str | None = None,
-    shutdown_timeout: int | None = None,
-    rdzv_id: str | None = None,
-    rdzv_conf: str | None = None,
-) -> list[str]:
-    """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, logs, then the worker.
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How the workers are started, beyond the config: ``module`` (run SCRIPT as ``python -m``); ``log_dir`` keeps
+    each rank's stdout and stderr in ``log_dir/<run>/attempt_<n>/<local rank>/`` and on the console;
+    ``shutdown_timeout`` is the grace period (seconds) between SIGTERM and SIGKILL when workers stop; ``rdzv_id``
+    and ``rdzv_conf`` (``KEY=VALUE,...``) go to torch's launcher as they are, except that on several machines with
+    c10d the ``is_host`` entry is fullshard's unless ``rdzv_conf`` sets it."""
 
-    ``log_dir`` keeps each rank's stdout and stderr in ``log_dir/<run>/attempt_<n>/<local rank>/`` and on the
-    console; ``shutdown_timeout`` is the grace period (seconds) between SIGTERM and SIGKILL when workers stop.
-    ``rdzv_id`` and ``rdzv_conf`` (``KEY=VALUE,...``) go to torch's launcher as they are, except that on several
-    machines with c10d the ``is_host`` entry is fullshard's unless ``rdzv_conf`` sets it.
-    """
+    module: bool = False
+    log_dir: str | None = None
+    shutdown_timeout: int | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+
+
+def torchrun_argv(
+    cfg: LaunchConfig, script: str, script_args: Sequence[str] = (), options: WorkerOptions = WorkerOptions()
+) -> list[str]:
+    """``torch.distributed.run`` arguments: processes per machine, rendezvous, restarts, logs, then the worker."""
     if cfg.num_processes % cfg.num_machines:
         raise ValueError(
             f"num_processes={cfg.num_processes} with num_machines={cfg.num_machines}: num_processes counts the "
@@ -127,15 +120,16 @@ def torchrun_argv(
             f"--num_processes {cfg.num_machines * max(1, cfg.num_processes // cfg.num_machines)}."
         )
     per_node = str(cfg.num_processes // cfg.num_machines)
-    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg, rdzv_conf)]
-    if rdzv_id:
-        argv += ["--rdzv_id", rdzv_id]
+    o = options
+    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg, o.rdzv_conf)]
+    if o.rdzv_id:
+        argv += ["--rdzv_id", o.rdzv_id]
     argv += ["--max_restarts", str(cfg.max_restarts)]
-    if log_dir:
-        argv += ["--log_dir", log_dir, "--tee", "3"]
-    if shutdown_timeout is not None:
-        argv += ["--shutdown_timeout", str(shutdown_timeout)]
-    return [*argv, "--module", WORKER_MODULE, *(["-m"] if module else []), script, *script_args]
+    if o.log_dir:
+        argv += ["--log_dir", o.log_dir, "--tee", "3"]
+    if o.shutdown_timeout is not None:
+        argv += ["--shutdown_timeout", str(o.shutdown_timeout)]
+    return [*argv, "--module", WORKER_MODULE, *(["-m"] if o.module else []), script, *script_args]
 
 
 def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:

@@ -418,6 +418,16 @@ class ParamGroup:
 
     # --- gradients ----------------------------------------------------------------------------------
 
+    def take_unsharded_grad(self) -> torch.Tensor:
+        """This backward's gradient of ``flat_full`` in the reduce dtype (zeros if nothing reached it); detaches it
+        from ``flat_full`` so that the next backward starts from none."""
+        grad = self.flat_full.grad
+        self.flat_full.grad = None
+        rdtype = self.precision.reduce_dtype
+        if grad is None:
+            return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+        return grad if grad.dtype == rdtype else grad.to(rdtype)
+
     def reduce_grads(self) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
 
@@ -429,13 +439,7 @@ class ParamGroup:
             if not self.requires_grad:
                 return
             self._restore_sharded_grads()
-            grad = self.flat_full.grad
-            self.flat_full.grad = None
-            rdtype = self.precision.reduce_dtype
-            if grad is None:
-                grad = torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
-            elif grad.dtype != rdtype:
-                grad = grad.to(rdtype)
+            grad = self.take_unsharded_grad()
             packed, direct = self.packed_grad_params, self.direct_grad_params
             self._pending.append(foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook))
 

@@ -214,14 +214,7 @@ def fold_backward(state: Any) -> None:
             f"every G/N = {per_rank} micro-batches itself. Run exactly G/N micro-batches per step, the last one with "
             "gradient sync on (or never turn it off)."
         )
-    grad = group.flat_full.grad
-    group.flat_full.grad = None
-    rdtype = group.precision.reduce_dtype
-    if grad is None:
-        grad = torch.zeros(group.world * group.shard_numel, dtype=rdtype, device=group.device)
-    elif grad.dtype != rdtype:
-        grad = grad.to(rdtype)
-    tree.push(grad)
+    tree.push(group.take_unsharded_grad())
     if last:
         _reduce(group, tree.take())
 
