@@ -5,10 +5,10 @@
 in two. In the caller's thread, on every rank: wait for the previous background save (:func:`wait`); build the
 state dicts (their collectives, if any, run on the default group, as in a synchronous save); claim the staging
 folder (``begin``); copy every tensor of this rank to host memory and every small object whole
-(:func:`host_copy`: later optimizer steps change the parameters in place). Then :func:`start` runs the rest in
-a thread: every ``step`` (DCP's writes, the small files, each file checksummed as it goes out), the ``commit``
-and the rotation of old checkpoints. The bytes written are the synchronous save's: the same state dicts, the
-same writers.
+(:func:`host_copy` into the kept buffers: later optimizer steps change the parameters in place). Then
+:func:`start` runs the rest in a thread: every ``step`` (DCP's writes, the small files, each file checksummed as
+it goes out), the ``commit`` and the rotation of old checkpoints. The bytes written are the synchronous save's:
+the same state dicts, the same writers.
 
 The thread's collectives (DCP's plan exchange, each step's agreement, the commit's gather) run on
 :func:`save_group`, a gloo group over every rank created once per default group and used by nothing else.
@@ -25,8 +25,11 @@ already made every rank fail alike, so every rank raises at the same call. A pro
 background write leaves what a killed synchronous save leaves: the staging folder, never loaded, and ``dir``
 as it was.
 
-Cost: the host copy holds one more copy of this rank's model and optimizer state until the write is done
-(freed part by part as they are written); the thread competes with training for the GIL and the cores.
+The host copy goes into :class:`HostBuffers` kept from the previous async save (same key, shape and dtype:
+``copy_``, no page faults; else new memory), so after the first async save a call costs a memcpy. Cost: one
+copy of this rank's sharded model and optimizer state stays in host memory (pinned for CUDA state) from the
+first async save until :func:`release` (``end_training``) or process exit; the thread competes with training
+for the GIL and the cores. The buffers are written only after :func:`wait`, so never while a write reads them.
 """
 
 from __future__ import annotations
