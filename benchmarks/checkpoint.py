@@ -34,7 +34,8 @@ free under ``--workdir``; run the full size alone (about 16 GB of memory). Delet
 ``save_state(dir)`` and ``save_state(dir, async_save=True)``; after each, ``--steps`` training steps, then the
 wait for the background write (what the next ``save_state`` would wait). Prints per save the time the call held
 the training loop (``blocked``), the steps' times (an async save's steps run beside its write), the wait after
-them, and the peak RSS per rank of each phase (the async phase's extra is the host copy). Each checkpoint is
+them, the peak RSS per rank of each save's phase and the host buffers the async saves keep (every phase from the
+first async save on holds them; later async saves copy into them instead of allocating). Each checkpoint is
 deleted after its round; needs about 2x the checkpoint in memory beside training.
 
 ``merge``: writes a sharded fp32 checkpoint in Accelerate's layout (``pytorch_model_fsdp_0``, 2 ranks, ``--params``
@@ -67,7 +68,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin, load_checkpoint_in_model
-from fullshard.checkpoint import checksum
+from fullshard.checkpoint import background, checksum
 from fullshard.checkpoint.dcp import load_sharded, save_sharded, write_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
 from fullshard.frontend import model_state, state_io
@@ -490,7 +491,7 @@ def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, r
         for mode in ("sync", "async"):  # alternating, in the same run
             folder = Path(workdir) / f"{mode}_{r}"
             dist.barrier()
-            sampler.set_phase(mode)
+            sampler.set_phase(f"{mode} {r}")
             t = time.perf_counter()
             accelerator.save_state(folder, async_save=mode == "async")
             blocked = time.perf_counter() - t
@@ -504,7 +505,8 @@ def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, r
             if rank == 0:
                 shutil.rmtree(folder)
     peaks = sampler.stop()
-    result = {"rank": rank, "rows": rows, "peaks": peaks, "first_step": first, "params": n_params}
+    kept = background.buffers().nbytes()  # the host buffers async saves keep until end_training
+    result = {"rank": rank, "rows": rows, "peaks": peaks, "first_step": first, "params": n_params, "kept": kept}
     everyone: list[Any] = [None] * WORLD
     dist.all_gather_object(everyone, result)
     return everyone if rank == 0 else None
@@ -534,10 +536,12 @@ def async_main(args: argparse.Namespace) -> None:
             f"{i // 2:>5} {rows[0]['mode']:<6} {max(row['blocked'] for row in rows):10.2f} "
             f"{', '.join(f'{s:.2f}' for s in steps):>30} {max(row['waited'] for row in rows):14.2f}"
         )
-    for mode in ("train", "sync", "async"):
-        print(f"peak RSS per rank, {mode:<5} phase: {max(r['peaks'][mode] for r in ranks) / gib:.2f} GiB")
-    extra = max(r["peaks"]["async"] - r["peaks"]["sync"] for r in ranks)
-    print(f"extra peak per rank of async over sync (same steps after the save): {extra / gib:.2f} GiB")
+    print(f"peak RSS per rank, train phase: {max(r['peaks']['train'] for r in ranks) / gib:.2f} GiB")
+    for i in range(args.rounds):
+        for mode in ("sync", "async"):
+            phase = f"{mode} {i}"
+            print(f"peak RSS per rank, round {i} {mode:<5}: {max(r['peaks'][phase] for r in ranks) / gib:.2f} GiB")
+    print(f"host buffers kept by async saves per rank: {max(r['kept'] for r in ranks) / gib:.2f} GiB")
 
 
 def _async_args(parser: argparse.ArgumentParser) -> None:

@@ -48,12 +48,8 @@ def save_sync_then_async(rank: int, world: int, root: str, full: bool) -> Any:
     return returned, (accelerator.get_state_dict(model), scheduler.state_dict())
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full-state-dict"])
-def test_an_async_save_writes_the_synchronous_save_s_files(pool2: WorkerPool, tmp_path: Path, full: bool) -> None:
-    returned, state = pool2.run(save_sync_then_async, str(tmp_path), full)[0]
-    sync, done = tmp_path / "sync", tmp_path / "async"
-    assert returned == str(done)
-    # - Check: every data file holds the same bytes; each .metadata the same index (its save_id differs)
+def _assert_same_files(sync: Path, done: Path, at_least: int) -> None:
+    """Every data file holds the same bytes; each .metadata the same index (its save_id differs)."""
     listed = read_manifest(sync).files  # type: ignore[union-attr]
     assert listed.keys() == read_manifest(done).files.keys()  # type: ignore[union-attr]
     compared = 0
@@ -64,10 +60,57 @@ def test_an_async_save_writes_the_synchronous_save_s_files(pool2: WorkerPool, tm
         elif not Path(name).name.startswith("."):  # markers: they hold the save_id
             assert (sync / name).read_bytes() == (done / name).read_bytes(), name
             compared += 1
-    assert compared >= (4 if full else 6), listed.keys()
+    assert compared >= at_least, listed.keys()
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full-state-dict"])
+def test_an_async_save_writes_the_synchronous_save_s_files(pool2: WorkerPool, tmp_path: Path, full: bool) -> None:
+    returned, state = pool2.run(save_sync_then_async, str(tmp_path), full)[0]
+    sync, done = tmp_path / "sync", tmp_path / "async"
+    assert returned == str(done)
+    _assert_same_files(sync, done, 4 if full else 6)
     result = CliRunner().invoke(cli, ["verify", str(done)])
     assert result.exit_code == 0 and "OK" in result.output, result.output
     assert _same(pool2.run(load_each, [str(done)], False, full)[0][0], state)
+
+
+# --- the host buffers are kept between async saves -------------------------------------------------------------
+
+
+def _kept() -> dict[tuple[Any, ...], int]:
+    return {key: t.untyped_storage().data_ptr() for key, t in background.buffers().tensors.items()}
+
+
+def two_async_saves(rank: int, world: int, root: str) -> dict[str, Any]:
+    state_io.release_save_buffers()  # nothing kept from an earlier test in this worker
+    accelerator, model, optimizer, scheduler = _train(1)
+    accelerator.save_state(f"{root}/first", async_save=True)
+    state_io.wait_for_save()
+    first = _kept()
+    _step(accelerator, model, optimizer, scheduler, 1)  # new values, in place: the same shapes
+    accelerator.save_state(f"{root}/sync")
+    accelerator.save_state(f"{root}/second", async_save=True)
+    state_io.wait_for_save()
+    second = _kept()
+    kept_bytes = background.buffers().nbytes()
+    state_io.release_save_buffers()
+    return {"first": first, "second": second, "bytes": kept_bytes, "after_release": _kept()}
+
+
+def test_a_second_async_save_reuses_the_host_buffers_and_writes_its_own_values(
+    pool2: WorkerPool, tmp_path: Path
+) -> None:
+    out = pool2.run(two_async_saves, str(tmp_path))
+    for rank in out:
+        # - Check: the second save copied into the first save's host tensors (the same storages, every key)
+        assert rank["first"] and rank["second"] == rank["first"]
+        assert rank["bytes"] > 0 and rank["after_release"] == {}
+    # - Check: those buffers hold the second save's values (the synchronous save's bytes at the same step) ...
+    _assert_same_files(tmp_path / "sync", tmp_path / "second", 6)
+    # - ... not the first's: its model and optimizer files differ
+    listed = read_manifest(tmp_path / "first").files  # type: ignore[union-attr]
+    data = [n for n in listed if n.endswith(".distcp")]
+    assert data and all((tmp_path / "first" / n).read_bytes() != (tmp_path / "second" / n).read_bytes() for n in data)
 
 
 # --- training goes on, the next save and load wait -------------------------------------------------------------

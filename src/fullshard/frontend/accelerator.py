@@ -271,9 +271,10 @@ class Accelerator(runtime.ProcessView):
         return preemption.check_trigger(self.device)
 
     def end_training(self) -> None:
-        """Wait for a background save (raising its failure, before anything else), finish the trackers, wait for
-        every process, then release the process group if this Accelerator created it."""
-        state_io.wait_for_save()
+        """Wait for a background save (raising its failure, before anything else) and free the host buffers async
+        saves keep, finish the trackers, wait for every process, then release the process group if this
+        Accelerator created it."""
+        state_io.release_save_buffers()
         self._tracking.finish()
         self.wait_for_everyone()
         runtime.shutdown()
@@ -462,7 +463,11 @@ class Accelerator(runtime.ProcessView):
         ``async_save=True`` (torch's ``dcp.async_save``): return once this rank's state is copied to host memory;
         the files are written, checksummed and committed in a background thread, and the old checkpoints rotated
         after. The next ``save_state``, ``load_state`` and ``end_training`` (and process exit) wait for it, and
-        raise its failure; the folder appears only once complete. See ``docs/checkpoints.md``.
+        raise its failure; the folder appears only once complete. The host copy's buffers are kept for the next
+        async save (copied into again when the shapes and dtypes match: much faster than new memory), so one
+        copy of this rank's sharded model and optimizer state (fp32 AdamW: 12 bytes per parameter / ranks)
+        stays in host memory, pinned for CUDA state, until ``end_training`` or process exit. See
+        ``docs/checkpoints.md``.
         """
         _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
         del safe_serialization

@@ -250,7 +250,15 @@ def start_save_state(
     parts = _parts_to_save(objects, plugin)
 
     def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        copies = [host_copy(st) if part.sharded else copy.deepcopy(st) for part, st in zip(parts, states, strict=True)]
+        # Sharded parts go into the host buffers of the previous async save (same keys, shapes and dtypes), kept
+        # until end_training: the background.wait() above ended the write that read them.
+        kept = background.buffers()
+        kept.begin()
+        copies = [
+            host_copy(st, kept=kept, key=(part.name,)) if part.sharded else copy.deepcopy(st)
+            for part, st in zip(parts, states, strict=True)
+        ]
+        kept.finish()
         return copies, copy.deepcopy(_small_states(objects, tx.rank))
 
     # The built state dicts are views of the live parameters and optimizer state: dropped once copied.
@@ -258,7 +266,7 @@ def start_save_state(
 
     def write_and_commit() -> None:
         for part in parts:
-            state = copies.pop(0)  # each host copy is freed once written
+            state = copies.pop(0)  # the references to the host copy are dropped once written (buffers stay kept)
             tx.step(f"writing {part.name}", partial(_write_part, tx, part, state), local_nbytes(state))
             del state
         tx.step(_SMALL_FILES, partial(_write_small_files, tx, small))
@@ -273,6 +281,12 @@ def start_save_state(
 def wait_for_save() -> None:
     """Wait for the background save of ``save_state(..., async_save=True)``, if one runs; raise its failure."""
     background.wait()
+
+
+def release_save_buffers() -> None:
+    """Wait for the background save, if one runs (raising its failure), then free the host buffers kept
+    between async saves (one copy of this rank's sharded model and optimizer state; ``end_training``)."""
+    background.release()
 
 
 def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
