@@ -29,13 +29,14 @@ def clip_grad_norm_(
     """Clip the gradients of ``states``' sharded parameters and ``other_params`` to a global norm.
 
     Returns the total norm (before clipping) as a tensor, equal on every rank. Units in world-size-invariant mode
-    sum it in a fixed order instead (``invariant.clip_grad_norm_``).
+    sum a finite norm in a fixed order instead (``invariant.total_norm``); a maximum does not depend on the order.
     """
-    if any(s.config.invariant_micro_batches is not None for s in states):
-        return invariant.clip_grad_norm_(states, other_params, max_norm, norm_type)
     norm_type = float(norm_type)
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) must be positive, or inf.")
+    invariant_mode = any(s.config.invariant_micro_batches is not None for s in states)
+    if invariant_mode:
+        invariant.check_ready_to_clip(states)
     world = dist.get_world_size() if dist.is_initialized() else 1
     weighted: list[tuple[list[torch.Tensor], float]] = []
     for state in states:
@@ -59,6 +60,8 @@ def clip_grad_norm_(
         if world > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
         total = local
+    elif invariant_mode:
+        total = invariant.total_norm(states, other_params, norm_type)
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
         for grads, weight in weighted:

@@ -39,7 +39,6 @@ same intra-op thread count; on CUDA ``torch.use_deterministic_algorithms(True)``
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from collections.abc import Sequence
@@ -55,11 +54,12 @@ from fullshard.engine.group import ParamGroup
 from fullshard.engine.param import local_tensor
 
 __all__ = [
+    "total_norm",
     "ENV",
     "PIECE",
     "TreeSum",
     "check_one_mode",
-    "clip_grad_norm_",
+    "check_ready_to_clip",
     "fold_backward",
     "fold_leftovers",
     "pending_micro_batches",
@@ -284,14 +284,9 @@ def _head(start: int, end: int) -> tuple[int, int]:
     return start, min(end, _ceil_to(start, PIECE))
 
 
-def clip_grad_norm_(
-    states: Sequence[Any], other_params: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
-    """``grad_norm.clip_grad_norm_`` in invariant mode: the same total norm, bitwise, on every world size (see
-    [Note: world-size invariance]); then every gradient is multiplied by the same clipping coefficient."""
-    norm_type = float(norm_type)
-    if norm_type <= 0 and not math.isinf(norm_type):
-        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) must be positive, or inf.")
+def check_ready_to_clip(states: Sequence[Any]) -> None:
+    """Refuse to clip while a unit has micro-batches folded but not reduced (their gradients are not there yet), or
+    when units are sharded over different process groups (the fixed pieces assume one)."""
     groups: list[ParamGroup] = [s.group for s in states if s.group is not None]
     for group in groups:
         if pending_micro_batches(group):
@@ -299,26 +294,37 @@ def clip_grad_norm_(
                 f"clip_grad_norm_ with {pending_micro_batches(group)} micro-batches of unit {group.label!r} folded "
                 "but not reduced yet: in world-size-invariant mode run G/N micro-batches per rank before clipping."
             )
+    _shard_pg(groups)
+
+
+def _shard_pg(groups: list[ParamGroup]) -> dist.ProcessGroup | None:
+    """The one process group every sharded unit of ``groups`` shards over (``None``: nothing is sharded)."""
     shard_pgs = {id(g.shard_group.shard_pg): g.shard_group.shard_pg for g in groups if g.shard_group.shard_size > 1}
     if len(shard_pgs) > 1:
         raise ValueError("world-size-invariant clip_grad_norm_ needs every unit sharded over the same process group.")
-    pg = next(iter(shard_pgs.values()), None)
+    return next(iter(shard_pgs.values()), None)
+
+
+def total_norm(states: Sequence[Any], other_params: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The total ``norm_type``-norm (finite ``norm_type``) of the gradients of ``states`` and ``other_params``, the
+    same bitwise on every world size (see [Note: world-size invariance]); ``grad_norm.clip_grad_norm_`` clips with it.
+    """
+    groups: list[ParamGroup] = [s.group for s in states if s.group is not None]
+    pg = _shard_pg(groups)
     shard_rank = dist.get_rank(pg) if pg is not None else 0
     params: list[_Param] = []
-    grads: list[torch.Tensor] = []  # to clip
+    devices: list[torch.device] = []  # of the gradients, in order: the first is where the sums are made
     for group in groups:
         for sp in group.params:
             if not sp.requires_grad:
                 continue
             lay = sp.layout
             grad = sp.sharded_param.grad
-            local = local_tensor(grad) if grad is not None else None
-            if local is not None:
-                grads.append(local)
-            if local is None:
+            if grad is None:
                 flat = torch.zeros(lay.local_numel, device=group.storage_device)
             else:
-                flat = local.detach().reshape(-1)
+                flat = local_tensor(grad).detach().reshape(-1)
+                devices.append(flat.device)
             ranges = []  # none: held whole by every rank (one rank per shard group, e.g. NO_SHARD)
             for r in range(lay.world if lay.world > 1 else 0):
                 rl = lay.for_rank(r)
@@ -327,26 +333,14 @@ def clip_grad_norm_(
             params.append(_Param(lay.numel, ranges, flat))
     for p in other_params:
         if p.grad is not None:
-            grads.append(local_tensor(p.grad))
             params.append(_Param(p.numel(), [], local_tensor(p.grad).detach().reshape(-1)))
-    device = grads[0].device if grads else torch.device("cpu")
-    if math.isinf(norm_type):
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                total = torch.maximum(total, g.detach().abs().max().float())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)  # a maximum does not depend on the order
-    else:
-        piece_sums = _piece_sums(params, pg, shard_rank, norm_type, device)
-        width = 1 << max(0, (piece_sums.numel() - 1).bit_length())
-        padded = torch.zeros(1, width, dtype=torch.float32, device=device)
-        padded[0, : piece_sums.numel()] = piece_sums
-        total = _tree_sum_columns(padded)[0].pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total
+            devices.append(p.grad.device)
+    device = devices[0] if devices else torch.device("cpu")
+    piece_sums = _piece_sums(params, pg, shard_rank, norm_type, device)
+    width = 1 << max(0, (piece_sums.numel() - 1).bit_length())
+    padded = torch.zeros(1, width, dtype=torch.float32, device=device)
+    padded[0, : piece_sums.numel()] = piece_sums
+    return _tree_sum_columns(padded)[0].pow(1.0 / norm_type)
 
 
 def _powered(values: torch.Tensor, norm_type: float) -> torch.Tensor:
