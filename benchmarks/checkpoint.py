@@ -72,7 +72,7 @@ from fullshard.checkpoint import background, checksum
 from fullshard.checkpoint.dcp import load_sharded, save_sharded, write_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
 from fullshard.frontend import model_state, state_io
-from fullshard.testing.bench import RssSampler, describe_machine, on_fresh_ranks
+from fullshard.testing.bench import RssSampler, on_fresh_ranks, run_mode
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks: frees show in RSS
@@ -735,13 +735,7 @@ MODES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = parser.add_subparsers(dest="mode", required=True)
-    for name, (add_args, _, summary) in MODES.items():
-        add_args(modes.add_parser(name, help=summary, description=summary))
-    args = parser.parse_args()
-    print(f"machine: {describe_machine()}")
-    MODES[args.mode][1](args)
+    run_mode(__doc__, MODES)
 
 
 if __name__ == "__main__":

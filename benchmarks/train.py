@@ -69,7 +69,6 @@ from fullshard.frontend.estimate import estimate_training
 from fullshard.testing.bench import (
     RssSampler,
     activation_bytes,
-    describe_machine,
     label_phases,
     machine,
     on_fresh_ranks,
@@ -77,6 +76,7 @@ from fullshard.testing.bench import (
     peak_rss_of_training,
     reset_peak_rss,
     rss_bytes,
+    run_mode,
 )
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 
@@ -999,13 +999,7 @@ MODES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = parser.add_subparsers(dest="mode", required=True)
-    for name, (add_args, _, summary) in MODES.items():
-        add_args(modes.add_parser(name, help=summary, description=summary))
-    args = parser.parse_args()
-    print(f"machine: {describe_machine()}")
-    MODES[args.mode][1](args)
+    run_mode(__doc__, MODES)
 
 
 if __name__ == "__main__":

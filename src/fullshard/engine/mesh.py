@@ -148,7 +148,8 @@ class ShardGroup:
     def replicated_tp_spec(self, param: torch.Tensor, fqn: str) -> TPSpec:
         """The :class:`TPSpec` of a plain parameter replicated over :attr:`tp_mesh`: sharded over dp like any
         parameter, a ``DTensor`` placed ``Replicate()`` on tp, computed with as a plain tensor."""
-        assert self.tp_mesh is not None
+        if self.tp_mesh is None:
+            raise AssertionError(f"[rank {dist.get_rank()}] {fqn}: replicated_tp_spec on a shard group without tp_mesh")
         shape = tuple(param.shape)
         return TPSpec(
             mesh=self.tp_mesh,

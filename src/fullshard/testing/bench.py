@@ -47,6 +47,7 @@ __all__ = [
     "reset_peak_rss",
     "ring_reduce_scatter",
     "rss_bytes",
+    "run_mode",
 ]
 
 # The flags that decide how this CPU computes in bf16 (and how fast gloo copies): shown by every benchmark.
@@ -223,6 +224,23 @@ def activation_bytes(block: nn.Module, x: torch.Tensor) -> int:
         out = block(x)
     seen[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()  # the next block's input
     return sum(seen.values())
+
+
+# --- scripts with modes -----------------------------------------------------------------------------------
+
+
+def run_mode(doc: str, modes: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]]) -> None:
+    """A benchmark script's ``main``: ``modes`` maps each mode to (add its arguments, run it, one-line summary);
+    parse the command line, print the machine, run the chosen mode."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="mode", required=True)
+    for name, (add_args, _, summary) in modes.items():
+        add_args(subparsers.add_parser(name, help=summary, description=summary))
+    args = parser.parse_args()
+    print(f"machine: {describe_machine()}")
+    modes[args.mode][1](args)
 
 
 # --- ranks -------------------------------------------------------------------------------------------------
