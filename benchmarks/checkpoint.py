@@ -6,6 +6,7 @@
     python benchmarks/checkpoint.py merge [--params 300e6 | --quick | --checkpoint DIR] [--repeats 2] [--dd]
         [--max-shard-size 1GB] [--gpt-layers N] [--workdir DIR]
     python benchmarks/checkpoint.py async [--layers 5] [--width 2048] [--vocab 12288] [--rounds 2] [--steps 2]
+        [--cuda]
     python benchmarks/checkpoint.py merge --repeats 1 --dd --max-shard-size 1GB \
         --checkpoint /tmp/fullshard-bench/ckscale/bench_checkpoint_scale/ours/pytorch_model_fsdp_0 --gpt-layers 16
 
@@ -36,7 +37,8 @@ wait for the background write (what the next ``save_state`` would wait). Prints 
 the training loop (``blocked``), the steps' times (an async save's steps run beside its write), the wait after
 them, the peak RSS per rank of each save's phase and the host buffers the async saves keep (every phase from the
 first async save on holds them; later async saves copy into them instead of allocating). Each checkpoint is
-deleted after its round; needs about 2x the checkpoint in memory beside training.
+deleted after its round; needs about 2x the checkpoint in memory beside training. ``--cuda``: one NCCL rank on
+this machine's GPU instead (the state on the GPU, its async copies into pinned host memory).
 
 ``merge``: writes a sharded fp32 checkpoint in Accelerate's layout (``pytorch_model_fsdp_0``, 2 ranks, ``--params``
 parameters) or takes ``--checkpoint``, then runs fullshard's ``merge_fsdp_weights`` and Accelerate's, each in a
@@ -455,7 +457,9 @@ def report_scale(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, f
 # ==== async ==============================================================================================
 
 
-def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, rounds: int, steps: int) -> Any:
+def _async_rank(
+    rank: int, world: int, cfg_args: dict[str, int], workdir: str, rounds: int, steps: int, device: str = "cpu"
+) -> Any:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     sampler = RssSampler(0.002, keep_samples=False).start()
@@ -470,18 +474,21 @@ def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, r
         )
     )  # fmt: skip
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    model.to_empty(device="cpu")
+    model.to_empty(device=accelerator.device if device == "cuda" else "cpu")
     with torch.no_grad():
         for param in model.parameters():
-            param.to_local().normal_(0.0, 0.02, generator=torch.Generator().manual_seed(rank))
-    x, y = make_batch(cfg, WORLD, seed=0)
-    x, y = x[rank : rank + 1], y[rank : rank + 1]
+            local = param.to_local()
+            local.copy_(torch.empty(local.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(rank)))
+    x, y = make_batch(cfg, world, seed=0)
+    x, y = x[rank : rank + 1].to(local.device), y[rank : rank + 1].to(local.device)
 
     def step() -> float:
         t = time.perf_counter()
         accelerator.backward(model(x, y))
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
+        if device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     sampler.set_phase("train")
@@ -507,7 +514,7 @@ def _async_rank(rank: int, world: int, cfg_args: dict[str, int], workdir: str, r
     peaks = sampler.stop()
     kept = background.buffers().nbytes()  # the host buffers async saves keep until end_training
     result = {"rank": rank, "rows": rows, "peaks": peaks, "first_step": first, "params": n_params, "kept": kept}
-    everyone: list[Any] = [None] * WORLD
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, result)
     return everyone if rank == 0 else None
 
@@ -518,13 +525,17 @@ def async_main(args: argparse.Namespace) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        ranks = on_fresh_ranks(_async_rank, cfg, str(work), args.rounds, args.steps, world=WORLD)[0]
+        device, world, backend = ("cuda", 1, "nccl") if args.cuda else ("cpu", WORLD, "gloo")
+        ranks = on_fresh_ranks(_async_rank, cfg, str(work), args.rounds, args.steps, device, world=world,
+                               backend=backend)[0]  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gib = 2**30
     print(
         f"\nGPT {args.layers} layers x {args.width}, vocabulary {args.vocab}: {ranks[0]['params'] / 1e6:.0f}M "
-        f"parameters, FULL_SHARD, SHARDED_STATE_DICT, AdamW, {WORLD} gloo ranks, 1 thread each; load average "
+        f"parameters, FULL_SHARD, SHARDED_STATE_DICT, AdamW, "
+        f"{'1 NCCL rank on ' + torch.cuda.get_device_name() if args.cuda else f'{WORLD} gloo ranks'}, "
+        "1 thread each; load average "
         f"{os.getloadavg()}"
     )
     print(f"first training step {max(r['first_step'] for r in ranks):.1f} s")
@@ -551,6 +562,7 @@ def _async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating in one run")
     parser.add_argument("--steps", type=int, default=2, help="training steps after each save, before waiting")
     parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckasync")
+    parser.add_argument("--cuda", action="store_true", help="one NCCL rank on this machine's GPU")
 
 
 # ==== merge ==============================================================================================

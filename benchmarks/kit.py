@@ -55,8 +55,13 @@ def ours_fsdp(
     )
 
 
-def ours_fully_shard(model: nn.Module) -> nn.Module:
-    return fully_shard_blocks(model)
+def ours_fully_shard(model: nn.Module, bf16: bool = False) -> nn.Module:
+    from fullshard import MixedPrecisionPolicy
+
+    kwargs = (
+        {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)} if bf16 else {}
+    )
+    return fully_shard_blocks(model, **kwargs)
 
 
 def torch_fsdp2(model: nn.Module, bf16: bool = False) -> nn.Module:
@@ -80,7 +85,8 @@ def torch_fsdp1(model: nn.Module, strategy: str = "FULL_SHARD", bf16: bool = Fal
         sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=TorchPolicy({Block}),
         use_orig_params=True,
-        device_id=torch.device("cpu"),  # FSDP1 refuses CPU unless told explicitly
+        # FSDP1 refuses CPU unless told explicitly; on a GPU, the model's device
+        device_id=next(model.parameters()).device,
     )
 
 
@@ -157,6 +163,7 @@ SYSTEMS: dict[str, System] = {
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="all"),
             bf16=True,
         ),
+        System("fullshard fully_shard bf16", functools.partial(ours_fully_shard, bf16=True), bf16=True),
         System("torch FSDP2 bf16", functools.partial(torch_fsdp2, bf16=True), bf16=True),
         System("torch FSDP1 bf16", functools.partial(torch_fsdp1, bf16=True), bf16=True),
     )

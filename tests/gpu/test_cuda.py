@@ -98,3 +98,45 @@ def test_bf16_compute_on_cuda(gpu_pool: WorkerPool) -> None:
         assert got["seen"]["dtype"] == torch.bfloat16 and got["seen"]["device"].startswith("cuda")
         assert got["params"] == {"cuda"}
         assert got["losses"][-1] < got["losses"][0]
+
+
+# --- async save from CUDA state: pinned host copies, the synchronous save's bytes ------------------------------
+
+
+def _async_save_on_cuda(rank: int, world: int, root: str, version: int) -> dict[str, object]:
+    from fullshard import Accelerator
+    from fullshard.checkpoint import background
+    from fullshard.frontend import state_io
+    from tests.distributed.test_accelerator import PER_RANK, dataset, model_and_optimizer, plugin
+
+    state_io.release_save_buffers()
+    accelerator = Accelerator(fsdp_plugin=plugin(version))
+    model, optimizer, scheduler = accelerator.prepare(*model_and_optimizer(0))
+    for i in range(2):
+        x, y = (t.to(accelerator.device) for t in dataset()[i * PER_RANK : (i + 1) * PER_RANK])
+        accelerator.backward(model(x, y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    devices = {p.device.type for p in model.parameters()}
+    accelerator.save_state(f"{root}/sync")
+    accelerator.save_state(f"{root}/async", async_save=True)
+    state_io.wait_for_save()
+    kept = list(background.buffers().tensors.values())
+    # AdamW's step counts stay on the CPU (not capturable): only they may be left unpinned
+    out = {"devices": devices, "pinned": [t.numel() for t in kept if t.is_pinned()],
+           "unpinned": [tuple(t.shape) for t in kept if not t.is_pinned()]}  # fmt: skip
+    state_io.release_save_buffers()
+    return out
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_async_save_of_cuda_state_copies_to_pinned_memory_and_writes_the_sync_bytes(
+    gpu_pool: WorkerPool, tmp_path, version: int
+) -> None:
+    from tests.distributed.test_checkpoint_async import _assert_same_files
+
+    for got in gpu_pool.run(_async_save_on_cuda, str(tmp_path), version):
+        assert got["devices"] == {"cuda"}
+        assert len(got["pinned"]) > 0 and all(shape == () for shape in got["unpinned"]), got
+    _assert_same_files(tmp_path / "sync", tmp_path / "async", 3)

@@ -69,6 +69,7 @@ class HostBuffers:
     def __init__(self) -> None:
         self.tensors: dict[tuple[Any, ...], torch.Tensor] = {}
         self.used: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.pending_devices: set[torch.device] = set()  # copies queued into pinned memory, not yet waited for
 
     def copy(self, tensor: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:
         """A host tensor with ``tensor``'s values: the kept one for ``key`` if it fits, else a new one."""
@@ -81,7 +82,10 @@ class HostBuffers:
             or buffer.stride() != torch.empty_like(source, device="meta").stride()  # clone's strides
         ):  # fmt: skip
             buffer = torch.empty_like(source, device="cpu", pin_memory=pin)
-        buffer.copy_(source)  # synchronous: the values are final when it returns
+        # Into pinned memory the copy is queued on the GPU's stream, overlapping the next ones; finish() waits
+        # for them. Into pageable memory it is synchronous: the values are final when it returns.
+        buffer.copy_(source, non_blocking=pin)
+        self.pending_devices.update([source.device] if pin else [])
         self.used[key] = buffer
         return buffer
 
@@ -90,7 +94,11 @@ class HostBuffers:
         self.used = {}
 
     def finish(self) -> None:
-        """Keep the tensors this save used (for the next one), drop the rest."""
+        """Wait for the queued device-to-host copies, then keep the tensors this save used (for the next one) and
+        drop the rest. Every value is final when it returns."""
+        for device in self.pending_devices:
+            torch.cuda.synchronize(device)
+        self.pending_devices = set()
         self.tensors, self.used = self.used, {}
 
     def nbytes(self) -> int:

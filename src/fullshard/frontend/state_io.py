@@ -28,7 +28,7 @@ import copy
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -230,6 +230,18 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     return tx.commit()
 
 
+def _on_device(plugin: FullyShardedDataParallelPlugin) -> FullyShardedDataParallelPlugin:
+    """``plugin`` with its sharded configs' ``offload_to_cpu`` off: the async save copies the shards into its own
+    (pinned, kept) host buffers, so offloading first would be a second copy, to pageable memory, on the path
+    that blocks training."""
+    if plugin.state_dict_type is not StateDictType.SHARDED_STATE_DICT:
+        return plugin  # full state dicts are gathered to rank 0's CPU by the engine and deep-copied
+    on_device = copy.copy(plugin)
+    on_device.state_dict_config = replace(plugin.state_dict_config, offload_to_cpu=False)
+    on_device.optim_state_dict_config = replace(plugin.optim_state_dict_config, offload_to_cpu=False)
+    return on_device
+
+
 def start_save_state(
     output_dir: str | Path,
     objects: TrainingObjects,
@@ -247,7 +259,7 @@ def start_save_state(
     _check(objects, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
-    parts = _parts_to_save(objects, plugin)
+    parts = _parts_to_save(objects, _on_device(plugin))
 
     def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         # Sharded parts go into the host buffers of the previous async save (same keys, shapes and dtypes), kept

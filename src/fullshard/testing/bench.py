@@ -247,14 +247,19 @@ def run_mode(doc: str, modes: dict[str, tuple[Callable[..., Any], Callable[..., 
 
 
 def on_fresh_ranks(
-    fn: Callable[..., Any], *args: Any, world: int = 2, timeout_s: float = 3600.0, grace_s: float = 600.0
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    timeout_s: float = 3600.0,
+    grace_s: float = 600.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` freshly spawned gloo ranks; the results in rank order.
+    """``fn(rank, world, *args)`` on ``world`` freshly spawned ranks (gloo, or ``backend``); the results in rank order.
 
     The ranks are stopped afterwards, so each call starts from a fresh allocator and interpreter. The long
     default timeouts are for a loaded shared machine, where a medium model's steps take minutes.
     """
-    pool = WorkerPool(world, timeout_s=timeout_s, grace_s=grace_s)
+    pool = WorkerPool(world, timeout_s=timeout_s, grace_s=grace_s, backend=backend)
     try:
         return pool.run(fn, *args)
     finally:
