@@ -1,6 +1,7 @@
 """World-size-invariant mode (issue 27 §1): for a fixed global batch cut into G micro-batches, the weights after
 AdamW steps are bitwise equal (``torch.equal``) on 1, 2 and 4 ranks, with accumulation (G/N micro-batches per
-rank) and with gradient clipping; see [Note: world-size invariance] in ``engine/invariant.py``.
+rank) and with gradient clipping, in float32, bf16 mixed precision and bf16 parameters; see [Note: world-size
+invariance] in ``engine/invariant.py``.
 
 Every case of one world size runs in one pool call (the training is tiny); the 1-rank world is a pool of its own.
 """
@@ -8,6 +9,7 @@ Every case of one world size runs in one pool call (the training is tiny); the 1
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fullshard import FSDP, fully_shard
+from fullshard import FSDP, MixedPrecision, MixedPrecisionPolicy, fully_shard
 from fullshard.engine.api import ShardingStrategy
 from fullshard.engine.invariant import PIECE, TreeSum, resolve, tree_sum_rows
 from fullshard.testing import RankFailure, WorkerPool
@@ -27,7 +29,7 @@ from fullshard.wrap import ModuleWrapPolicy
 CFG = GPTConfig(n_embd=40, n_head=4)
 MICRO_ROWS, STEPS, MAX_NORM = 2, 3, 0.05
 
-# (name, entry, strategy, G, clip)
+# (name, entry, strategy, G, clip[, precision]): precision is a key of PRECISIONS, float32 when left out
 CASES = [
     ("fsdp-full-G4", "fsdp", "FULL_SHARD", 4, False),
     ("fsdp-full-G4-clip", "fsdp", "FULL_SHARD", 4, True),
@@ -42,16 +44,40 @@ CASES = [
 ]
 
 
-def _build(entry: str, strategy: str | None, micro_batches: int, world: int) -> nn.Module:
+BF16 = torch.bfloat16
+# precision -> (reduce_dtype of a bf16 mixed precision policy, or None: bf16 parameters, no policy)
+PRECISIONS = {"mp-bf16-reduce-f32": torch.float32, "mp-bf16-reduce-bf16": BF16, "bf16-params": None}
+
+BF16_CASES = [
+    ("fsdp-full-G4-clip-mp-f32", "fsdp", "FULL_SHARD", 4, True, "mp-bf16-reduce-f32"),
+    ("fsdp-full-G4-clip-mp-bf16", "fsdp", "FULL_SHARD", 4, True, "mp-bf16-reduce-bf16"),
+    ("fsdp-grad-op-G8-clip-mp-bf16", "fsdp", "SHARD_GRAD_OP", 8, True, "mp-bf16-reduce-bf16"),
+    ("fsdp-hybrid-G4-clip-mp-bf16", "fsdp", "HYBRID_SHARD", 4, True, "mp-bf16-reduce-bf16"),
+    ("fully-shard-G8-clip-mp-f32", "fully_shard", None, 8, True, "mp-bf16-reduce-f32"),
+    ("fully-shard-G8-clip-mp-bf16", "fully_shard", None, 8, True, "mp-bf16-reduce-bf16"),
+    ("fsdp-full-G4-clip-bf16-params", "fsdp", "FULL_SHARD", 4, True, "bf16-params"),
+    ("fsdp-grad-op-G4-clip-bf16-params", "fsdp", "SHARD_GRAD_OP", 4, True, "bf16-params"),
+    ("fsdp-hybrid-G8-clip-bf16-params", "fsdp", "HYBRID_SHARD", 8, True, "bf16-params"),
+    ("fully-shard-G8-clip-bf16-params", "fully_shard", None, 8, True, "bf16-params"),
+]
+
+
+def _build(entry: str, strategy: str | None, micro_batches: int, world: int, precision: str = "f32") -> nn.Module:
     torch.manual_seed(0)
     model = TinyGPT(CFG)
+    reduce_dtype = PRECISIONS.get(precision)
+    if precision == "bf16-params":
+        model.to(BF16)
     if entry == "fully_shard":
+        policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype) if reduce_dtype else None
         for block in model.blocks:
-            fully_shard(block, invariant_micro_batches=micro_batches)
-        return fully_shard(model, invariant_micro_batches=micro_batches)
+            fully_shard(block, invariant_micro_batches=micro_batches, mp_policy=policy)
+        return fully_shard(model, invariant_micro_batches=micro_batches, mp_policy=policy)
     kwargs = {}
     if strategy == "HYBRID_SHARD":  # (replicate, shard): 1 -> (1, 1), 2 -> (2, 1), 4 -> (2, 2)
         kwargs["device_mesh"] = init_device_mesh("cpu", (min(world, 2), max(1, world // 2)))
+    if reduce_dtype is not None:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=BF16, reduce_dtype=reduce_dtype, buffer_dtype=BF16)
     return FSDP(
         model,
         sharding_strategy=ShardingStrategy[strategy or "FULL_SHARD"],
@@ -68,10 +94,10 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def train_cases(rank: int, world: int, cases: list[tuple[str, str, str | None, int, bool]]) -> dict[str, object]:
+def train_cases(rank: int, world: int, cases: list[tuple]) -> dict[str, object]:
     results: dict[str, object] = {}
-    for name, entry, strategy, micro_batches, clip in cases:
-        model = _build(entry, strategy, micro_batches, world)
+    for name, entry, strategy, micro_batches, clip, *precision in cases:
+        model = _build(entry, strategy, micro_batches, world, *precision)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         per_rank = micro_batches // world
         norms, references = [], []
@@ -87,9 +113,10 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str | None, i
                     full = [p.grad.full_tensor().double().reshape(-1) for p in model.parameters()]
                     references.append(float(torch.linalg.vector_norm(torch.cat(full))))
                 norms.append(model.clip_grad_norm_(MAX_NORM))
+            dtypes = {(p.dtype, p.grad.dtype) for p in model.parameters()}  # (parameter, gradient)
             opt.step()
             opt.zero_grad()
-        results[name] = {"params": _full_params(model), "norms": norms, "references": references}
+        results[name] = {"params": _full_params(model), "norms": norms, "references": references, "dtypes": dtypes}
     return results
 
 
@@ -102,13 +129,13 @@ def pool1() -> Iterator[WorkerPool]:
 
 @pytest.fixture(scope="module")
 def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[int, list[dict[str, object]]]:
-    return {n: pool.run(train_cases, CASES) for n, pool in ((1, pool1), (2, pool2), (4, pool4))}
+    cases = CASES + BF16_CASES
+    return {n: pool.run(train_cases, cases) for n, pool in ((1, pool1), (2, pool2), (4, pool4))}
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, object]]], case: str) -> None:
+def _check_bitwise_equal(runs: dict[int, list[dict[str, object]]], case: str) -> None:
     want = runs[1][0][case]
-    clip = next(c[4] for c in CASES if c[0] == case)
+    clip = next(c[4] for c in CASES + BF16_CASES if c[0] == case)
     if clip:  # the clipping coefficient was below 1 at every step, so clipping changed the gradients
         assert all(float(n) > MAX_NORM for n in want["norms"]), want["norms"]
         for norm, reference in zip(want["norms"], want["references"]):  # fully_shard cases
@@ -121,6 +148,40 @@ def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, obj
                 assert torch.equal(got["params"][name], value), f"{case}: {world} ranks, rank {rank}: {name} differs"
             for a, b in zip(got["norms"], want["norms"], strict=True):
                 assert torch.equal(a, b), f"{case}: {world} ranks, rank {rank}: norm {a} != {b}"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, object]]], case: str) -> None:
+    _check_bitwise_equal(runs, case)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in BF16_CASES])
+def test_bf16_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, list[dict[str, object]]], case: str) -> None:
+    """bf16 compute (mixed precision) or bf16 parameters: the tree's float32 partial sums are rounded once, into the
+    sharded gradient (float32 under a policy, bf16 for bf16 parameters)."""
+    _check_bitwise_equal(runs, case)
+    dtype = BF16 if case.endswith("bf16-params") else torch.float32
+    for results in runs.values():
+        for result in results:
+            assert result[case]["dtypes"] == {(dtype, dtype)}, result[case]["dtypes"]
+
+
+@pytest.mark.parametrize(
+    "f32, bf16",
+    [
+        ("fsdp-full-G4-clip-mp-f32", "fsdp-full-G4-clip-mp-bf16"),
+        ("fully-shard-G8-clip-mp-f32", "fully-shard-G8-clip-mp-bf16"),
+    ],
+)
+def test_bf16_reduce_dtype_sums_in_float32(runs: dict[int, list[dict[str, object]]], f32: str, bf16: str) -> None:
+    """reduce_dtype=bfloat16 gives the same bits as float32 in invariant mode: the partial sums are float32 either
+    way (one rounding, none for float32 gradients). The bf16 compute itself shows: not the float32 run's weights."""
+    for results in runs.values():
+        for result in results:
+            for name, value in result[f32]["params"].items():
+                assert torch.equal(result[bf16]["params"][name], value), name
+    fp32_run = runs[1][0]["fsdp-full-G4-clip" if f32.startswith("fsdp") else "fully-shard-G8-clip"]
+    assert any(not torch.equal(v, fp32_run["params"][n]) for n, v in runs[1][0][f32]["params"].items())
 
 
 def test_tree_sum_matches_across_splits() -> None:
@@ -181,3 +242,72 @@ def _misuse(rank: int, world: int, what: str) -> None:
 def test_misuse_is_refused(pool2: WorkerPool, what: str, message: str) -> None:
     with pytest.raises(RankFailure, match=message):
         pool2.run(_misuse, what)
+
+
+def _build_f16_or_f64(rank: int, world: int, how: str) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    if how == "fully_shard-policy-f16":
+        fully_shard(model, invariant_micro_batches=2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    elif how == "fsdp-reduce-f16":
+        FSDP(model, invariant_micro_batches=2, mixed_precision=MixedPrecision(reduce_dtype=torch.float16))
+    else:
+        FSDP(model.to(torch.float16 if how == "fsdp-f16-params" else torch.float64), invariant_micro_batches=2)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        (
+            "fully_shard-policy-f16",
+            "refuses float16 compute (got param_dtype torch.float16, reduce_dtype torch.float16)",
+        ),
+        ("fsdp-f16-params", "refuses float16 compute (got the parameters' dtype torch.float16, param_dtype"),
+        ("fsdp-reduce-f16", "supports float32 and bfloat16 only (got reduce_dtype torch.float16)"),
+        ("fsdp-f64-params", "supports float32 and bfloat16 only (got the parameters' dtype torch.float64, param_dtype"),
+    ],
+)
+def test_dtype_refusals_name_the_value_and_the_fix(pool2: WorkerPool, how: str, message: str) -> None:
+    with pytest.raises(RankFailure, match=re.escape(message)) as failure:
+        pool2.run(_build_f16_or_f64, how)
+    fix = "Use torch.bfloat16 instead" if "compute" in message else "cast the model to torch.float32 or torch.bfloat16"
+    assert fix in str(failure.value) and "or drop invariant_micro_batches" in str(failure.value)
+
+
+def _default_mode_and_ddp(rank: int, world: int, entry: str) -> list[str]:
+    """Default mode (no invariant_micro_batches), 3 micro-batches per rank with gradient sync off for the first two
+    (a left fold, which no tree equals), against torch's DDP doing the same: the names of the parameters that differ
+    after three AdamW steps."""
+    models = []
+    for wrap in ("ddp", entry):
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        if wrap == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        elif wrap == "fully_shard":
+            for block in model.blocks:
+                fully_shard(block)
+            model = fully_shard(model)
+        else:
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            x, y = make_batch(CFG, 3 * world * MICRO_ROWS, seed=1000 + step)
+            for k in range(3):
+                rows = slice((rank * 3 + k) * MICRO_ROWS, (rank * 3 + k + 1) * MICRO_ROWS)
+                if wrap == "fully_shard":
+                    model.set_requires_gradient_sync(k == 2)
+                with model.no_sync() if k < 2 and wrap != "fully_shard" else contextlib.nullcontext():
+                    (model(x[rows], y[rows]) / 3).backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model.module if wrap == "ddp" else model)
+    want, got = (_full_params(m) for m in models)
+    return [name for name, value in want.items() if not torch.equal(got[name], value)]
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_default_mode_unchanged_bitwise_ddp(pool2: WorkerPool, entry: str) -> None:
+    """The default mode keeps its own reduction (a reduce-scatter per step, bf16 reduce_dtype on the wire: see
+    test_mixed_precision.py): on 2 ranks it is bitwise torch's DDP, as before invariant mode existed."""
+    assert pool2.run(_default_mode_and_ddp, entry) == [[], []]

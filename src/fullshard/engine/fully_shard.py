@@ -172,8 +172,9 @@ def fully_shard(
     ``invariant_micro_batches=G`` (or ``FULLSHARD_INVARIANT_MICRO_BATCHES=G``) turns on world-size-invariant mode:
     for a fixed global batch cut into ``G`` micro-batches (a power of two, a multiple of the world size), the
     weights after every step are bitwise the same on any number of ranks; each rank runs its ``G/N`` consecutive
-    micro-batches per step and the engine accumulates them; clip with :meth:`FSDPModule.clip_grad_norm_`. See
-    [Note: world-size invariance] in ``invariant.py``.
+    micro-batches per step and the engine accumulates them; clip with :meth:`FSDPModule.clip_grad_norm_`. It takes
+    float32 or bfloat16 parameters and ``param_dtype`` (float16 is refused) and sums gradients in float32 whatever
+    ``reduce_dtype`` says. See [Note: world-size invariance] in ``invariant.py``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")

@@ -418,12 +418,12 @@ class ParamGroup:
 
     # --- gradients ----------------------------------------------------------------------------------
 
-    def take_unsharded_grad(self) -> torch.Tensor:
-        """This backward's gradient of ``flat_full`` in the reduce dtype (zeros if nothing reached it); detaches it
-        from ``flat_full`` so that the next backward starts from none."""
+    def take_unsharded_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This backward's gradient of ``flat_full`` in ``dtype`` (default: the reduce dtype; zeros if nothing reached
+        it); detaches it from ``flat_full`` so that the next backward starts from none."""
         grad = self.flat_full.grad
         self.flat_full.grad = None
-        rdtype = self.precision.reduce_dtype
+        rdtype = self.precision.reduce_dtype if dtype is None else dtype
         if grad is None:
             return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
         return grad if grad.dtype == rdtype else grad.to(rdtype)

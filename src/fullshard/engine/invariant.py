@@ -26,15 +26,30 @@ locally, and the order of gloo's or NCCL's reduction). Invariant mode fixes ever
   parameter's flattened full gradient (not over whatever shard a rank holds): each piece is summed, in a fixed
   pairwise tree, by the rank holding its first element, which receives the few elements it lacks from the
   ranks after it (one all-reduce of a buffer in which every element is nonzero on one rank only: adding zeros
-  is exact); the piece sums travel the same way, and every rank adds them in one fixed tree.
+  is exact); the piece sums travel the same way, and every rank adds them in one fixed tree. The pieces are
+  summed in float32 whatever the gradients' dtype.
+- Precision: float32 and bfloat16 (:data:`DTYPES`), as parameters (``model.to(torch.bfloat16)``) or as a mixed
+  precision ``param_dtype``. Every partial sum of the tree is float32 (:data:`PARTIAL_SUM_DTYPE`), whatever the
+  ``reduce_dtype``: a micro-batch's bf16 gradient is widened when pushed (exact), and the step's sum is rounded
+  once, where it lands in the sharded gradient's dtype (the parameters', or ``reduce_dtype`` with
+  ``keep_low_precision_grads``): one rounding at one fixed point, none for float32 gradients. The partial sums
+  cannot cross ranks in bf16: a rank's partial sum covers ``G/N`` micro-batches, so rounding it for the wire would
+  round at a level of the tree that depends on ``N``. (Rounding to bf16 after every addition of the tree would be
+  invariant too, with ``log2(G)`` roundings; float32 is the more accurate of the two.) So ``reduce_dtype`` does not
+  change the result here (``keep_low_precision_grads`` aside): ``bfloat16`` gives float32's bits, more accurate
+  than the default mode's bf16 reduce-scatter, at twice its bytes (a float16 ``reduce_dtype``, which would only
+  round the gradients to float16 where they land, is refused with the others). float16 compute is refused: the
+  scaling argument above needs float32's exponent range, which bf16 shares, but float16's subnormals (below
+  ``6e-5``) and overflow (above ``65504``) lie where gradients live, so a micro-batch's gradient scaled by
+  ``1/(G/N)`` rounds differently on different ``N`` (and a grad scaler skips different steps). A loss divided by
+  ``G`` on every rank, summed without the division by ``N``, would lift that; not done.
 
-What this costs: each rank keeps up to ``log2(G/N) + 1`` unsharded gradients of a unit between micro-batches
-(the default's sharded accumulation keeps none; ``no_sync()`` keeps one), an all-to-all instead of a
-reduce-scatter (the same bytes; on gloo the pairwise reduce-scatter overlaps better), and the tree additions.
-Float32 only for now: the tree is order-fixed in any dtype, but a bf16 or fp16 run should keep the partial sums in
-a float32 ``reduce_dtype`` and round once, at one fixed point, rather than at every level of the tree. Forward and
-backward kernels must themselves be deterministic and shape-stable (the same micro-batch shape on every ``N``, the
-same intra-op thread count; on CUDA ``torch.use_deterministic_algorithms(True)``), which this module cannot enforce.
+What this costs: each rank keeps up to ``log2(G/N) + 1`` unsharded gradients of a unit between micro-batches, in
+float32 (the default's sharded accumulation keeps none; ``no_sync()`` keeps one, in the compute dtype), an
+all-to-all instead of a reduce-scatter (the same bytes for float32, twice a bf16 ``reduce_dtype``'s; on gloo the
+pairwise reduce-scatter overlaps better), and the tree additions. Forward and backward kernels must themselves be
+deterministic and shape-stable (the same micro-batch shape on every ``N``, the same intra-op thread count; on CUDA
+``torch.use_deterministic_algorithms(True)``), which this module cannot enforce.
 """
 
 from __future__ import annotations
@@ -55,7 +70,9 @@ from fullshard.engine.param import local_tensor
 
 __all__ = [
     "total_norm",
+    "DTYPES",
     "ENV",
+    "PARTIAL_SUM_DTYPE",
     "PIECE",
     "TreeSum",
     "check_one_mode",
@@ -70,6 +87,13 @@ __all__ = [
 
 ENV = "FULLSHARD_INVARIANT_MICRO_BATCHES"
 """The environment's ``G`` when the entry point's ``invariant_micro_batches`` is not given (unset, empty or 0: off)."""
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""Parameter, compute, reduce and gradient dtypes invariant mode takes (see [Note: world-size invariance])."""
+
+PARTIAL_SUM_DTYPE = torch.float32
+"""The dtype of every partial sum of the tree, whatever the parameter and reduce dtypes: a micro-batch's gradient
+is widened to it (exactly) when pushed, and the step's sum is rounded once, into the sharded gradient's dtype."""
 
 PIECE = 1024
 """Elements per piece of a flattened full gradient in the invariant gradient norm (a power of two; fixed, so
@@ -100,18 +124,36 @@ def resolve(micro_batches: int | None, where: str) -> int | None:
 
 def validate_group(group: ParamGroup, micro_batches: int, where: str) -> None:
     """Refuse what invariant mode does not cover, naming it: a ``G`` that the data-parallel size does not divide,
-    reductions below float32, tensor parallel parameters."""
+    dtypes other than float32 and bfloat16 (float16 for the reason given in [Note: world-size invariance]), tensor
+    parallel parameters."""
     n = group.shard_group.data_parallel_size
     if micro_batches % n:
         raise ValueError(
             f"{where}: invariant_micro_batches={micro_batches} is not a multiple of the data-parallel size {n}. "
             f"Each rank runs G/N micro-batches per step, so G must be a multiple of every world size (powers of two)."
         )
-    dtypes = {group.dtype, group.precision.param_dtype, group.precision.reduce_dtype, group.precision.grad_dtype}
-    if dtypes != {torch.float32}:
+    precision = group.precision
+    dtypes = {
+        "the parameters' dtype": group.dtype,
+        "param_dtype": precision.param_dtype,
+        "reduce_dtype": precision.reduce_dtype,
+        "the gradients' dtype": precision.grad_dtype,
+    }
+    bad = [f"{name} {dtype}" for name, dtype in dtypes.items() if dtype not in DTYPES]
+    if torch.float16 in (group.dtype, precision.param_dtype):  # the forward and backward compute in float16
         raise ValueError(
-            f"{where}: world-size-invariant mode supports float32 parameters, compute and reduction only (got "
-            f"{sorted(str(d) for d in dtypes)}); drop the mixed precision policy, or drop invariant_micro_batches."
+            f"{where}: world-size-invariant mode refuses float16 compute (got {', '.join(bad)}): each rank divides "
+            "its loss by G/N, and float16's narrow exponent range turns that exact power-of-two scaling into "
+            "different roundings on different world sizes (subnormal gradients, overflows that make a grad scaler "
+            "skip different steps). Use torch.bfloat16 instead, which has float32's range: MixedPrecision(param_dtype="
+            "torch.bfloat16), MixedPrecisionPolicy(param_dtype=torch.bfloat16) or model.to(torch.bfloat16); or drop "
+            "invariant_micro_batches."
+        )
+    if bad:
+        raise ValueError(
+            f"{where}: world-size-invariant mode supports float32 and bfloat16 only (got {', '.join(bad)}); cast the "
+            "model to torch.float32 or torch.bfloat16 before sharding and take one of them for param_dtype and "
+            "reduce_dtype (the tree sums in float32 whatever reduce_dtype says), or drop invariant_micro_batches."
         )
     if any(sp.tp is not None for sp in group.params):
         raise ValueError(f"{where}: world-size-invariant mode does not support tensor parallel parameters yet.")
@@ -214,7 +256,7 @@ def fold_backward(state: Any) -> None:
             f"every G/N = {per_rank} micro-batches itself. Run exactly G/N micro-batches per step, the last one with "
             "gradient sync on (or never turn it off)."
         )
-    tree.push(group.take_unsharded_grad())
+    tree.push(group.take_unsharded_grad(PARTIAL_SUM_DTYPE))  # bf16 -> float32 is exact
     if last:
         _reduce(group, tree.take())
 
@@ -258,6 +300,7 @@ def _reduce(group: ParamGroup, total: torch.Tensor) -> None:
         n = sg.data_parallel_size
         if n > 1:
             chunk = chunk / n  # a power of two: exact
+    # The one rounding of the step's sum (float32 partial sums; none for float32 gradients), at a fixed point.
     group.accumulate_sharded_grads(chunk.to(group.storage_device, group.precision.grad_dtype))
 
 
