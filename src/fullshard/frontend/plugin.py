@@ -153,7 +153,7 @@ class FullyShardedDataParallelPlugin:
     a multiple of every world size the run will use): the weights after every step are bitwise the same on any
     number of ranks. ``None`` (the default) or 0: off. Read from ``FSDP_INVARIANT_MICRO_BATCHES``, else the
     engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. The Accelerator then deals micro-batches, accumulates
-    ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariant_data.py``)."""
+    ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariance.py``)."""
 
     def __post_init__(self) -> None:
         given = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
