@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
+from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin, ParallelismConfig
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.utils import set_seed
 
@@ -34,6 +34,7 @@ MICRO, SAMPLES, EPOCHS, MAX_NORM = 3, 29, 2, 0.05  # G=4: 12 samples per global 
 CASES = [
     ("fsdp1-full-G4", 1, "FULL_SHARD", 4, False),
     ("fsdp1-grad-op-G4", 1, "SHARD_GRAD_OP", 4, False),
+    ("fsdp2-hsdp-G4", 2, "HSDP", 4, False),  # 4 ranks: ParallelismConfig (replicate 2, shard 2); 1, 2: no config
     ("fsdp2-G4", 2, "FULL_SHARD", 4, False),
     ("fsdp2-G8-split", 2, "SHARD_GRAD_OP", 8, True),  # batch_size is the global batch: 8 micro-batches of 3
 ]
@@ -87,9 +88,11 @@ def _plugin(version: int, strategy: str, micro_batches: int | None, **kw: Any) -
 def train_cases(rank: int, world: int, cases: list[tuple[str, int, str, int, bool]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, version, strategy, micro_batches, split in cases:
+        hsdp = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) if strategy == "HSDP" and world == 4 else None
         accelerator = Accelerator(
-            fsdp_plugin=_plugin(version, strategy, micro_batches),
+            fsdp_plugin=_plugin(version, "FULL_SHARD" if strategy == "HSDP" else strategy, micro_batches),
             dataloader_config=DataLoaderConfiguration(split_batches=split),
+            parallelism_config=hsdp,
         )
         set_seed(0)
         model = DropNet()
@@ -117,6 +120,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, int, str, int, boo
             "lrs": lrs,
             "seen": seen,
             "accumulation": accelerator.gradient_accumulation_steps,
+            "mesh": getattr(getattr(next(model.parameters()), "device_mesh", None), "shape", None),
         }
     return results
 
@@ -144,6 +148,8 @@ def test_weights_bitwise_equal_on_1_2_4_ranks(runs: dict[int, dict[str, Any]], c
     for world, results in runs.items():
         got = results[case]
         assert got["accumulation"] == micro_batches // world
+        if case == "fsdp2-hsdp-G4" and world == 4:
+            assert got["mesh"] == (2, 2)  # hybrid: replicated over 2, sharded over 2
         assert got["params"].keys() == want["params"].keys()
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), f"{case}: {world} ranks: {name} differs"
