@@ -4,6 +4,7 @@
     fullshard launch --num_processes 2 examples/train_gpt.py --steps 90 --resume   # continue from the latest checkpoint
     fullshard launch --num_processes 2 --max_restarts 3 examples/train_gpt.py --resume  # restartable as it is
     python examples/train_gpt.py --steps 20                                          # one process also works
+    fullshard launch --num_processes 2 examples/train_gpt.py --invariant_micro_batches 4  # the same weights on 1, 2, 4
 
 The script is written the way an Accelerate script is (swap ``fullshard`` for ``accelerate`` in the imports
 and it runs there too). Parameters, gradients and optimizer states are sharded (FULL_SHARD, one unit per
@@ -12,6 +13,11 @@ data position, RNG states, the step counter) goes to ``OUTPUT/checkpoints/checkp
 ``--resume`` continues from the latest complete one (or starts fresh if there is none) and reproduces the losses
 of an uninterrupted run. At the end the merged weights go to ``OUTPUT/model.safetensors``.
 Loss and learning rate are logged to ``OUTPUT/logs/metrics.jsonl`` (and TensorBoard files when it is installed).
+
+``--invariant_micro_batches G`` (or ``fullshard launch --fsdp_invariant_micro_batches G``) trains in
+world-size-invariant mode: a step is G micro-batches of ``--batch`` sequences, each rank runs G/N of them, and the
+weights after every step are bitwise the same on any number of ranks N dividing G (docs/accelerate.md,
+"World-size-invariant training"). The loop is Accelerate's accumulation loop either way.
 """
 
 from __future__ import annotations
@@ -68,7 +74,14 @@ def load_corpus() -> tuple[torch.Tensor, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps in all (a resumed run counts on)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank and micro-batch")
+    parser.add_argument(
+        "--invariant_micro_batches",
+        type=int,
+        default=None,
+        metavar="G",
+        help="world-size-invariant mode: G micro-batches of --batch sequences per step, G/N on each of N ranks",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save_every", type=int, default=20, help="save the training state every N steps")
     parser.add_argument("--output", type=Path, default=Path("runs/train_gpt"))
@@ -98,6 +111,7 @@ def train(args: argparse.Namespace) -> list[float]:
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["Block"],
         state_dict_type="SHARDED_STATE_DICT",
+        invariant_micro_batches=args.invariant_micro_batches,  # None: FSDP_INVARIANT_MICRO_BATCHES, else off
     )
     # use_stateful_dataloader: load_state also restores the position within the epoch (the loop below does
     # not skip batches itself, as an Accelerate script with torchdata's StatefulDataLoader does not).
@@ -154,12 +168,16 @@ def run_steps(args, accelerator, model, optimizer, loader, scheduler, progress) 
         task = bar.add_task("train", total=args.steps, completed=progress.step, loss="-")
         while progress.step < args.steps:
             for x, y in loader:
-                loss = model(x, y)
-                accelerator.backward(loss)
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
+                with accelerator.accumulate(model):  # one micro-batch; the optimizer steps once per global batch
+                    loss = model(x, y)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                if not accelerator.sync_gradients:
+                    continue
                 progress.step += 1
                 mean = accelerator.reduce(loss.detach(), reduction="mean").item()
                 losses.append(mean)

@@ -20,10 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 
-def launch(output: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+def launch(
+    output: Path, steps: int, *extra: str, processes: int = 2, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", FULLSHARD_HOME=str(output / "home"))
-    args = ["--num_processes", "2", str(SCRIPT), "--steps", str(steps), "--save_every", "2", "--output", str(output)]
+    args = ["--num_processes", str(processes), *options, str(SCRIPT), "--steps", str(steps), "--save_every", "2",
+            "--output", str(output)]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "fullshard.cli.main", "launch", *args, *extra],
         env=env,
@@ -91,3 +94,17 @@ def test_example_resume_reproduces_the_losses(straight_run: tuple[Path, str], tm
     assert "nothing left to train" in result.stdout and "at step 4" in result.stdout
     assert json.loads((tmp_path / "losses.json").read_text()) == second
     assert f"merged weights: {tmp_path / 'model.safetensors'}" in result.stdout
+
+
+def test_example_invariant_mode_gives_the_same_weights_on_1_and_2_ranks(tmp_path: Path) -> None:
+    """``--invariant_micro_batches 4`` on 1 rank, the launcher's ``--fsdp_invariant_micro_batches 4`` on 2: the
+    merged weights after 3 steps are bitwise equal (docs/accelerate.md, "World-size-invariant training")."""
+    import torch
+    from safetensors.torch import load_file
+
+    launch(tmp_path / "one", 3, "--batch", "2", "--invariant_micro_batches", "4", processes=1)
+    launch(
+        tmp_path / "two", 3, "--batch", "2", processes=2, options=("--use_fsdp", "--fsdp_invariant_micro_batches", "4")
+    )
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

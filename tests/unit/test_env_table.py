@@ -27,6 +27,8 @@ ACCELERATE_FSDP_VARS = {
     "activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
     "ignored_modules": "FSDP_IGNORED_MODULES",
 }
+# fullshard's own settings in the same family (Accelerate has no such field).
+FULLSHARD_FSDP_VARS = {"invariant_micro_batches": "FSDP_INVARIANT_MICRO_BATCHES"}
 
 
 @pytest.fixture(autouse=True)
@@ -39,7 +41,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_table_uses_accelerates_names() -> None:
-    assert {v.field: v.env for v in env.FSDP_VARS} == ACCELERATE_FSDP_VARS
+    assert {v.field: v.env for v in env.FSDP_VARS} == ACCELERATE_FSDP_VARS | FULLSHARD_FSDP_VARS
     assert {v.field: v.env for v in env.LAUNCH_VARS} == {
         "use_fsdp": "ACCELERATE_USE_FSDP",
         "mixed_precision": "ACCELERATE_MIXED_PRECISION",
@@ -149,6 +151,7 @@ ROUND_TRIP_CASES = {
         state_dict_type="FULL_STATE_DICT",
         activation_checkpointing=True,
         ignored_modules="head",
+        invariant_micro_batches=8,
     ),
     "defaults": dict(),
 }

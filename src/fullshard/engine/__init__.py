@@ -32,6 +32,8 @@ from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_norm import clip_grad_norm_
+from fullshard.engine.invariant import ENV as INVARIANT_ENV
+from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.names import clean_key
 from fullshard.engine.optim_state import (
@@ -130,6 +132,9 @@ __all__ = [
     "scatter_states",
     "state_dict_type",
     "summon_full_params",
+    # world-size-invariant mode's G, as the entry points read it (invariant.py; the front end's plugin)
+    "INVARIANT_ENV",
+    "resolve_invariant_micro_batches",
     # the collectives a communication hook calls (algorithms/comm_hooks.py)
     "all_reduce_flat",
     "predivide_factor",

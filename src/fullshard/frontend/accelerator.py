@@ -24,7 +24,18 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
-from fullshard.frontend import env, memory, model_state, ops, preemption, processes, runtime, state_io, training
+from fullshard.frontend import (
+    env,
+    invariance,
+    memory,
+    model_state,
+    ops,
+    preemption,
+    processes,
+    runtime,
+    state_io,
+    training,
+)
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
@@ -160,6 +171,14 @@ class Accelerator(runtime.ProcessView):
         if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
             self.parallelism_config._validate_accelerator(self)
             self.torch_device_mesh = self.parallelism_config.get_device_mesh(self.device.type)
+        # World-size-invariant mode: G/N micro-batches per rank and step (see invariance.py).
+        dp_size = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)[1]
+        self._invariant = invariance.configure(
+            self.fsdp_plugin.invariant_micro_batches, dp_size, accumulation.num_steps
+        )
+        if self._invariant is not None:
+            self.gradient_state.num_steps = self._invariant.per_rank
+        self._accumulating = False
         self._objects = state_io.TrainingObjects()
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
@@ -337,6 +356,7 @@ class Accelerator(runtime.ProcessView):
             non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader,
             rng_types=self.rng_types,
+            invariant_micro_batches=None if self._invariant is None else self._invariant.micro_batches,
         )
         self._objects.dataloaders.append(prepared)
         return prepared
@@ -359,7 +379,8 @@ class Accelerator(runtime.ProcessView):
         if isinstance(obj, AcceleratedScheduler):
             return obj
         optimizers = [o for o in self._objects.optimizers if o.optimizer is obj.optimizer or o is obj.optimizer]
-        steps = 1 if self.split_batches else self.num_processes  # scheduler steps per optimizer step
+        # Scheduler steps per optimizer step; world-size-invariant mode: one, on every N (see invariance.py).
+        steps = 1 if self.split_batches or self._invariant is not None else self.num_processes
         wrapped = AcceleratedScheduler(obj, optimizers, self.gradient_state, steps, self.step_scheduler_with_optimizer)
         self._objects.schedulers.append(wrapped)
         return wrapped
@@ -368,6 +389,14 @@ class Accelerator(runtime.ProcessView):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale)."""
+        run = self._invariant
+        if run is not None and run.per_rank > 1 and not self._accumulating:
+            raise RuntimeError(
+                f"Accelerator.backward outside accumulate() in world-size-invariant mode (invariant_micro_batches="
+                f"{run.micro_batches} on {run.data_parallel_size} ranks: {run.per_rank} micro-batches per rank and "
+                "step): the optimizer would step on every micro-batch. Run each batch inside "
+                "`with accelerator.accumulate(model):`."
+            )
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
@@ -393,6 +422,8 @@ class Accelerator(runtime.ProcessView):
             if not (self.sync_gradients or (self.gradient_state.sync_each_batch and self.use_distributed)):
                 for model in models:
                     stack.enter_context(training.no_sync(model))
+            self._accumulating = True
+            stack.callback(setattr, self, "_accumulating", False)
             yield
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:

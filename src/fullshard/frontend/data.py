@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from fullshard.frontend.invariance import micro_batch_seed
 from fullshard.frontend.ops import send_to_device
 from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 
@@ -61,6 +62,8 @@ class GradientState:
     - ``sync_gradients``: this step reduces gradients and the optimizer steps (not an accumulation step).
     - ``end_of_dataloader``: the batch being processed is the last of the active prepared loader.
     - ``remainder``: real samples in that last global batch (``-1``: unknown or none padded).
+    - ``metric_rows``: world-size-invariant mode, a batch of a padded last global batch: each rank's number of
+      real samples in its current batch (``None`` otherwise); ``gather_for_metrics`` keeps those.
     - ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``: a ``GradientAccumulationPlugin``'s
       switches (see ``handlers/grad.py``).
     """
@@ -69,6 +72,7 @@ class GradientState:
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     remainder: int = -1
+    metric_rows: tuple[int, ...] | None = None
     step: int = 0
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
@@ -88,6 +92,11 @@ class GradientState:
 class ShardBatchSampler:
     """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing].
 
+    ``per_rank`` (world-size-invariant mode, see [Note: invariant training through the Accelerator] in
+    ``invariance.py``; ``None``: the default dealing): a global batch is ``per_rank * num_processes`` batches, and
+    each rank gets ``per_rank`` consecutive ones of it (rank ``i``: batches ``i * per_rank ..``), in order; the
+    loader seeds each batch's randomness from ``micro_seed``.
+
     Also the loader's position (see [Note: loader position]): ``epoch`` (the epoch dealt next, or being
     dealt), ``position`` (batches yielded in it), ``in_progress`` and ``at_last_batch``.
     """
@@ -102,9 +111,12 @@ class ShardBatchSampler:
         drop_last: bool,
         even_batches: bool,
         order: SampleOrder | None = None,
+        per_rank: int | None = None,
+        micro_seed: int = 0,
     ) -> None:
         self.sampler, self.batch_size = sampler, batch_size
         self.num_processes, self.rank = num_processes, rank
+        self.invariant, self.per_rank, self.micro_seed = per_rank is not None, per_rank or 1, micro_seed
         self.drop_last, self.even_batches = drop_last, even_batches
         self.order = order if order is not None else SampleOrder(sampler, "as_is")
         self.remainder = -1
@@ -116,7 +128,7 @@ class ShardBatchSampler:
         self._skip_next = 0  # batches the iteration being started skips (set by the loader)
 
     def _global_batches(self, order: list[int]) -> list[list[int]]:
-        step = self.batch_size * self.num_processes
+        step = self.batch_size * self.num_processes * self.per_rank
         full, extra = divmod(len(order), step)
         self.remainder = extra if extra and self.even_batches and not self.drop_last else -1
         if self.drop_last or extra == 0:
@@ -130,21 +142,45 @@ class ShardBatchSampler:
         # A generator: the order is drawn at the first batch requested, after DataLoader drew its base seed
         # (from the same generator, when the DataLoader has one), as in Accelerate.
         skip, self._skip_next = self._skip_next, 0
-        b = self.batch_size
+        b, a = self.batch_size, self.per_rank
         for i, global_batch in enumerate(self._global_batches(self.order.draw(self.epoch))):
-            mine = global_batch[self.rank * b : (self.rank + 1) * b]
-            if mine and i >= skip:
-                yield mine
+            mine = global_batch[self.rank * a * b : (self.rank + 1) * a * b]
+            for k in range(a):
+                batch = mine[k * b : (k + 1) * b]
+                if batch and i * a + k >= skip:
+                    yield batch
 
     def __len__(self) -> int:
         n = len(self.sampler)
-        step = self.batch_size * self.num_processes
+        step = self.batch_size * self.num_processes * self.per_rank
         full, extra = divmod(n, step)
         if self.drop_last or extra == 0:
-            return full
+            return full * self.per_rank
         if self.even_batches:
-            return full + 1
-        return full + (1 if extra > self.rank * self.batch_size else 0)
+            return (full + 1) * self.per_rank
+        mine = min(max(extra - self.rank * self.per_rank * self.batch_size, 0), self.per_rank * self.batch_size)
+        return full * self.per_rank + -(-mine // self.batch_size)
+
+    # --- world-size-invariant mode ([Note: invariant training through the Accelerator]) ----------------------
+
+    def micro_batch_index(self, position: int) -> int:
+        """The index within the epoch, in the global order, of the batch this rank yields at ``position``."""
+        steps, k = divmod(position, self.per_rank)
+        return (steps * self.num_processes + self.rank) * self.per_rank + k
+
+    def seed_rng(self, position: int | None) -> None:
+        """Seed torch's global RNG for this rank's batch at ``position`` (``None``: the epoch's start)."""
+        index = -1 if position is None else self.micro_batch_index(position)
+        torch.manual_seed(micro_batch_seed(self.micro_seed, self.epoch, index))
+
+    def metric_rows(self, position: int) -> tuple[int, ...] | None:
+        """Each rank's real samples in its batch at ``position`` when that batch belongs to a padded last global
+        batch (see :attr:`remainder`), else ``None``."""
+        if self.remainder <= 0 or position // self.per_rank != len(self) // self.per_rank - 1:
+            return None
+        k, b = position % self.per_rank, self.batch_size
+        firsts = [(i * self.per_rank + k) * b for i in range(self.num_processes)]  # each rank's first sample
+        return tuple(min(max(self.remainder - first, 0), b) for first in firsts)
 
     # --- position ([Note: loader position]) ---------------------------------------------------------
 
@@ -159,15 +195,28 @@ class ShardBatchSampler:
         self.position, self.in_progress, self.at_last_batch = 0, False, False
 
     def state_dict(self) -> dict[str, Any]:
+        extra = {"per_rank": self.per_rank, "micro_batch_seed": self.micro_seed} if self.invariant else {}
         if self.in_progress and not self.at_last_batch:
-            return {"epoch": self.epoch, "position": self.position, **self.order.state_dict(at_epoch_start=True)}
+            order = self.order.state_dict(at_epoch_start=True)
+            return {"epoch": self.epoch, "position": self.position, **order, **extra}
         epoch = self.epoch + (1 if self.in_progress else 0)
-        return {"epoch": epoch, "position": 0, **self.order.state_dict(at_epoch_start=False)}
+        return {"epoch": epoch, "position": 0, **self.order.state_dict(at_epoch_start=False), **extra}
 
     def load_state_dict(self, state: dict[str, Any], *, restore_position: bool) -> None:
         self.order.load_state_dict(state)
         self.epoch = int(state["epoch"])
         position = int(state.get("position", state.get("batches_done", 0)))  # batches_done: fullshard <= 0.1
+        if self.invariant and "micro_batch_seed" in state:
+            self.micro_seed = int(state["micro_batch_seed"])
+        saved_per_rank = int(state.get("per_rank", self.per_rank))
+        if self.invariant and saved_per_rank != self.per_rank:  # saved in invariant mode on another world size
+            if position % saved_per_rank:
+                raise ValueError(
+                    f"load_state: the data position was saved {position % saved_per_rank} micro-batches into a "
+                    f"step of {saved_per_rank} per rank; on a world size with {self.per_rank} per rank it can only "
+                    "resume at a step boundary. Save the state after optimizer.step() (outside accumulate())."
+                )
+            position = position // saved_per_rank * self.per_rank
         self.pending_skip = position if restore_position else 0
         self.position, self.in_progress, self.at_last_batch = 0, False, False
 
@@ -274,6 +323,8 @@ class ShardedDataLoader(DataLoader):
         skip = self.skip_batches or dealer.pending_skip
         dealer.begin_epoch(skip)
         self._forward_set_epoch(dealer.epoch)
+        if dealer.invariant:  # see [Note: invariant training through the Accelerator]
+            dealer.seed_rng(None)
         iterator = self._resumed_iterator() if skip and self.generator is None else super().__iter__()
         current = next(iterator, _END)
         while current is not _END:
@@ -281,10 +332,13 @@ class ShardedDataLoader(DataLoader):
             if upcoming is _END:
                 state.end_of_dataloader, state.remainder = True, self.remainder
                 dealer.at_last_batch = True
+            if dealer.invariant:  # this micro-batch's randomness, whatever the rank and world size
+                state.metric_rows = dealer.metric_rows(dealer.position)
+                dealer.seed_rng(dealer.position)
             dealer.position += 1
             yield current if self.device is None else send_to_device(current, self.device, self.non_blocking)
             current = upcoming
-        state.end_of_dataloader = False
+        state.end_of_dataloader, state.metric_rows = False, None
         dealer.end_epoch()
 
     def __len__(self) -> int:
@@ -308,7 +362,9 @@ def _inherited_kwargs(loader: DataLoader) -> dict[str, Any]:
     return {k: getattr(loader, k) for k in _INHERITED if hasattr(loader, k)}
 
 
-def _check_loader(loader: DataLoader, num_processes: int, split_batches: bool) -> int:
+def _check_loader(
+    loader: DataLoader, num_processes: int, split_batches: bool, micro_batches: int | None, even_batches: bool
+) -> int:
     """This rank's batch size for ``loader`` (refusing what cannot be dealt)."""
     if isinstance(loader.dataset, IterableDataset):
         raise ValueError(
@@ -321,6 +377,8 @@ def _check_loader(loader: DataLoader, num_processes: int, split_batches: bool) -
             "Accelerator.prepare(dataloader) got a DataLoader with batch_size=None (a custom batch_sampler): "
             "fullshard deals fixed-size batches. Pass batch_size=... and sampler=... to the DataLoader instead."
         )
+    if micro_batches is not None:
+        return _invariant_batch_size(loader, micro_batches, split_batches, even_batches)
     if not split_batches:
         return loader.batch_size
     if loader.batch_size % num_processes:
@@ -330,6 +388,27 @@ def _check_loader(loader: DataLoader, num_processes: int, split_batches: bool) -
             f"batch_size divisible by {num_processes}, or split_batches=False."
         )
     return loader.batch_size // num_processes
+
+
+def _invariant_batch_size(loader: DataLoader, micro_batches: int, split_batches: bool, even_batches: bool) -> int:
+    """The micro-batch size in world-size-invariant mode: ``batch_size``, or ``batch_size / G`` when it is the
+    global batch (``split_batches``); see [Note: invariant training through the Accelerator]."""
+    if not even_batches and not loader.drop_last:
+        raise ValueError(
+            f"Accelerator.prepare(dataloader) with even_batches=False and invariant_micro_batches={micro_batches}: "
+            "every rank must run G/N micro-batches in every step, the last one too. Keep even_batches=True (the last "
+            "global batch is completed from the epoch's start) or pass drop_last=True to the DataLoader."
+        )
+    if not split_batches:
+        return loader.batch_size
+    if loader.batch_size % micro_batches:
+        raise ValueError(
+            f"Accelerator.prepare(dataloader) with split_batches=True and invariant_micro_batches={micro_batches}: "
+            f"the DataLoader's batch_size ({loader.batch_size}) is the global batch, cut into {micro_batches} "
+            f"micro-batches, so it must be a multiple of {micro_batches}. Use such a batch_size, or "
+            "split_batches=False (then batch_size is the micro-batch)."
+        )
+    return loader.batch_size // micro_batches
 
 
 def prepare_data_loader(
@@ -346,23 +425,37 @@ def prepare_data_loader(
     non_blocking: bool = False,
     use_stateful_dataloader: bool = False,
     rng_types: tuple[str, ...] = ("generator",),
+    invariant_micro_batches: int | None = None,
 ) -> ShardedDataLoader:
     """This rank's share of ``loader`` (see [Note: batch dealing]); the original loader is left unchanged.
 
-    A collective when the sample order needs one (a seedable sampler's seed comes from rank 0).
+    ``invariant_micro_batches=G``: dealt for world-size-invariant training, ``G / num_processes`` micro-batches
+    per rank and step (see [Note: invariant training through the Accelerator] in ``invariance.py``).
+    A collective when the sample order needs one (a seedable sampler's seed comes from rank 0), and in
+    world-size-invariant mode (the base seed comes from rank 0).
     """
-    per_rank = _check_loader(loader, num_processes, split_batches)
+    micro_batches = invariant_micro_batches
+    batch_size = _check_loader(loader, num_processes, split_batches, micro_batches, even_batches)
     order = make_sample_order(
-        loader.sampler, num_processes=num_processes, use_seedable_sampler=use_seedable_sampler, data_seed=data_seed
+        loader.sampler,
+        num_processes=num_processes if micro_batches is None else max(num_processes, 2),  # N > 1's order on any N
+        use_seedable_sampler=use_seedable_sampler,
+        data_seed=data_seed,
     )
+    invariant: dict[str, Any] = {}
+    if micro_batches is not None:
+        seed = data_seed if data_seed is not None else torch.initial_seed()
+        seed = int(broadcast_from_rank0(torch.tensor([seed], dtype=torch.int64)).item())
+        invariant = {"per_rank": micro_batches // num_processes, "micro_seed": seed}
     batch_sampler = ShardBatchSampler(
         loader.sampler,
-        per_rank,
+        batch_size,
         num_processes,
         process_index,
         drop_last=loader.drop_last,
         even_batches=even_batches,
         order=order,
+        **invariant,
     )
     return ShardedDataLoader(
         loader.dataset,

@@ -206,6 +206,14 @@ DEFAULT_FSDP_VERSION = 1
 all use this one value."""
 
 
+def _micro_batches(value: object, *, where: str = "value") -> int:
+    """``G`` of world-size-invariant mode: an int >= 0 (0: off); the plugin checks that it is a power of two."""
+    count = parse_int(value, where=where, example=8)
+    if count < 0:
+        raise ValueError(f"{where}={value!r}: the number of micro-batches per step must be >= 0 (0: off).")
+    return count
+
+
 def _version(value: object, *, where: str = "value") -> int:
     version = parse_int(value, where=where)
     if version not in (1, 2):
@@ -252,6 +260,10 @@ FSDP_VARS: tuple[EnvVar, ...] = (
          "Recompute activations in backward instead of storing them (true/false)."),
     _var("ignored_modules", "FSDP_IGNORED_MODULES", "fsdp_ignored_modules", _parse_text,
          "Regular expression (full match) on module names to leave unsharded."),
+    # fullshard's own (not Accelerate's): world-size-invariant mode, issue 27 (docs/design.md).
+    _var("invariant_micro_batches", "FSDP_INVARIANT_MICRO_BATCHES", "fsdp_invariant_micro_batches", _micro_batches,
+         "World-size-invariant mode: G micro-batches per step, a power of two and a multiple of every world size "
+         "(0: off)."),
 )  # fmt: skip
 
 LAUNCH_VARS: tuple[EnvVar, ...] = (

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from fullshard.engine import (
+    INVARIANT_ENV,
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
@@ -52,6 +54,7 @@ from fullshard.engine import (
     ShardingStrategy,
     StateDictConfig,
     StateDictType,
+    resolve_invariant_micro_batches,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -145,6 +148,12 @@ class FullyShardedDataParallelPlugin:
     ``_no_split_modules``."""
     min_num_params: int | None = None
     """Smallest unit for ``size_based_wrap`` (0 turns wrapping off). Default 100,000,000."""
+    invariant_micro_batches: int | None = None
+    """fullshard's addition: world-size-invariant mode with ``G`` micro-batches per optimizer step (a power of two,
+    a multiple of every world size the run will use): the weights after every step are bitwise the same on any
+    number of ranks. ``None`` (the default) or 0: off. Read from ``FSDP_INVARIANT_MICRO_BATCHES``, else the
+    engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. The Accelerator then deals micro-batches, accumulates
+    ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariance.py``)."""
 
     def __post_init__(self) -> None:
         given = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -157,6 +166,9 @@ class FullyShardedDataParallelPlugin:
             if name not in given and name not in ("fsdp_version", "sharding_strategy", "reshard_after_forward"):
                 setattr(self, name, value)
         _parse_fields(self)
+        self.invariant_micro_batches = _resolve_invariant(
+            self.invariant_micro_batches, "invariant_micro_batches" in given
+        )
         _check_state_dict_configs(self, type_given="state_dict_type" in given)
         self.set_state_dict_type()
         _apply_cpu_ram_efficient_loading(self, given)
@@ -278,15 +290,19 @@ class FullyShardedDataParallelPlugin:
     def entry_options(self) -> dict[str, Any]:
         """The options of this version's entry point that are neither units, ignored modules, precision,
         offload nor initialisation: ``reshard_after_forward`` for ``fully_shard``, the strategy, prefetch and
-        gather settings for ``FullyShardedDataParallel``."""
+        gather settings for ``FullyShardedDataParallel``; and ``invariant_micro_batches`` for both, when set."""
+        invariant = (
+            {} if self.invariant_micro_batches is None else {"invariant_micro_batches": self.invariant_micro_batches}
+        )
         if self.fsdp_version == 2:
-            return {"reshard_after_forward": self.reshard_after_forward}
+            return {"reshard_after_forward": self.reshard_after_forward, **invariant}
         return {
             "sharding_strategy": self.sharding_strategy,
             "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             "use_orig_params": self.use_orig_params,
+            **invariant,
         }
 
     def to_engine_kwargs(self, model: nn.Module | None = None) -> dict[str, Any]:
@@ -430,6 +446,30 @@ def _parse_fields(plugin: FullyShardedDataParallelPlugin) -> None:
         raise values.error(
             "param_init_fn", plugin.param_init_fn, "not callable", "Pass a function (module) -> None.", TypeError
         )
+
+
+def _resolve_invariant(value: Any, given: bool) -> int | None:
+    """``G`` of world-size-invariant mode, or ``None`` (off): the argument, else ``FSDP_INVARIANT_MICRO_BATCHES``
+    (already read into ``value``), else the engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. Refused: a ``G`` that
+    is not a power of two, and the two variables (or an explicit 0 and the engine's variable) disagreeing."""
+    var = env.by_field("invariant_micro_batches")
+    if value is None:
+        return resolve_invariant_micro_batches(None, _PLUGIN)  # FULLSHARD_INVARIANT_MICRO_BATCHES, or None
+    name = f"{_PLUGIN}.invariant_micro_batches" if given else f"environment variable {var.env}"
+    count = var.parse(value, where=name)
+    source = f"{name}={value!r}"
+    engine_env = os.environ.get(INVARIANT_ENV, "").strip()
+    if engine_env not in ("", "0", str(count)) and (count == 0 or not given):
+        raise ValueError(
+            f"{source} and {INVARIANT_ENV}={engine_env!r} disagree on world-size-invariant mode (the engine reads "
+            f"{INVARIANT_ENV} wherever no G is passed). Set only one of them."
+        )
+    if count & (count - 1):
+        raise ValueError(
+            f"{source}: world-size-invariant mode needs the number G of micro-batches per step to be a power of two "
+            "(1, 2, 4, 8, ...), a multiple of every world size the run will use; 0 or None turns it off."
+        )
+    return count or None
 
 
 def _check_state_dict_configs(plugin: FullyShardedDataParallelPlugin, type_given: bool) -> None:

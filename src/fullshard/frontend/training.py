@@ -21,7 +21,7 @@ from fullshard.engine import (
     local_tensor,
     unit_states_in,
 )
-from fullshard.frontend import ops
+from fullshard.frontend import invariance, ops
 from fullshard.frontend.data import GradientState
 from fullshard.frontend.enums import PrecisionType
 
@@ -146,7 +146,10 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
 
 
 def truncate_for_metrics(data: Any, state: GradientState, *, objects: bool) -> Any:
-    """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data.py``)."""
+    """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data.py``; in
+    world-size-invariant mode they are spread over the last ``G/N`` batches of every rank: ``metric_rows``)."""
+    if state.metric_rows is not None:
+        return invariance.keep_rows(data, state.metric_rows, objects=objects)
     if not state.end_of_dataloader or state.remainder <= 0:
         return data
     if objects:

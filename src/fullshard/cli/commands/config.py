@@ -40,6 +40,9 @@ class Question:
     """Whether to ask, given the answers so far."""
     choices: tuple[str, ...] = ()
     """Shown after the question."""
+    prompted: bool = True
+    """``False`` for fullshard's own settings, which Accelerate does not ask about: only their option answers
+    them, and without it nothing is written (so the questions and their order stay Accelerate's)."""
 
     def default_for(self, answers: Answers) -> Any:
         return self.default(answers) if callable(self.default) else self.default
@@ -71,7 +74,7 @@ def _table(
     var = env.by_config_key(key, table)
     if var is None:
         raise AssertionError(f"no env table entry for {key}")
-    return Question(key, text, var.parse, default, when, kw.get("choices", var.choices))
+    return Question(key, text, var.parse, default, when, kw.get("choices", var.choices), kw.get("prompted", True))
 
 
 def _fsdp(a: Answers) -> bool:
@@ -165,6 +168,9 @@ QUESTIONS: tuple[Question, ...] = (
            "Do you want each individually wrapped FSDP unit to broadcast module parameters from rank 0 at the start?",
            True, lambda a: _v1(a) and not a.get("fsdp_cpu_ram_efficient_loading")),
     _table("fsdp_activation_checkpointing", "Do you want to enable FSDP activation checkpointing?", False, _fsdp),
+    _table("fsdp_invariant_micro_batches",
+           "How many micro-batches G per step for world-size-invariant training (a power of two; 0: off)?", None,
+           _fsdp, prompted=False),
     Question("num_processes", "How many processes should be used for distributed training (all machines together)?",
              env.parse_int, lambda a: a["num_machines"] * (1 if a.get("use_cpu") else max(1, _accelerator_count()))),
     Question("mixed_precision", "Do you wish to use mixed precision?",
@@ -181,6 +187,8 @@ def ask(given: Answers, *, interactive: bool = True) -> Answers:
             continue
         if given.get(question.key) is not None:
             answers[question.key] = question.parse(given[question.key], where=f"--{question.key}")
+        elif not question.prompted:
+            continue
         elif interactive:
             answers[question.key] = _prompt(question, answers)
         else:

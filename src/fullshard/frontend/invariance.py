@@ -1,0 +1,111 @@
+"""World-size-invariant training through the ``Accelerator`` (issue 27 §1): the front end's part.
+
+[Note: invariant training through the Accelerator]
+The engine makes the reduction and the clipping norm independent of the number of ranks ``N`` (see
+[Note: world-size invariance] in ``engine/invariant.py``) provided every rank runs the right micro-batches and
+each micro-batch computes the same thing on every ``N``. With ``FullyShardedDataParallelPlugin(
+invariant_micro_batches=G)`` the Accelerator arranges that, so an ordinary Accelerate loop::
+
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)  # or only when accelerator.sync_gradients
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+gives bitwise the same weights after every step on 1, 2, 4, ... ranks:
+
+- **The batches.** The DataLoader's ``batch_size`` is the micro-batch (``split_batches=True``: the global batch,
+  cut into ``G`` micro-batches of ``batch_size / G``); a global batch is ``G`` micro-batches, the same samples
+  whatever ``N``: the epoch's sample order cut into consecutive global batches, each into ``G`` consecutive
+  micro-batches. Data-parallel rank ``i`` gets micro-batches ``i*G/N .. (i+1)*G/N - 1`` of each global batch, in
+  order. The sample order is drawn as on several processes even when ``N = 1`` (one generator seeded at
+  ``prepare``; see [Note: sample order]), so it does not depend on ``N`` either. An incomplete last global batch
+  is completed from the epoch's start (``even_batches``, the default; ``gather_for_metrics`` drops those samples
+  again, rank by rank) or dropped (``drop_last``); ``even_batches=False`` is refused (ranks would run different
+  numbers of micro-batches).
+- **Accumulation.** ``gradient_accumulation_steps`` is set to ``G/N`` (passing another value than 1 or ``G/N``
+  is refused), so ``accumulate()`` makes the optimizer step once per global batch, and ``backward`` divides the
+  loss by ``G/N``, as the engine expects (it divides the tree's sum by ``N``: the loss is the mean over the ``G``
+  micro-batches, normalised by the global batch). With ``G/N > 1``, ``backward`` outside ``accumulate()`` is
+  refused: the optimizer would step on every micro-batch. The LR scheduler advances once per optimizer step (as
+  with ``split_batches``; Accelerate's one-per-process would depend on ``N``).
+- **Randomness.** Before it hands out a micro-batch, the prepared loader seeds torch's global RNG (CPU and every
+  CUDA device, ``torch.manual_seed``) with :func:`micro_batch_seed` of (base seed, epoch, micro-batch index
+  ``g`` within the epoch), and with ``(base seed, epoch, -1)`` at the start of each epoch: dropout and any other
+  draw from the global RNG in the forward and backward are a function of the micro-batch, not of the rank. The
+  base seed is ``DataLoaderConfiguration(data_seed=...)`` or else ``torch.initial_seed()`` of rank 0 at
+  ``prepare`` (what ``set_seed`` set), and is saved in the loader's ``state_dict``. Draws from other generators
+  (Python's ``random``, NumPy, a dataset's own transforms in loader workers) are not covered.
+- **Resuming.** The loader's ``state_dict`` holds its position in batches of this rank and ``G/N``; a loader of
+  another ``G/N`` converts a position saved at a step boundary (``position / (G/N)`` global batches done).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fullshard.frontend import ops
+
+__all__ = ["InvariantRun", "configure", "keep_rows", "micro_batch_seed"]
+
+
+@dataclass(frozen=True)
+class InvariantRun:
+    """``G`` micro-batches per step over ``data_parallel_size`` ranks: ``per_rank = G / N`` each."""
+
+    micro_batches: int
+    data_parallel_size: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batches // self.data_parallel_size
+
+
+def configure(micro_batches: int | None, data_parallel_size: int, accumulation_steps: int) -> InvariantRun | None:
+    """The run of ``FullyShardedDataParallelPlugin(invariant_micro_batches=G)`` on ``N`` data-parallel ranks
+    (``None``: the default mode); refuses a ``G`` that ``N`` does not divide and an accumulation count other
+    than 1 (the default, replaced by ``G/N``) or ``G/N``."""
+    if micro_batches is None:
+        return None
+    run = InvariantRun(micro_batches, data_parallel_size)
+    if micro_batches % data_parallel_size:
+        raise ValueError(
+            f"Accelerator: FullyShardedDataParallelPlugin.invariant_micro_batches={micro_batches} is not a multiple "
+            f"of the data-parallel size {data_parallel_size}: each rank runs G/N micro-batches per step. Run on a "
+            f"number of ranks that divides {micro_batches}, or pick G as a multiple of every world size (a power of "
+            "two)."
+        )
+    if accumulation_steps not in (1, run.per_rank):
+        raise ValueError(
+            f"Accelerator(gradient_accumulation_steps={accumulation_steps}) with invariant_micro_batches="
+            f"{micro_batches} on {data_parallel_size} data-parallel ranks: world-size-invariant mode accumulates "
+            f"G/N = {run.per_rank} micro-batches per rank and sets gradient_accumulation_steps to that itself. Leave "
+            "it at 1 (the default), or drop invariant_micro_batches."
+        )
+    return run
+
+
+def micro_batch_seed(base: int, epoch: int, index: int) -> int:
+    """The seed of micro-batch ``index`` of ``epoch`` (``-1``: the epoch's start), from the run's ``base`` seed:
+    a hash, so neighbouring micro-batches get unrelated streams; the same on every rank and world size."""
+    digest = hashlib.blake2b(f"{base}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def keep_rows(data: Any, rows: Sequence[int], *, objects: bool) -> Any:
+    """Of ``data`` gathered over ranks (each tensor's dim 0, or the list of objects, holding every rank's batch in
+    rank order), the first ``rows[i]`` items of rank ``i``'s part: the real samples of a padded last global batch,
+    for ``gather_for_metrics``."""
+
+    def pick(items: Any) -> Any:
+        per = len(items) // len(rows)
+        parts = [items[i * per : i * per + min(r, per)] for i, r in enumerate(rows)]
+        return [x for part in parts for x in part] if objects else torch.cat(parts)
+
+    return pick(data) if objects else ops.recursively_apply(pick, data)
