@@ -37,6 +37,8 @@ CASES = [
     ("fsdp2-hsdp-G4", 2, "HSDP", 4, False),  # 4 ranks: ParallelismConfig (replicate 2, shard 2); 1, 2: no config
     ("fsdp2-G4", 2, "FULL_SHARD", 4, False),
     ("fsdp2-G8-split", 2, "SHARD_GRAD_OP", 8, True),  # batch_size is the global batch: 8 micro-batches of 3
+    ("fsdp1-full-G4-bf16", 1, "FULL_SHARD", 4, False),  # names ending in -bf16: Accelerator(mixed_precision="bf16")
+    ("fsdp2-G4-bf16", 2, "FULL_SHARD", 4, False),
 ]
 
 
@@ -93,6 +95,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, int, str, int, boo
             fsdp_plugin=_plugin(version, "FULL_SHARD" if strategy == "HSDP" else strategy, micro_batches),
             dataloader_config=DataLoaderConfiguration(split_batches=split),
             parallelism_config=hsdp,
+            mixed_precision="bf16" if name.endswith("-bf16") else "no",
         )
         set_seed(0)
         model = DropNet()
