@@ -23,6 +23,13 @@ that reproduces it (mid-epoch: the state the epoch started from, and the positio
 between epochs: the next epoch's). ``load_state_dict`` restores the epoch and the order always, and the
 position only when the loader was prepared with ``use_stateful_dataloader=True`` (Accelerate's semantics:
 without it, a resumed script skips the batches it has seen with ``skip_first_batches``).
+
+The position is saved as ``samples``: how many samples of the epoch's order the global batches dealt so far,
+over all ranks (``position`` batches of ``batch_size * num_processes`` samples each). It does not depend on the
+number of ranks, so a checkpoint written on ``N`` ranks resumes on ``M``: the resumed epoch deals the global
+batches of the order's samples from ``samples`` on, cut for ``M`` ranks, and completes the last one from the
+start of the epoch as always. When ``samples`` is a multiple of the global batch (always, on the same number of
+ranks) these are exactly the uninterrupted run's batches from ``position`` on.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ class ShardBatchSampler:
     """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing].
 
     Also the loader's position (see [Note: loader position]): ``epoch`` (the epoch dealt next, or being
-    dealt), ``position`` (batches yielded in it), ``in_progress`` and ``at_last_batch``.
+    dealt), ``start`` (samples of its order skipped when the iteration began) and ``position`` (batches yielded
+    since), ``in_progress`` and ``at_last_batch``.
     """
 
     def __init__(
@@ -109,31 +117,40 @@ class ShardBatchSampler:
         self.order = order if order is not None else SampleOrder(sampler, "as_is")
         self.remainder = -1
         self.epoch = 0
-        self.position = 0
+        self.start = 0  # samples of the epoch's order dealt before this iteration began
+        self.position = 0  # batches yielded by this iteration
         self.in_progress = False
         self.at_last_batch = False
-        self.pending_skip = 0  # batches the next iteration skips (a restored position)
-        self._skip_next = 0  # batches the iteration being started skips (set by the loader)
+        self.pending_samples = 0  # samples the next iteration skips (a restored position)
+        self._start_next = 0  # samples the iteration being started skips (set by the loader)
 
-    def _global_batches(self, order: list[int]) -> list[list[int]]:
-        step = self.batch_size * self.num_processes
-        full, extra = divmod(len(order), step)
+    @property
+    def step_samples(self) -> int:
+        """Samples per global batch (all ranks)."""
+        return self.batch_size * self.num_processes
+
+    def _global_batches(self, order: list[int], start: int = 0) -> list[list[int]]:
+        """The global batches of ``order[start:]``; an incomplete last one is dropped or completed from the
+        start of ``order`` (see [Note: batch dealing])."""
+        step = self.step_samples
+        rest = order[start:]
+        full, extra = divmod(len(rest), step)
         self.remainder = extra if extra and self.even_batches and not self.drop_last else -1
         if self.drop_last or extra == 0:
-            order = order[: full * step]
+            rest = rest[: full * step]
         elif self.even_batches:
             need = step - extra
-            order = order + (order * (need // max(len(order), 1) + 1))[:need]
-        return [order[i : i + step] for i in range(0, len(order), step)]
+            rest = rest + (order * (need // max(len(order), 1) + 1))[:need]
+        return [rest[i : i + step] for i in range(0, len(rest), step)]
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the order is drawn at the first batch requested, after DataLoader drew its base seed
         # (from the same generator, when the DataLoader has one), as in Accelerate.
-        skip, self._skip_next = self._skip_next, 0
+        start, self._start_next = self._start_next, 0
         b = self.batch_size
-        for i, global_batch in enumerate(self._global_batches(self.order.draw(self.epoch))):
+        for global_batch in self._global_batches(self.order.draw(self.epoch), start):
             mine = global_batch[self.rank * b : (self.rank + 1) * b]
-            if mine and i >= skip:
+            if mine:
                 yield mine
 
     def __len__(self) -> int:
@@ -148,28 +165,35 @@ class ShardBatchSampler:
 
     # --- position ([Note: loader position]) ---------------------------------------------------------
 
-    def begin_epoch(self, skip: int) -> None:
+    def begin_epoch(self, skip_batches: int) -> None:
+        """Start iterating the epoch: skip ``skip_batches`` global batches (a ``skip_first_batches`` view), else
+        the restored position's samples."""
         self.order.begin_epoch()
-        self.pending_skip = 0
-        self._skip_next = self.position = skip
+        samples = skip_batches * self.step_samples if skip_batches else self.pending_samples
+        self.pending_samples, self.position = 0, 0
+        self._start_next = self.start = samples
         self.in_progress, self.at_last_batch = True, False
 
     def end_epoch(self) -> None:
         self.epoch += 1
-        self.position, self.in_progress, self.at_last_batch = 0, False, False
+        self.start, self.position, self.in_progress, self.at_last_batch = 0, 0, False, False
 
     def state_dict(self) -> dict[str, Any]:
         if self.in_progress and not self.at_last_batch:
-            return {"epoch": self.epoch, "position": self.position, **self.order.state_dict(at_epoch_start=True)}
+            samples = self.start + self.position * self.step_samples
+            return {"epoch": self.epoch, "samples": samples, **self.order.state_dict(at_epoch_start=True)}
         epoch = self.epoch + (1 if self.in_progress else 0)
-        return {"epoch": epoch, "position": 0, **self.order.state_dict(at_epoch_start=False)}
+        return {"epoch": epoch, "samples": 0, **self.order.state_dict(at_epoch_start=False)}
 
     def load_state_dict(self, state: dict[str, Any], *, restore_position: bool) -> None:
         self.order.load_state_dict(state)
         self.epoch = int(state["epoch"])
-        position = int(state.get("position", state.get("batches_done", 0)))  # batches_done: fullshard <= 0.1
-        self.pending_skip = position if restore_position else 0
-        self.position, self.in_progress, self.at_last_batch = 0, False, False
+        if "samples" in state:
+            samples = int(state["samples"])
+        else:  # fullshard <= 0.2 saved this rank's batches ("batches_done" before 0.1), on the same world size
+            samples = int(state.get("position", state.get("batches_done", 0))) * self.step_samples
+        self.pending_samples = samples if restore_position else 0
+        self.start, self.position, self.in_progress, self.at_last_batch = 0, 0, False, False
 
 
 def synchronize_rng_states(rng_types: tuple[str, ...] | list[str], generator: torch.Generator | None = None) -> None:
@@ -271,10 +295,10 @@ class ShardedDataLoader(DataLoader):
         state, dealer = self.gradient_state, self.batch_sampler
         state.end_of_dataloader = False
         synchronize_rng_states(self.rng_types, dealer.order.generator)
-        skip = self.skip_batches or dealer.pending_skip
-        dealer.begin_epoch(skip)
+        dealer.begin_epoch(self.skip_batches)
         self._forward_set_epoch(dealer.epoch)
-        iterator = self._resumed_iterator() if skip and self.generator is None else super().__iter__()
+        resumed = dealer.start and self.generator is None
+        iterator = self._resumed_iterator() if resumed else super().__iter__()
         current = next(iterator, _END)
         while current is not _END:
             upcoming = next(iterator, _END)
