@@ -249,7 +249,8 @@ def accelerator_run(rank: int, world: int, version: int, root: str, mode: str) -
         warnings.simplefilter("always")
         accelerator.load_state(root)
     loaded = full_states(model, opt.optimizer)
-    return train(model, opt, range(K, K + M)), *loaded, [str(w.message) for w in caught if "processes" in str(w.message)]
+    said = [str(w.message) for w in caught if "processes" in str(w.message)]
+    return train(model, opt, range(K, K + M)), *loaded, said
 
 
 @pytest.mark.parametrize("versions", [(2, 1), (1, 2)], ids=["fully_shard-to-wrapper", "wrapper-to-fully_shard"])
