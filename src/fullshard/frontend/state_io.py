@@ -68,8 +68,7 @@ from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
 from fullshard.checkpoint.writer import local_nbytes, write_sharded
-from fullshard.engine import StateDictType
-from fullshard.engine.state import unit_states_in
+from fullshard.engine import StateDictType, unit_states_in
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
