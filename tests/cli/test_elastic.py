@@ -152,6 +152,7 @@ def test_a_lost_launcher_leaves_the_other_to_finish_with_the_uninterrupted_weigh
     _wait_for(lambda: any(s >= 3 for s in _steps(both([first.output(), second.output()]), 4)), 120,
               "three steps on 4 ranks", first, second)  # fmt: skip
     workers = second.remember_processes()
+    killed_at = time.time()
     os.killpg(second.proc.pid, signal.SIGKILL)  # the machine is lost: its launcher ...
     _wait_for(lambda: not any(_alive(pid) for pid in workers), 15, "the second launcher's workers ending", second)
     # - Check: ... and its workers are gone; the first goes on alone, on 2 ranks, and finishes
@@ -162,7 +163,9 @@ def test_a_lost_launcher_leaves_the_other_to_finish_with_the_uninterrupted_weigh
     assert "fullshard launch: restart" in text
     assert re.search(r"loading \S+checkpoint_\d+, the latest complete checkpoint", text)
     resumed = min(_steps(text, 2))
-    print(f"4 ranks up to step {max(_steps(both([first.output(), second.output()]), 4))}, 2 ranks from {resumed}")
+    back = min(float(t) for t in re.findall(r"^STEP \d+ world=2 .*at=([0-9.]+)$", text, flags=re.MULTILINE))
+    print(f"4 ranks up to step {max(_steps(both([first.output(), second.output()]), 4))}, 2 ranks from {resumed}; "
+          f"kill -> first step on 2 ranks: {back - killed_at:.1f}s")  # fmt: skip
     assert 3 < resumed <= STEPS
     want = torch.load(tmp_path / "ref" / "final.pt")
     got = torch.load(out / "final.pt")

@@ -8,7 +8,8 @@
 global index (rank ``r`` of ``N`` runs ``r*4/N .. (r+1)*4/N - 1``), so the weights after every step are bitwise the
 same on 1, 2 or 4 ranks, and a run that loses ranks and resumes from its last checkpoint on fewer ends with the
 uninterrupted run's weights. Each step ends with ``save_state()`` (``OUT/checkpoints/checkpoint_<i>``); a (re)start
-loads the latest complete one. Prints ``STEP <s> world=<N> attempt=<restart count>`` (main process) and, at the end,
+loads the latest complete one. Prints ``STEP <s> world=<N> attempt=<restart count> at=<time>`` (each machine's
+first process) and, at the end,
 writes the full weights to ``OUT/final.pt``. ``PAUSE_S`` sleeps after each step, to leave time for a kill.
 """
 
@@ -72,7 +73,7 @@ def main() -> None:
         opt.zero_grad()
         progress.step = step + 1
         accelerator.save_state()
-        accelerator.print(f"STEP {step + 1} world={world} attempt={attempt}", flush=True)
+        accelerator.print(f"STEP {step + 1} world={world} attempt={attempt} at={time.time():.2f}", flush=True)
         time.sleep(pause)
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
