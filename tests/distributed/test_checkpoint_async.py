@@ -113,6 +113,31 @@ def test_a_second_async_save_reuses_the_host_buffers_and_writes_its_own_values(
     assert data and all((tmp_path / "first" / n).read_bytes() != (tmp_path / "second" / n).read_bytes() for n in data)
 
 
+# --- the default: ProjectConfiguration(async_save=True) ---------------------------------------------------------
+
+
+def saves_by_default(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Host buffers are kept by async saves only: they tell which kind of save ran."""
+    from fullshard import ProjectConfiguration
+
+    state_io.release_save_buffers()
+    accelerator, _, _, _ = _train(1)
+    accelerator.project_configuration = ProjectConfiguration(async_save=True)
+    accelerator.save_state(f"{root}/default")
+    state_io.wait_for_save()
+    by_default = bool(_kept())
+    state_io.release_save_buffers()
+    accelerator.save_state(f"{root}/explicit", async_save=False)
+    explicit = bool(_kept())
+    return {"default": by_default, "explicit": explicit}
+
+
+def test_project_configuration_makes_saves_async_by_default(pool2: WorkerPool, tmp_path: Path) -> None:
+    for rank in pool2.run(saves_by_default, str(tmp_path)):
+        assert rank == {"default": True, "explicit": False}
+    _assert_same_files(tmp_path / "default", tmp_path / "explicit", 6)  # the same step, the same bytes
+
+
 # --- training goes on, the next save and load wait -------------------------------------------------------------
 
 

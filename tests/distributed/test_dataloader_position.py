@@ -64,9 +64,10 @@ def test_restored_position_only_with_the_stateful_loader(pool2: WorkerPool) -> N
     for stateful in (False, True):
         for rank, out in enumerate(pool2.run(straight_and_restored, stateful)):
             straight = out["straight"]
-            assert out["states"]["mid"] == {"epoch": 1, "position": 2, "generator": None}
-            assert out["states"]["last"] == {"epoch": 2, "position": 0, "generator": None}
-            assert out["states"]["between"] == {"epoch": 1, "position": 0, "generator": None}
+            # the position in samples of the epoch's order, over all ranks: 2 steps of 2 ranks x 3
+            assert out["states"]["mid"] == {"epoch": 1, "samples": 2 * 2 * BATCH, "generator": None}
+            assert out["states"]["last"] == {"epoch": 2, "samples": 0, "generator": None}
+            assert out["states"]["between"] == {"epoch": 1, "samples": 0, "generator": None}
             mid_expected = straight[1][2:] if stateful else straight[1]
             assert out["mid"] == [mid_expected, straight[2]], (rank, stateful)
             assert out["last"][0] == straight[2] and out["between"][0] == straight[1]

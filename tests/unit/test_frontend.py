@@ -233,3 +233,49 @@ def test_estimate_errors_and_units() -> None:
     none = estimate_memory(units, 4, ShardingStrategy.NO_SHARD)
     assert full.params < none.params / 3 and none.gathered == 0
     assert Block in find_unit_classes(TinyGPT(), ["Block"])
+
+
+def test_async_save_default_comes_from_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from fullshard import ProjectConfiguration
+
+    monkeypatch.delenv("FULLSHARD_ASYNC_SAVE", raising=False)
+    assert ProjectConfiguration().async_save is False
+    monkeypatch.setenv("FULLSHARD_ASYNC_SAVE", "true")
+    assert ProjectConfiguration().async_save is True
+    assert ProjectConfiguration(async_save=False).async_save is False  # the field wins over the variable
+    monkeypatch.setenv("FULLSHARD_ASYNC_SAVE", "sometimes")
+    with pytest.raises(ValueError, match="FULLSHARD_ASYNC_SAVE"):
+        ProjectConfiguration()
+    with pytest.raises(ValueError, match=re.escape("ProjectConfiguration(async_save='yes'): expected True or False.")):
+        ProjectConfiguration(async_save="yes")  # type: ignore[arg-type]
+
+
+def _one_loader(processes: int, rank: int = 0):  # type: ignore[no-untyped-def]
+    loader = DataLoader(list(range(10)), batch_size=2, shuffle=True)
+    return prepare_data_loader(loader, num_processes=processes, process_index=rank, device=None,
+                               gradient_state=GradientState(), use_stateful_dataloader=True)  # fmt: skip
+
+
+def test_a_one_process_shuffled_epoch_resumes_mid_epoch_here_and_on_two_processes() -> None:
+    # - Set up: one process, a RandomSampler drawing from the global RNG; the state after 2 batches
+    torch.manual_seed(0)
+    loader = _one_loader(1)
+    epoch = iter(loader)
+    _ = [next(epoch) for _ in range(2)]
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest = [b.tolist() for b in epoch]
+    following = [b.tolist() for b in loader]
+    assert state["samples"] == 4 and "epoch_generator" in state
+    # - Run / Check: a fresh one-process loader deals the rest of the epoch, then the epoch the global RNG draws
+    torch.manual_seed(5)
+    fresh = _one_loader(1)
+    fresh.load_state_dict(state)
+    torch.set_rng_state(rng)  # as load_state restores it
+    assert [b.tolist() for b in fresh] == rest
+    assert [b.tolist() for b in fresh] == following
+    # - Run / Check: two processes (no collective needed here) deal the same samples, in order (then padding)
+    halves = [_one_loader(2, rank) for rank in (0, 1)]
+    for half in halves:
+        half.load_state_dict(state)
+    dealt = [i for step in zip(*[list(h) for h in halves], strict=True) for batch in step for i in batch.tolist()]
+    assert dealt[:6] == [i for batch in rest for i in batch]

@@ -130,8 +130,12 @@ def test_position_moves_to_another_world_size() -> None:
     two.in_progress, two.position = True, 8  # two steps of 4 micro-batches per rank
     state = two.state_dict()
     assert state["per_rank"] == 4 and "micro_batch_seed" in state
+    assert state["samples"] == 2 * four.step_samples and state["micro_batches_into_step"] == 0
     four.load_state_dict(state, restore_position=True)
-    assert four.pending_skip == 4  # two steps of 2
+    assert four.pending == (2 * four.step_samples, 0)  # two global batches: two steps of 2 micro-batches per rank
+    four.begin_epoch(0)
+    assert four.position == 0 and four.micro_batch_index(0) == 2 * G + 0  # rank 0's first of the third step
+    assert list(four) == list(_dealers(4)[0])[4:]  # the uninterrupted 4-rank epoch from its third step
     two.position = 6
     with pytest.raises(ValueError, match="2 micro-batches into a step of 4 per rank"):
         four.load_state_dict(two.state_dict(), restore_position=True)

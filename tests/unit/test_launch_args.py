@@ -177,3 +177,39 @@ def test_one_default_fsdp_version() -> None:
     assert launch_env(LaunchConfig(distributed_type="FSDP"))["FSDP_VERSION"] == "1"
     assert default_config().fsdp_config["fsdp_version"] == 1
     assert launch_env(default_config())["FSDP_VERSION"] == "1"
+
+
+# --- an elastic range of machines (torchrun's --nnodes MIN:MAX) ----------------------------------------------
+
+
+def test_nnodes_range_becomes_min_and_num_machines() -> None:
+    assert torchrun_spellings({"nnodes": "1:2", "nproc_per_node": 2}, machines_in_file=1) == {
+        "num_machines": 2,
+        "min_machines": 1,
+        "num_processes": 4,  # 2 per machine on at most 2 machines
+    }
+    assert torchrun_spellings({"nnodes": "3"}, 1) == {"num_machines": 3}
+    assert torchrun_spellings({"nnodes": "2:2"}, 1) == {"num_machines": 2}  # no range: a fixed count
+    for bad in ("0:2", "2:1", "a:b", "1:2:3", ""):
+        with pytest.raises(ValueError, match=re.escape(f"--nnodes {bad!r}: expected a number of machines")):
+            torchrun_spellings({"nnodes": bad}, 1)
+
+
+def test_elastic_range_reaches_torchrun_without_is_host() -> None:
+    cfg = override(LaunchConfig(), torchrun_spellings(
+        {"nnodes": "1:2", "nproc_per_node": 2, "rdzv_endpoint": "localhost:29400", "max_restarts": 3}, 1))  # fmt: skip
+    cfg = override(cfg, {"rdzv_backend": "c10d"})
+    args = _parsed(build_launch(cfg, "t.py", rdzv_conf="last_call_timeout=5").argv)
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("1:2", "2", 3)
+    # No is_host: the first launcher on the endpoint's host hosts the store, the others connect (as torchrun).
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf) == ("c10d", "localhost:29400", "last_call_timeout=5")
+    assert "min_machines" not in LaunchConfig().to_dict() and cfg.to_dict()["min_machines"] == 1
+
+
+def test_elastic_range_needs_c10d_and_an_endpoint() -> None:
+    with pytest.raises(ValueError, match=re.escape("--nnodes 1:2 with rdzv_backend='static': an elastic range")):
+        build_launch(LaunchConfig(num_processes=4, num_machines=2, min_machines=1, main_process_ip="h"), "t.py")
+    with pytest.raises(ValueError, match=re.escape("--nnodes 1:2 without an endpoint")):
+        build_launch(LaunchConfig(num_processes=4, num_machines=2, min_machines=1, rdzv_backend="c10d"), "t.py")
+    with pytest.raises(ValueError, match=re.escape("min_machines=3 with num_machines=2")):
+        LaunchConfig(num_machines=2, min_machines=3)

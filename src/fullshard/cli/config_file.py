@@ -68,7 +68,11 @@ class LaunchConfig:
     num_processes: int = 1
     """Worker processes in total, over all machines."""
     num_machines: int = 1
-    """Machines (nodes) taking part."""
+    """Machines (nodes) taking part; with ``min_machines``, the most that may take part."""
+    min_machines: int | None = None
+    """An elastic job's fewest machines (torchrun's ``--nnodes MIN:MAX`` is ``min_machines: MIN``, ``num_machines:
+    MAX``): it starts once this many have joined the c10d rendezvous and goes on, after a restart, on the machines
+    that are left. ``None``: exactly ``num_machines``."""
     machine_rank: int = 0
     """This machine's rank, 0 to num_machines - 1; machine 0 hosts the main process."""
     main_process_ip: str | None = None
@@ -121,8 +125,9 @@ class LaunchConfig:
         data.pop("extra")
         data["fsdp_config"] = {env.by_field(k).config_key: _yaml_value(v) for k, v in self.fsdp_config.items()}
         data["dynamo_config"] = {env.by_field(k, env.DYNAMO_VARS).config_key: v for k, v in self.dynamo_config.items()}
-        for key, unset in (("main_process_ip", None), ("main_process_port", None), ("max_restarts", 0)):
-            if data[key] == unset:
+        unset = {"main_process_ip": None, "main_process_port": None, "max_restarts": 0, "min_machines": None}
+        for key, value in unset.items():
+            if data[key] == value:
                 del data[key]  # keeps the file readable by Accelerate, which has no max_restarts key
         for section in ("fsdp_config", "dynamo_config"):
             if not data[section]:
@@ -144,6 +149,7 @@ def _yaml_value(value: Any) -> Any:
 _INT_EXAMPLES = {
     "num_processes": 2,
     "num_machines": 1,
+    "min_machines": 1,
     "machine_rank": 0,
     "main_process_port": 29500,
     "max_restarts": 3,
@@ -207,6 +213,11 @@ def _check_ranges(cfg: LaunchConfig) -> None:
     for name in ("num_processes", "num_machines"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}={getattr(cfg, name)}: must be at least 1.")
+    if cfg.min_machines is not None and not 1 <= cfg.min_machines <= cfg.num_machines:
+        raise ValueError(
+            f"min_machines={cfg.min_machines} with num_machines={cfg.num_machines}: an elastic range needs "
+            f"1 <= min_machines <= num_machines, e.g. --nnodes 1:{cfg.num_machines}."
+        )
     if not 0 <= cfg.machine_rank < cfg.num_machines:
         raise ValueError(
             f"machine_rank={cfg.machine_rank}: must be between 0 and num_machines - 1 = {cfg.num_machines - 1}."

@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 STATUS_DIR_VAR = "FULLSHARD_STATUS_DIR"
+LAUNCHER_PID_VAR = "FULLSHARD_LAUNCHER_PID"
+"""The launcher's pid, for its workers: they end with it (see ``worker.end_with_launcher``)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,12 @@ Rendezvous:
 - several machines, ``rdzv_backend: c10d``: ``--rdzv_endpoint ip:port``; machine 0 hosts the store
   (``--rdzv_conf is_host=true``), so that the roles do not depend on which machine starts first. The
   rendezvous numbers the machines in the order they join, so ``RANK`` need not follow ``machine_rank``.
+- an elastic range (``min_machines``, torchrun's ``--nnodes MIN:MAX``): c10d only, ``--nnodes MIN:MAX``; no
+  ``is_host`` entry (machine ranks mean nothing there): as under torchrun, the first launcher on the endpoint's
+  host hosts the store and the others connect to it. The job starts once ``MIN`` machines joined (after
+  torch's ``last_call_timeout`` for more) and, when one is lost, its workers fail, the agents left restart theirs
+  (``--max_restarts``) and meet again without it. The store lives in the hosting launcher: losing that one ends
+  the job.
 
 Every worker runs through :mod:`fullshard.cli.worker` (``--module fullshard.cli.worker SCRIPT ARGS``), which
 records a failure in torch's error file and names the rank; :func:`run_launch` turns torch's report into one
@@ -121,7 +127,8 @@ def torchrun_argv(
         )
     per_node = str(cfg.num_processes // cfg.num_machines)
     o = options
-    argv = ["--nnodes", str(cfg.num_machines), "--nproc_per_node", per_node, *_rendezvous_args(cfg, o.rdzv_conf)]
+    nnodes = f"{cfg.min_machines}:{cfg.num_machines}" if _elastic(cfg) else str(cfg.num_machines)
+    argv = ["--nnodes", nnodes, "--nproc_per_node", per_node, *_rendezvous_args(cfg, o.rdzv_conf)]
     if o.rdzv_id:
         argv += ["--rdzv_id", o.rdzv_id]
     argv += ["--max_restarts", str(cfg.max_restarts)]
@@ -132,9 +139,15 @@ def torchrun_argv(
     return [*argv, "--module", WORKER_MODULE, *(["-m"] if o.module else []), script, *script_args]
 
 
+def _elastic(cfg: LaunchConfig) -> bool:
+    return cfg.min_machines is not None and cfg.min_machines < cfg.num_machines
+
+
 def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:
     given = ["--rdzv_conf", conf] if conf else []
     port = cfg.main_process_port
+    if _elastic(cfg):
+        return _elastic_rendezvous_args(cfg, given)
     if cfg.num_machines == 1:
         if not port:  # None or 0: let torch find a free port
             return ["--standalone", *given]
@@ -162,6 +175,22 @@ def _rendezvous_args(cfg: LaunchConfig, conf: str | None = None) -> list[str]:
     if not any(item.split("=")[0].strip() == "is_host" for item in entries):
         entries.insert(0, f"is_host={is_host}")
     return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_conf", ",".join(entries)]
+
+
+def _elastic_rendezvous_args(cfg: LaunchConfig, given: list[str]) -> list[str]:
+    nnodes = f"--nnodes {cfg.min_machines}:{cfg.num_machines}"
+    if cfg.rdzv_backend != "c10d":
+        raise ValueError(
+            f"{nnodes} with rdzv_backend={cfg.rdzv_backend!r}: an elastic range needs the c10d rendezvous, where "
+            "machines join and leave. Add --rdzv_backend c10d --rdzv_endpoint HOST:PORT."
+        )
+    if not cfg.main_process_ip:
+        raise ValueError(
+            f"{nnodes} without an endpoint: every launcher must know where the rendezvous store is. Pass "
+            "--rdzv_endpoint HOST:PORT (the same on every machine)."
+        )
+    endpoint = f"{cfg.main_process_ip}:{cfg.main_process_port or DEFAULT_PORT}"
+    return ["--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, *given]
 
 
 def launch_env(cfg: LaunchConfig) -> dict[str, str]:
@@ -245,6 +274,7 @@ def run_launch(plan: LaunchPlan) -> int:
     quiet = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="fullshard-status-") as status_dir:
         variables = {**quiet, **plan.env, failures.STATUS_DIR_VAR: status_dir}
+        variables[failures.LAUNCHER_PID_VAR] = str(os.getpid())  # the workers end with this process (worker.py)
         try:
             watch = shutdown.watching(status_dir, plan.local_world_size, plan.shutdown_timeout)
             with env.patched(variables), _torch_logs(shown=plan.verbose), watch as stragglers:

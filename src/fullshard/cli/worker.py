@@ -10,6 +10,11 @@ default action (the launcher reports it). The worker's state (``running``, then 
 it forwarded a signal (torch's agent does not report it). The script runs as ``__main__`` with ``sys.argv`` = its own
 arguments, as under ``python SCRIPT``.
 
+A worker ends with its launcher (Linux): torch starts each worker in a session of its own, so a launcher killed
+by SIGKILL (a lost machine, ``kill -9`` of its process group) would leave its workers running, still in the process
+group with the other machines' ranks, hiding the loss from them and from the elastic agents; the worker asks the
+kernel for SIGKILL when its parent, the launcher (``FULLSHARD_LAUNCHER_PID``), ends (``PR_SET_PDEATHSIG``).
+
 A traceback that another rank of this machine already printed (the same error raised the same way on every
 rank, such as a misspelt class name) is not printed again: the rank prints one line naming the rank that
 printed it (see :func:`_printed_by`).
@@ -35,6 +40,7 @@ import hashlib
 import json
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -44,7 +50,7 @@ from typing import NoReturn
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from fullshard.cli import as_accelerate
-from fullshard.cli.failures import STATUS_DIR_VAR, write_identity, write_status
+from fullshard.cli.failures import LAUNCHER_PID_VAR, STATUS_DIR_VAR, write_identity, write_status
 from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         sys.exit("usage: python -m fullshard.cli.worker SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     target, sys.argv = args[0], list(args)
+    end_with_launcher()
     if as_accelerate.requested():  # `import accelerate` resolves to fullshard (fullshard launch --as_accelerate)
         as_accelerate.install()
     _announce_restart()
@@ -136,6 +143,20 @@ def main(argv: list[str] | None = None) -> None:
     code = _run(target, as_module)
     write_status(str(code))
     _exit_without_teardown(code)
+
+
+def end_with_launcher() -> None:
+    """Be killed (SIGKILL) when the launcher that started this worker ends, on Linux; at once if it already has."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR, "")
+    if not sys.platform.startswith("linux") or not launcher.isdigit():
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != int(launcher):  # it ended before the request: the kernel will not send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _exit_without_teardown(code: int) -> NoReturn:

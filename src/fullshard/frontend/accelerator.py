@@ -479,7 +479,7 @@ class Accelerator(runtime.ProcessView):
         output_dir: str | Path | None = None,
         safe_serialization: bool = True,
         *,
-        async_save: bool = False,
+        async_save: bool | None = None,
         **kwargs: Any,
     ) -> str:
         """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
@@ -498,7 +498,8 @@ class Accelerator(runtime.ProcessView):
         async save (copied into again when the shapes and dtypes match: much faster than new memory), so one
         copy of this rank's sharded model and optimizer state (fp32 AdamW: 12 bytes per parameter / ranks)
         stays in host memory, pinned for CUDA state, until ``end_training`` or process exit. See
-        ``docs/checkpoints.md``.
+        ``docs/checkpoints.md``. ``async_save=None`` (not given): ``ProjectConfiguration(async_save=...)``, whose
+        default is ``FULLSHARD_ASYNC_SAVE`` (else off).
         """
         _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
         del safe_serialization
@@ -509,7 +510,8 @@ class Accelerator(runtime.ProcessView):
 
         return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
                                                      self.project_configuration, before=run_hooks,
-                                                     async_save=async_save))  # fmt: skip
+                                                     async_save=async_save if async_save is not None
+                                                     else bool(self.project_configuration.async_save)))  # fmt: skip
 
     def load_state(
         self,

@@ -23,6 +23,15 @@ that reproduces it (mid-epoch: the state the epoch started from, and the positio
 between epochs: the next epoch's). ``load_state_dict`` restores the epoch and the order always, and the
 position only when the loader was prepared with ``use_stateful_dataloader=True`` (Accelerate's semantics:
 without it, a resumed script skips the batches it has seen with ``skip_first_batches``).
+
+The position is saved as ``samples``: how many samples of the epoch's order the global batches dealt so far,
+over all ranks (``position`` global batches of ``batch_size * num_processes`` samples each; in world-size-invariant
+mode ``batch_size * G``, plus ``micro_batches_into_step`` of this rank's micro-batches when saved mid-step). It does
+not depend on the number of ranks, so a checkpoint written on ``N`` ranks resumes on ``M``: the resumed epoch deals
+the global batches of the order's samples from ``samples`` on, cut for ``M`` ranks, and completes the last one from
+the start of the epoch as always. When ``samples`` is a multiple of the global batch (always, on the same number of
+ranks, and in invariant mode, whose global batch does not depend on the number of ranks) these are exactly the
+uninterrupted run's batches from ``position`` on. A mid-step position resumes only on the same ``G/N``.
 """
 
 from __future__ import annotations
@@ -98,7 +107,9 @@ class ShardBatchSampler:
     loader seeds each batch's randomness from ``micro_seed``.
 
     Also the loader's position (see [Note: loader position]): ``epoch`` (the epoch dealt next, or being
-    dealt), ``position`` (batches yielded in it), ``in_progress`` and ``at_last_batch``.
+    dealt), ``start`` (samples of its order skipped when the iteration began, a multiple of the global batch in
+    invariant mode) and ``position`` (this rank's batches since, the skipped micro-batches of a step resumed
+    mid-way included), ``in_progress`` and ``at_last_batch``.
     """
 
     def __init__(
@@ -121,29 +132,38 @@ class ShardBatchSampler:
         self.order = order if order is not None else SampleOrder(sampler, "as_is")
         self.remainder = -1
         self.epoch = 0
-        self.position = 0
+        self.start = 0  # samples of the epoch's order dealt before this iteration began
+        self.position = 0  # this rank's batches yielded (or skipped mid-step) by this iteration
         self.in_progress = False
         self.at_last_batch = False
-        self.pending_skip = 0  # batches the next iteration skips (a restored position)
-        self._skip_next = 0  # batches the iteration being started skips (set by the loader)
+        self.pending = (0, 0)  # (samples, micro-batches into a step) the next iteration skips: a restored position
+        self._start_next = (0, 0)  # the same, for the iteration being started (set by the loader)
 
-    def _global_batches(self, order: list[int]) -> list[list[int]]:
-        step = self.batch_size * self.num_processes * self.per_rank
-        full, extra = divmod(len(order), step)
+    @property
+    def step_samples(self) -> int:
+        """Samples per global batch (all ranks; in invariant mode ``batch_size * G``, whatever the world size)."""
+        return self.batch_size * self.num_processes * self.per_rank
+
+    def _global_batches(self, order: list[int], start: int = 0) -> list[list[int]]:
+        """The global batches of ``order[start:]``; an incomplete last one is dropped or completed from the
+        start of ``order`` (see [Note: batch dealing])."""
+        step = self.step_samples
+        rest = order[start:]
+        full, extra = divmod(len(rest), step)
         self.remainder = extra if extra and self.even_batches and not self.drop_last else -1
         if self.drop_last or extra == 0:
-            order = order[: full * step]
+            rest = rest[: full * step]
         elif self.even_batches:
             need = step - extra
-            order = order + (order * (need // max(len(order), 1) + 1))[:need]
-        return [order[i : i + step] for i in range(0, len(order), step)]
+            rest = rest + (order * (need // max(len(order), 1) + 1))[:need]
+        return [rest[i : i + step] for i in range(0, len(rest), step)]
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the order is drawn at the first batch requested, after DataLoader drew its base seed
         # (from the same generator, when the DataLoader has one), as in Accelerate.
-        skip, self._skip_next = self._skip_next, 0
+        (start, skip), self._start_next = self._start_next, (0, 0)
         b, a = self.batch_size, self.per_rank
-        for i, global_batch in enumerate(self._global_batches(self.order.draw(self.epoch))):
+        for i, global_batch in enumerate(self._global_batches(self.order.draw(self.epoch), start)):
             mine = global_batch[self.rank * a * b : (self.rank + 1) * a * b]
             for k in range(a):
                 batch = mine[k * b : (k + 1) * b]
@@ -163,9 +183,13 @@ class ShardBatchSampler:
 
     # --- world-size-invariant mode ([Note: invariant training through the Accelerator]) ----------------------
 
+    def _in_epoch(self, position: int) -> int:
+        """This rank's batch count from the epoch's start at ``position`` of this iteration."""
+        return self.start // self.step_samples * self.per_rank + position
+
     def micro_batch_index(self, position: int) -> int:
         """The index within the epoch, in the global order, of the batch this rank yields at ``position``."""
-        steps, k = divmod(position, self.per_rank)
+        steps, k = divmod(self._in_epoch(position), self.per_rank)
         return (steps * self.num_processes + self.rank) * self.per_rank + k
 
     def seed_rng(self, position: int | None) -> None:
@@ -176,6 +200,7 @@ class ShardBatchSampler:
     def metric_rows(self, position: int) -> tuple[int, ...] | None:
         """Each rank's real samples in its batch at ``position`` when that batch belongs to a padded last global
         batch (see :attr:`remainder`), else ``None``."""
+        position = self._in_epoch(position)
         if self.remainder <= 0 or position // self.per_rank != len(self) // self.per_rank - 1:
             return None
         k, b = position % self.per_rank, self.batch_size
@@ -184,41 +209,53 @@ class ShardBatchSampler:
 
     # --- position ([Note: loader position]) ---------------------------------------------------------
 
-    def begin_epoch(self, skip: int) -> None:
+    def begin_epoch(self, skip_batches: int) -> None:
+        """Start iterating the epoch: skip ``skip_batches`` of this rank's batches (a ``skip_first_batches`` view),
+        else the restored position."""
         self.order.begin_epoch()
-        self.pending_skip = 0
-        self._skip_next = self.position = skip
+        if skip_batches:
+            steps, within = divmod(skip_batches, self.per_rank)
+            skip = (steps * self.step_samples, within)
+        else:
+            skip = self.pending
+        self.pending = (0, 0)
+        self._start_next = skip
+        self.start, self.position = skip
         self.in_progress, self.at_last_batch = True, False
 
     def end_epoch(self) -> None:
         self.epoch += 1
-        self.position, self.in_progress, self.at_last_batch = 0, False, False
+        self.start, self.position, self.in_progress, self.at_last_batch = 0, 0, False, False
 
     def state_dict(self) -> dict[str, Any]:
         extra = {"per_rank": self.per_rank, "micro_batch_seed": self.micro_seed} if self.invariant else {}
         if self.in_progress and not self.at_last_batch:
-            order = self.order.state_dict(at_epoch_start=True)
-            return {"epoch": self.epoch, "position": self.position, **order, **extra}
+            steps, within = divmod(self.position, self.per_rank)
+            if self.invariant:
+                extra["micro_batches_into_step"] = within
+            samples = self.start + steps * self.step_samples
+            return {"epoch": self.epoch, "samples": samples, **self.order.state_dict(at_epoch_start=True), **extra}
         epoch = self.epoch + (1 if self.in_progress else 0)
-        return {"epoch": epoch, "position": 0, **self.order.state_dict(at_epoch_start=False), **extra}
+        return {"epoch": epoch, "samples": 0, **self.order.state_dict(at_epoch_start=False), **extra}
 
     def load_state_dict(self, state: dict[str, Any], *, restore_position: bool) -> None:
         self.order.load_state_dict(state)
         self.epoch = int(state["epoch"])
-        position = int(state.get("position", state.get("batches_done", 0)))  # batches_done: fullshard <= 0.1
         if self.invariant and "micro_batch_seed" in state:
             self.micro_seed = int(state["micro_batch_seed"])
-        saved_per_rank = int(state.get("per_rank", self.per_rank))
-        if self.invariant and saved_per_rank != self.per_rank:  # saved in invariant mode on another world size
-            if position % saved_per_rank:
-                raise ValueError(
-                    f"load_state: the data position was saved {position % saved_per_rank} micro-batches into a "
-                    f"step of {saved_per_rank} per rank; on a world size with {self.per_rank} per rank it can only "
-                    "resume at a step boundary. Save the state after optimizer.step() (outside accumulate())."
-                )
-            position = position // saved_per_rank * self.per_rank
-        self.pending_skip = position if restore_position else 0
-        self.position, self.in_progress, self.at_last_batch = 0, False, False
+        if "samples" in state:
+            samples, within = int(state["samples"]), int(state.get("micro_batches_into_step", 0))
+        else:  # fullshard <= 0.2 saved this rank's batches ("batches_done" before 0.1), on the same world size
+            samples, within = int(state.get("position", state.get("batches_done", 0))) * self.step_samples, 0
+        saved_per_rank = int(state.get("per_rank", 1))
+        if within and saved_per_rank != self.per_rank:  # saved mid-step in invariant mode on another world size
+            raise ValueError(
+                f"load_state: the data position was saved {within} micro-batches into a step of {saved_per_rank} "
+                f"per rank; on a world size with {self.per_rank} per rank it can only resume at a step boundary. "
+                "Save the state after optimizer.step() (outside accumulate())."
+            )
+        self.pending = (samples, within) if restore_position else (0, 0)
+        self.start, self.position, self.in_progress, self.at_last_batch = 0, 0, False, False
 
 
 def synchronize_rng_states(rng_types: tuple[str, ...] | list[str], generator: torch.Generator | None = None) -> None:
@@ -320,12 +357,12 @@ class ShardedDataLoader(DataLoader):
         state, dealer = self.gradient_state, self.batch_sampler
         state.end_of_dataloader = False
         synchronize_rng_states(self.rng_types, dealer.order.generator)
-        skip = self.skip_batches or dealer.pending_skip
-        dealer.begin_epoch(skip)
+        dealer.begin_epoch(self.skip_batches)
         self._forward_set_epoch(dealer.epoch)
         if dealer.invariant:  # see [Note: invariant training through the Accelerator]
             dealer.seed_rng(None)
-        iterator = self._resumed_iterator() if skip and self.generator is None else super().__iter__()
+        resumed = (dealer.start or dealer.position) and self.generator is None
+        iterator = self._resumed_iterator() if resumed else super().__iter__()
         current = next(iterator, _END)
         while current is not _END:
             upcoming = next(iterator, _END)

@@ -15,11 +15,17 @@ in Accelerate (so a script moved from it sees the same batches on the same ranks
   permutation is drawn from the global torch RNG (whose state ``load_state`` restores).
 - Any other sampler is iterated as it is.
 
+A checkpoint resumes on another number of processes (``load_state_dict``), with the order the saving run would
+have dealt: a one-process loader given a shuffling generator's state takes that generator on; a loader on several
+processes given a one-process run's epoch in progress (the state of the generator ``RandomSampler`` seeded from the
+global RNG for it, ``epoch_generator``) deals that epoch from it, then goes on with that generator.
+
 The permutation is drawn by iterating a copy of the user's sampler that holds the generator, so samplers with
 replacement or ``num_samples`` draw what they would in Accelerate, and the user's ``DataLoader`` is not changed.
 
 For checkpoints, :meth:`SampleOrder.state_dict` gives what reproduces an epoch: the generator state as it was
-at the start of the epoch in progress (``at_epoch_start=True``), or as it is now (for the next epoch).
+at the start of the epoch in progress (``at_epoch_start=True``), or as it is now (for the next epoch); on one
+process without a generator, the state of the generator the epoch in progress was drawn with (``epoch_generator``).
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
 class SampleOrder:
     """Draws each epoch's sample order; see [Note: sample order].
 
-    ``mode`` is ``"generator"`` (one generator continued across epochs), ``"seedable"`` (seed + epoch) or
-    ``"as_is"`` (the sampler iterated unchanged). ``generator`` is the generator to keep in step across ranks
-    (``None`` unless ``mode == "generator"``).
+    ``mode`` is ``"generator"`` (one generator continued across epochs), ``"seedable"`` (seed + epoch),
+    ``"global"`` (a ``RandomSampler`` drawing from the global torch RNG, on one process) or ``"as_is"`` (any other
+    sampler, iterated unchanged). ``generator`` is the generator to keep in step across ranks (``None`` unless
+    ``mode == "generator"``).
     """
 
     def __init__(self, sampler: Any, mode: str, generator: torch.Generator | None = None, seed: int = 0) -> None:
@@ -57,7 +64,8 @@ class SampleOrder:
         self.generator = generator
         self.seed = seed
         self._epoch_start: torch.Tensor | None = None
-        if mode == "as_is":
+        self._resume_from: torch.Tensor | None = None  # "global": the generator state the next epoch is drawn from
+        if mode in ("as_is", "global"):
             self.sampler = sampler
         else:
             self.sampler = copy.copy(sampler)
@@ -71,7 +79,24 @@ class SampleOrder:
         """The sample indices of ``epoch``, in order (advances the generator in ``"generator"`` mode)."""
         if self.mode == "seedable":
             self.sampler.generator.manual_seed(self.seed + epoch)
+        if self.mode == "global":
+            return self._draw_global()
         return list(iter(self.sampler))
+
+    def _draw_global(self) -> list[int]:
+        """What ``RandomSampler`` without a generator draws (a seed from the global RNG, then a generator of that
+        seed), keeping the generator's state; a resumed epoch uses the saved state and leaves the global RNG alone
+        (``load_state`` restored it as it was after the uninterrupted run's draw)."""
+        generator = torch.Generator()
+        if self._resume_from is not None:
+            generator.set_state(self._resume_from)
+            self._resume_from = None
+        else:  # RandomSampler.__iter__'s own draw (torch 2.x)
+            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        self._epoch_start = generator.get_state()
+        sampler = copy.copy(self.sampler)
+        sampler.generator = generator
+        return list(iter(sampler))
 
     def state_dict(self, at_epoch_start: bool) -> dict[str, Any]:
         if self.mode == "generator":
@@ -79,11 +104,20 @@ class SampleOrder:
             return {"generator": start if start is not None else self.generator.get_state()}
         if self.mode == "seedable":
             return {"data_seed": self.seed}
+        if self.mode == "global" and at_epoch_start and self._epoch_start is not None:
+            return {"epoch_generator": self._epoch_start}
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.mode == "generator" and "generator" in state:
-            self.generator.set_state(state["generator"])
+        """Restore the order of ``state``, also one saved on another number of processes (see [Note: sample order])."""
+        if self.mode == "global" and "generator" in state:  # saved on several processes: continue their generator
+            self.mode, self.generator = "generator", torch.Generator()
+            self.sampler = copy.copy(self.sampler)
+            self.sampler.generator = self.generator
+        if self.mode == "generator" and ("generator" in state or "epoch_generator" in state):
+            self.generator.set_state(state.get("generator", state.get("epoch_generator")))
+        elif self.mode == "global" and "epoch_generator" in state:
+            self._resume_from = state["epoch_generator"]
         elif self.mode == "seedable" and "data_seed" in state:
             self.seed = int(state["data_seed"])
 
@@ -101,7 +135,7 @@ def make_sample_order(
     generator = sampler.generator
     if generator is None:
         if num_processes == 1:
-            return SampleOrder(sampler, "as_is")
+            return SampleOrder(sampler, "global")
         generator = torch.Generator()
         # One draw from the global RNG, as Accelerate makes at prepare (later random numbers stay in step).
         generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))

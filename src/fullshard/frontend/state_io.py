@@ -53,6 +53,7 @@ from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
 from fullshard.checkpoint.folder import FolderState, check_output_dir, checkpoint_state, staging_error
+from fullshard.checkpoint.manifest import read_manifest
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
     RNG_STATE_NAME,
@@ -67,7 +68,7 @@ from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
 from fullshard.checkpoint.writer import local_nbytes, write_sharded
-from fullshard.engine import StateDictType
+from fullshard.engine import StateDictType, unit_states_in
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
@@ -97,6 +98,12 @@ class TrainingObjects:
 
     def model_for(self, optimizer_index: int) -> nn.Module:
         return self.models[min(optimizer_index, len(self.models) - 1)]
+
+
+def invariant_mode(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded in world-size-invariant mode (``invariant_micro_batches``)."""
+    states = unit_states_in(model)
+    return bool(states) and all(s.config.invariant_micro_batches is not None for s in states)
 
 
 def _full_model_file(index: int) -> str:
@@ -357,8 +364,9 @@ def _files_read_whole(folder: Path, objects: TrainingObjects, full: bool, rank: 
     return parts + _small_files(folder, objects) + ([rng] if rng.is_file() else [])
 
 
-def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> None:
-    """The checks that run on every rank before anything is loaded; raises the same error on every rank."""
+def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> list[int]:
+    """The checks that run on every rank before anything is loaded; raises the same error on every rank.
+    Returns the ranks that have no random states file (the checkpoint was saved by fewer processes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     problem: str | None = None
     try:
@@ -379,7 +387,7 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     first = next((p for p, _ in everyone if p), None)
     if first:
         raise (FileNotFoundError if " is missing" in first else CheckpointDamagedError)(first)
-    _warn_missing_rng(where, [r for r, (_, has) in enumerate(everyone) if not has])
+    return [r for r, (_, has) in enumerate(everyone) if not has]
 
 
 def load_state(
@@ -403,7 +411,8 @@ def load_state(
     _check(objects, where)
     folder = _resolve_input_dir(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
-    _check_before_loading(folder, objects, full, verify, where)
+    without_rng = _check_before_loading(folder, objects, full, verify, where)
+    _warn_world_size_change(where, saved_world_size(folder), without_rng, objects.models)
     small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full, strict)
     for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
@@ -438,15 +447,29 @@ def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
     return small
 
 
-def _warn_missing_rng(where: str, ranks: list[int]) -> None:
-    """Rank 0 warns once when some ranks have no RNG state file (the checkpoint came from fewer ranks)."""
-    if ranks and dist.get_rank() == 0:
-        warnings.warn(
-            f"{where}: no {RNG_STATE_NAME}_<rank>.pkl for rank(s) {ranks} (the checkpoint was "
-            "saved by fewer processes); their random states are left as they are. Model, optimizer, schedulers "
-            "and the other ranks' random states were loaded.",
-            stacklevel=3,
-        )
+def saved_world_size(folder: str | Path) -> int:
+    """How many processes saved the checkpoint ``folder``: its manifest's ``world_size``, else (a folder from
+    Accelerate) the number of ``random_states_<rank>.pkl`` files; 0 when neither tells."""
+    manifest = read_manifest(folder)
+    if manifest is not None and manifest.world_size > 0:
+        return manifest.world_size
+    return sum(1 for _ in Path(folder).glob(f"{RNG_STATE_NAME}_*.pkl"))
+
+
+def _warn_world_size_change(where: str, saved: int, without_rng: list[int], models: list[nn.Module]) -> None:
+    """Rank 0 says once, in one line, that a checkpoint from another number of processes goes on differently;
+    nothing in world-size-invariant mode, where it goes on bitwise (see [Note: world-size invariance])."""
+    world = dist.get_world_size()
+    if dist.get_rank() != 0 or saved in (0, world) or (models and all(invariant_mode(m) for m in models)):
+        return
+    rng = f"ranks {without_rng} had no random states saved and keep theirs; " if without_rng else ""
+    warnings.warn(
+        f"{where}: the checkpoint was saved by {saved} processes and is loaded by {world}: weights, optimizer, "
+        f"schedulers, data position and random states carried over ({rng}the data goes on from the samples "
+        f"consumed), but results will differ from a {saved}-process run from here on (gradients are summed in "
+        "another order). World-size-invariant mode (invariant_micro_batches) resumes bitwise.",
+        stacklevel=3,
+    )
 
 
 def _load_models_and_optimizers(

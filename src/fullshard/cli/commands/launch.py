@@ -4,8 +4,8 @@ The config file (default: the one ``fullshard config`` wrote) gives the settings
 ``--fsdp_*`` and ``--dynamo_*`` flag comes from the tables in :mod:`fullshard.frontend.env`, so the flags, the
 config keys and the variables the workers read never disagree. torchrun's spellings (``--nproc_per_node``, ``--nnodes``,
 ``--node_rank``, ``--master_addr``, ``--master_port``, ``--rdzv_*``) are accepted too: :func:`torchrun_spellings`
-turns them into fullshard's. An option this command does not know is reported as one, with the closest known
-spellings; only after SCRIPT is everything passed to the script as it is.
+turns them into fullshard's, an elastic ``--nnodes MIN:MAX`` included. An option this command does not know is
+reported as one, with the closest known spellings; only after SCRIPT is everything passed to the script as it is.
 """
 
 from __future__ import annotations
@@ -25,24 +25,40 @@ from fullshard.cli.config_file import RDZV_BACKENDS, load_config, override
 from fullshard.cli.launch import build_launch, run_launch
 from fullshard.frontend import env
 
-__all__ = ["TORCHRUN_SPELLINGS", "launch_command", "torchrun_spellings"]
+__all__ = ["TORCHRUN_SPELLINGS", "launch_command", "parse_nnodes", "torchrun_spellings"]
 
 TORCHRUN_SPELLINGS = {
-    "nnodes": "num_machines",
     "node_rank": "machine_rank",
     "master_addr": "main_process_ip",
     "master_port": "main_process_port",
 }
-"""torchrun's option → the fullshard option that means the same (``--nproc_per_node`` and ``--rdzv_endpoint``
-need arithmetic or splitting, see :func:`torchrun_spellings`)."""
+"""torchrun's option → the fullshard option that means the same (``--nnodes``, ``--nproc_per_node`` and
+``--rdzv_endpoint`` need parsing or arithmetic, see :func:`torchrun_spellings`)."""
+
+
+def parse_nnodes(value: str | int) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``N`` (exactly N machines) or ``MIN:MAX`` (an elastic range) → ``(MIN, MAX)``."""
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    try:
+        pair = (int(low), int(high)) if sep else (int(text), int(text))
+    except ValueError:
+        pair = (0, 0)
+    if not 1 <= pair[0] <= pair[1]:
+        raise ValueError(
+            f"--nnodes {value!r}: expected a number of machines (2) or an elastic range MIN:MAX with "
+            "1 <= MIN <= MAX (1:2), as torchrun takes it."
+        )
+    return pair
 
 
 def torchrun_spellings(flags: dict[str, Any], machines_in_file: int) -> dict[str, Any]:
     """``flags`` with torchrun's options (``None`` when not given) turned into fullshard's.
 
+    ``nnodes`` ``N`` becomes ``num_machines``, and ``MIN:MAX`` ``min_machines`` and ``num_machines`` (the most);
     ``nproc_per_node`` (per machine) becomes ``num_processes`` (all machines: times ``--num_machines``, else
-    ``--nnodes``, else ``machines_in_file``); ``rdzv_endpoint`` ``HOST:PORT`` becomes ``main_process_ip`` and
-    ``main_process_port``. Raises ``ValueError`` when both spellings of one setting are given different values.
+    ``--nnodes``'s most, else ``machines_in_file``); ``rdzv_endpoint`` ``HOST:PORT`` becomes ``main_process_ip``
+    and ``main_process_port``. Raises ``ValueError`` when both spellings of one setting are given different values.
     """
     flags = dict(flags)
     given: dict[str, tuple[str, Any]] = {}  # fullshard key -> (the flag that gave it, value)
@@ -59,6 +75,12 @@ def torchrun_spellings(flags: dict[str, Any], machines_in_file: int) -> dict[str
 
     for key in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"):
         take(key, f"--{key}", flags.pop(key, None))
+    nnodes = flags.pop("nnodes", None)
+    if nnodes is not None:
+        low, high = parse_nnodes(nnodes)
+        take("num_machines", "--nnodes", high)
+        if low != high:
+            given["min_machines"] = ("--nnodes", low)
     for torchrun_key, key in TORCHRUN_SPELLINGS.items():
         take(key, f"--{torchrun_key}", flags.pop(torchrun_key, None))
     endpoint = flags.pop("rdzv_endpoint", None)
@@ -149,7 +171,7 @@ def _torchrun_opt(name: str, meaning: str, **kwargs: Any) -> Callable[[Callable[
     help="How machines meet: static (fixed machine ranks, the default) or c10d (ranks in the order they join).",
 )
 @_torchrun_opt("nproc_per_node", "worker processes on each machine (num_processes / num_machines).", type=int)
-@_torchrun_opt("nnodes", "--num_machines.", type=int)
+@_torchrun_opt("nnodes", "--num_machines; or MIN:MAX, an elastic range of machines (with --rdzv_backend c10d).")
 @_torchrun_opt("node_rank", "--machine_rank.", type=int)
 @_torchrun_opt("master_addr", "--main_process_ip.")
 @_torchrun_opt("master_port", "--main_process_port.", type=int)
