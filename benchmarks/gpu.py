@@ -1,7 +1,7 @@
 """The engine on one CUDA GPU: fullshard's entry points beside torch's FSDP1, FSDP2 and DDP, one NCCL rank.
 
     python benchmarks/gpu.py [--size medium|large] [--steps 10] [--warmup 3] [--systems NAME ...] [--out F.json]
-        [--profile]
+        [--profile] [--phases]
 
 With one GPU the shard group has one rank, so no byte crosses a link: what differs between the systems is what
 each does around the compute (the all-gather and reduce-scatter calls and their copies, the hooks, the
@@ -17,7 +17,9 @@ the step is short and per-call overheads show; ``large`` is the 840M GPT of ``tr
 2048) at 8 sequences of 512, where the compute dominates.
 
 ``--profile`` also prints, per system, the ops that took the most CPU time (self) over the timed steps, from
-``torch.profiler``: where a system's time goes beyond the compute the systems share.
+``torch.profiler``: where a system's time goes beyond the compute the systems share. ``--phases`` prints, per
+system, the GPU memory allocated (and the peak since the previous point) after each phase of the last step:
+where a system's peak comes from.
 """
 
 from __future__ import annotations
@@ -71,17 +73,33 @@ def measure(
     if chosen is not None:
         model = chosen.build(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, losses = [], []
+    times, losses, phases = [], [], []
+
+    def mark(phase: str) -> None:
+        torch.cuda.synchronize()
+        phases.append((phase, torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30))
+
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     for i, (x, y) in enumerate(batches):
         if profiler is not None and i == warmup:
             profiler.start()
+        last = i == len(batches) - 1
         torch.cuda.synchronize()
         start = time.perf_counter()
+        if last:
+            mark("before the step")
         loss = model(x, y)
+        if last:
+            mark("forward")
         loss.backward()
+        if last:
+            mark("backward")
         optimizer.step()
+        if last:
+            mark("optimizer step")
         optimizer.zero_grad(set_to_none=True)
+        if last:
+            mark("zero_grad")
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -96,6 +114,7 @@ def measure(
         "first_step_ms": times[0] * 1e3,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "losses": losses,
+        "phases": phases,  # (phase, GiB allocated after it, peak GiB so far) in the last step
     }
     del model, optimizer, loss
     gc.collect()
@@ -111,6 +130,7 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=[NO_WRAPPER, *FP32, *BF16])
     parser.add_argument("--out", help="write the rows here as JSON")
     parser.add_argument("--profile", action="store_true", help="print each system's top ops by self CPU time")
+    parser.add_argument("--phases", action="store_true", help="print GPU memory after each phase of the last step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False")
@@ -142,6 +162,10 @@ def main() -> None:
             tol = 2e-2 if row["bf16"] else 1e-4
             drift = max(abs(a - b) for a, b in zip(row["losses"], ref["losses"]))
             assert drift <= tol, f"{row['system']}: losses differ from {ref['system']} by {drift:.2e} (> {tol})"
+    if args.phases:
+        for row in rows:
+            shown = ", ".join(f"{phase} {now:.2f} (peak {peak:.2f})" for phase, now, peak in row["phases"])
+            print(f"{row['system']}: GiB allocated after {shown}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"size": args.size, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
