@@ -39,6 +39,7 @@ keeps one collective for all the small parameters (norms, biases), which would e
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -206,7 +207,7 @@ class ParamGroup:
             full.untyped_storage().resize_(0)
             full.requires_grad_(self.requires_grad)
         if self.requires_grad:  # the unit's post-backward (see observe)
-            full.register_post_accumulate_grad_hook(lambda _: self._on_grads_ready and self._on_grads_ready())
+            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
         return full
 
     def observe(
@@ -539,3 +540,17 @@ def _gathers_directly(shard_group: ShardGroup) -> bool:
     """Direct per-parameter collectives pay off on gloo (CPU), where the copy-out is dear and each call
     cheap relative to megabytes; on NCCL one flat collective per unit stays best."""
     return is_gloo(shard_group.shard_pg)
+
+
+def _grads_ready_hook(group_ref: weakref.ref[ParamGroup]) -> Callable[[torch.Tensor], None]:
+    """``flat_full``'s post-accumulate-grad hook: the group's ``on_grads_ready``. It holds the group weakly: the
+    hook lives in ``flat_full``'s C++ autograd state, which the views the module computes with keep alive from
+    C++ (their grad_fn's AccumulateGrad), where the garbage collector cannot see it; a strong reference would make
+    the group, its module and every parameter and optimizer state behind it immortal."""
+
+    def hook(_: torch.Tensor) -> None:
+        group = group_ref()
+        if group is not None and group._on_grads_ready is not None:
+            group._on_grads_ready()
+
+    return hook

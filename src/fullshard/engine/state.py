@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,17 +85,21 @@ class UnitConfig:
     invariant_micro_batches: int | None = None
 
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, UnitState] = weakref.WeakKeyDictionary()
+# A unit's state lives in its module's __dict__, under this name. Not in a module-level WeakKeyDictionary: the
+# state refers to its module (and its hooks' closures do), so such a dictionary's value would keep its own key
+# alive, and no sharded model, its parameters or its optimizer's view of them, would ever be freed. Held by the
+# module, the two form a cycle that the garbage collector frees with the module.
+_STATE_ATTR = "_fullshard_unit_state"
 
 
 def unit_state(module: nn.Module) -> UnitState | None:
     """The unit state of ``module`` if it is a unit (an FSDP wrapper or a ``fully_shard`` module)."""
-    return _STATES.get(module)
+    return module.__dict__.get(_STATE_ATTR)
 
 
 def unit_states_in(module: nn.Module) -> list[UnitState]:
     """The unit states in ``module``'s tree, pre-order (parents before children)."""
-    return [s for m in module.modules() if (s := _STATES.get(m)) is not None]
+    return [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
 
 
 @dataclass
@@ -203,7 +206,7 @@ class UnitState:
         # would break it); the FSDP class's forward calls these two methods, where a break is unavoidable.
         self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
         self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
-        _STATES[module] = self
+        module.__dict__[_STATE_ATTR] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
         """Remember hooks registered for this unit, so that they can be removed."""

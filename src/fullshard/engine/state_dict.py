@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +132,9 @@ class _DictUnit:
         ]
 
 
-_UNITS: weakref.WeakKeyDictionary[nn.Module, _DictUnit] = weakref.WeakKeyDictionary()
+# Kept in the unit module's __dict__, as its UnitState is (see engine/state.py: a WeakKeyDictionary whose value
+# refers to its key would never free the module).
+_UNIT_ATTR = "_fullshard_state_dict_unit"
 
 
 def install_state_dict_hooks(
@@ -143,14 +144,14 @@ def install_state_dict_hooks(
     model_cfg, optim_cfg = _CONFIGS[default_type]
     unit = _DictUnit(state, StateDictSettings(default_type, model_cfg(), optim_cfg()), segment, where)
     unit.record_buffer_dtypes()
-    _UNITS[module] = unit
+    module.__dict__[_UNIT_ATTR] = unit
     module.register_state_dict_post_hook(_post_state_dict)
     module.register_load_state_dict_pre_hook(_pre_load)
     module.register_load_state_dict_post_hook(_post_load)
 
 
 def _unit(module: nn.Module) -> _DictUnit:
-    unit = _UNITS.get(module)
+    unit = module.__dict__.get(_UNIT_ATTR)
     if unit is None:
         raise AssertionError(
             f"[rank {global_rank()}] {type(module).__name__}: state dict hook on a module without a unit"
@@ -159,7 +160,7 @@ def _unit(module: nn.Module) -> _DictUnit:
 
 
 def _units_in(module: nn.Module, caller: str) -> list[_DictUnit]:
-    units = [u for s in unit_states_in(module) if (u := _UNITS.get(s.module)) is not None]
+    units = [u for s in unit_states_in(module) if (u := s.module.__dict__.get(_UNIT_ATTR)) is not None]
     if not units:
         raise ValueError(
             f"{caller}(module={type(module).__name__}): the module holds no sharded unit. Pass the model after "
