@@ -240,12 +240,15 @@ def foreach_all_gather(
 def copy_out(gathered: torch.Tensor, packed: list[ShardedParam], flat_full: torch.Tensor, world: int) -> None:
     """Move the packed parameters' rank-major pieces of ``gathered`` into their ``flat_full`` blocks.
 
+    With one rank, ``gathered`` is the flat shard itself (any dtype and device): it is cast into ``flat_full``
+    in one copy, asynchronous from pinned memory.
+
     The copy must not bump the version counter: autograd saved views of ``flat_full`` in forward and checks
     the counter in backward, and this write restores exactly the data they saw.
     """
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
         if world == 1:
-            flat_full.copy_(gathered)
+            flat_full.copy_(gathered, non_blocking=True)
             return
         blocks = [full_block(flat_full, sp, world).view(world, -1) for sp in packed]
         sizes = [sp.layout.padded_shard_numel for sp in packed]

@@ -134,6 +134,14 @@ class ParamGroup:
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
+        # flat_full split into each parameter's real elements and its padding (where it has any), in layout order:
+        # one split at every gather (see _register_full_views); _view_index[i] is parameter i's piece.
+        self._view_sizes: list[int] = []
+        self._view_index: list[int] = []
+        for sp in ordered:
+            padding = world * sp.layout.padded_shard_numel - sp.layout.numel
+            self._view_index.append(len(self._view_sizes))
+            self._view_sizes += [sp.layout.numel, padding] if padding else [sp.layout.numel]
         # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
         self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
         self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
@@ -326,10 +334,13 @@ class ParamGroup:
                 return
             self.state = ShardState.SHARDED  # the shards changed since the gather: gather again
         with trace.phase(trace.ALL_GATHER):
-            send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
             if self.world == 1:
-                self._gather = ([], send)
+                self._gather = ([], None)
+                if not self.alias_full:  # cast (or copy from the offload device) straight into flat_full
+                    self._allocate_full()
+                    copy_out(self.flat_shard, [], self.flat_full, 1)
             else:
+                send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
                     self._full_version = self.flat_full._version
@@ -373,14 +384,13 @@ class ParamGroup:
             storage.resize_(nbytes)
 
     def _register_full_views(self) -> None:
-        sizes: list[int] = []
-        for sp in self.layout_order:
-            sizes += [sp.layout.numel, self.world * sp.layout.padded_shard_numel - sp.layout.numel]
-        # One split (not one slice per parameter): its backward writes the whole flat gradient at once.
+        # One split (not one slice per parameter): its backward writes the whole flat gradient at once. Padding gets
+        # a piece only where there is some: the backward fills every piece without a gradient with zeros, one
+        # allocation and fill each, even when empty.
         with torch.enable_grad():
-            pieces = torch.split(self.flat_full, sizes)
-            for i, sp in enumerate(self.layout_order):
-                view = pieces[2 * i].view(sp.gathered_shape)
+            pieces = torch.split(self.flat_full, self._view_sizes)
+            for i, sp in zip(self._view_index, self.layout_order):
+                view = pieces[i].view(sp.gathered_shape)
                 sp.register(sp.compute_view(view if sp.requires_grad else view.detach()))
         self.full_views_registered = True
 
@@ -493,15 +503,22 @@ class ParamGroup:
         self._accumulate_sharded_grads(flat_grad)
 
     def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
-        """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``."""
+        """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``.
+
+        Runs for every parameter at every step, so each gradient costs one view op (``as_strided`` straight to its
+        shape, as torch FSDP2 cuts its sharded gradients) and, under ``fully_shard``, a ``DTensor`` sharing the
+        sharded parameter's spec (see :meth:`ShardGroup.dtensor_like`).
+        """
+        flat_grad = flat_grad.contiguous()
+        base = flat_grad.storage_offset()
         for sp in self.grad_params:
-            local = flat_grad.narrow(0, sp.grad_offset, sp.layout.local_numel).view(sp.layout.local_shape)
+            lay = sp.layout
+            local = flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset)
             param = sp.sharded_param
             if param.grad is None:
-                param.grad = self._as_sharded(sp, local)
+                param.grad = self.shard_group.dtensor_like(local, param) if self.use_dtensor else local
             else:
-                existing = param.grad
-                local_tensor(existing).add_(local)
+                local_tensor(param.grad).add_(local)
 
     # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
 

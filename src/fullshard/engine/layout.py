@@ -14,6 +14,7 @@ the gradient of its rows. A 0-dim parameter is treated as shape ``(1,)``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -21,7 +22,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where one rank's shard of a parameter lies. All sizes are element counts."""
+    """Where one rank's shard of a parameter lies. All sizes are element counts.
+
+    The derived sizes are computed once per layout (``cached_property``): the gather, reduce and gradient paths
+    read them for every parameter of every unit at every step.
+    """
 
     shape: tuple[int, ...]
     world: int
@@ -31,43 +36,52 @@ class ShardLayout:
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ValueError(f"ShardLayout(world={self.world}, rank={self.rank}): need 0 <= rank < world.")
 
-    @property
+    @functools.cached_property
     def dim0(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def rows_per_rank(self) -> int:
         return -(-self.dim0 // self.world)
 
-    @property
+    @functools.cached_property
     def padded_shard_numel(self) -> int:
         """Elements every rank stores for this parameter, padding included (equal on all ranks)."""
         return self.rows_per_rank * self.row_numel
 
-    @property
+    @functools.cached_property
     def local_rows(self) -> int:
         """Real (non-padding) rows this rank holds."""
         return max(0, min(self.rows_per_rank, self.dim0 - self.rank * self.rows_per_rank))
 
-    @property
+    @functools.cached_property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's real rows: ``(local_rows, *rest)``."""
         return (self.local_rows, *self.shape[1:]) if self.shape else (self.local_rows,)
 
-    @property
+    @functools.cached_property
+    def local_stride(self) -> tuple[int, ...]:
+        """Contiguous strides of ``local_shape`` (as ``torch.empty(local_shape).stride()``)."""
+        strides, step = [], 1
+        for size in reversed(self.local_shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return tuple(reversed(strides))
+
+    @functools.cached_property
     def row_offset(self) -> int:
         """First global row this rank holds (``dim0`` when it holds none)."""
         return min(self.rank * self.rows_per_rank, self.dim0)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return self.dim0 * self.row_numel
 

@@ -22,6 +22,8 @@ Gradients are averaged over ``data_parallel_size = shard_size * replicate_size``
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -75,15 +78,16 @@ class ShardGroup:
         if self.replicate_pg is not None and dist.get_world_size(self.replicate_pg) == 1:
             object.__setattr__(self, "replicate_pg", None)  # one replica: nothing to all-reduce across
 
-    @property
+    # The sizes and ranks are asked on the hot path (every gather and reduction) and never change for a group.
+    @functools.cached_property
     def shard_size(self) -> int:
         return 1 if self.shard_pg is None else dist.get_world_size(self.shard_pg)
 
-    @property
+    @functools.cached_property
     def shard_rank(self) -> int:
         return 0 if self.shard_pg is None else dist.get_rank(self.shard_pg)
 
-    @property
+    @functools.cached_property
     def replicate_size(self) -> int:
         return 1 if self.replicate_pg is None else dist.get_world_size(self.replicate_pg)
 
@@ -119,6 +123,21 @@ class ShardGroup:
         return DTensor.from_local(
             local, self.get_mesh(), self.placements(), run_check=False, shape=torch.Size(shape), stride=stride
         )
+
+    @staticmethod
+    def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+        """``local`` (this rank's part, contiguous) as a ``DTensor`` laid out as ``like`` (its mesh, placements,
+        global shape and stride; ``local``'s dtype), for tensors built at every step: sharded gradients.
+
+        Built directly, as torch FSDP2 builds its sharded gradients: no autograd function and no checks (what
+        ``DTensor.from_local`` costs), and the spec object is ``like``'s where the dtypes agree, so its hash, which
+        ``DTensor``'s dispatch caches sharding decisions on, is computed once rather than once per step.
+        """
+        spec = like._spec
+        if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            spec = copy.copy(spec)  # its setattr forgets the copied hash
+            spec.tensor_meta = TensorMeta(like.shape, like.stride(), local.dtype)
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
     def tp_spec(self, param: DTensor, fqn: str) -> TPSpec:
         """The :class:`TPSpec` of ``param``, a ``DTensor`` over a mesh dimension other than this group's."""
