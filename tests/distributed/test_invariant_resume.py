@@ -5,8 +5,9 @@ through the Accelerator] in ``frontend/invariance.py`` and [Note: loader positio
 
 Set up: ``test_invariant_accelerator``'s loop (DropNet with dropout, AdamW, StepLR, clipping, a shuffled loader whose
 last global batch is completed from the epoch's start), with ``invariant_micro_batches=4``, ``SHARDED_STATE_DICT``
-and ``use_stateful_dataloader=True``; ``fsdp_version`` 1 and 2. The 2-rank run saves after SAVE_AT steps (mid-epoch,
-at a step boundary) and goes on to the end of 2 epochs: the uninterrupted run (equal to a run that never saved).
+and ``use_stateful_dataloader=True``; ``fsdp_version`` 1 and 2. The 2-rank run saves mid-epoch at a step boundary (after
+2 steps, the padded last global batch next; or after 4, one step into the second epoch) and goes on to the end of 2
+epochs: the uninterrupted run (equal to a run that never saved).
 Run: a fresh Accelerator (other seed, other initial weights) on 1, 2 and 4 ranks ``load_state``s it and trains on
 from where the loader stands to the end of the second epoch.
 Check: the final weights and the clipping norms after the resume are the uninterrupted run's, bitwise; no
@@ -35,7 +36,7 @@ from tests.distributed.test_invariant_accelerator import EPOCHS, MAX_NORM, MICRO
 
 __all__ = ["pool1"]  # the 1-rank pool fixture, shared with test_invariant_accelerator
 
-G, SAVE_AT = 4, 4  # 3 steps an epoch: the checkpoint is one step into the second epoch
+G, SAVE_AT = 4, 4  # 3 steps an epoch: by default the checkpoint is one step into the second epoch
 
 
 def _prepared(version: int, seed: int) -> tuple[Any, ...]:
@@ -51,11 +52,11 @@ def _prepared(version: int, seed: int) -> tuple[Any, ...]:
     return accelerator, *accelerator.prepare(model, optimizer, loader, scheduler)
 
 
-def train(rank: int, world: int, version: int, root: str, mode: str) -> dict[str, Any]:
-    """``mode``: "straight" (2 epochs), "save" (the same, saving to ``root`` after SAVE_AT steps), "save mid-step"
-    (saving one micro-batch into the next step instead; 2 micro-batches a step on 2 ranks) or "resume"
-    (``load_state(root)``, then on to the end of the second epoch). Returns rank 0's full weights, the norms from
-    step SAVE_AT on, and the warnings ``load_state`` gave."""
+def train(rank: int, world: int, version: int, root: str, mode: str, save_at: int = SAVE_AT) -> dict[str, Any]:
+    """``mode``: "straight" (2 epochs), "save" (the same, saving to ``root`` after ``save_at`` steps), "save
+    mid-step" (saving one micro-batch into the next step instead; 2 micro-batches a step on 2 ranks), "save before
+    backward" (refused) or "resume" (``load_state(root)``, then on to the end of the second epoch). Returns rank 0's
+    full weights, the norms from step ``save_at`` on, and the warnings ``load_state`` gave."""
     accelerator, model, optimizer, loader, scheduler = _prepared(version, seed=5 if mode == "resume" else 0)
     caught: list[Any] = []
     steps = 0
@@ -63,26 +64,26 @@ def train(rank: int, world: int, version: int, root: str, mode: str) -> dict[str
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             accelerator.load_state(root)
-        steps = SAVE_AT
+        steps = save_at
     norms = []
     for _ in range(loader.iteration, EPOCHS):
         for x, y, _index in loader:
             with accelerator.accumulate(model):
-                if mode == "save before backward" and steps == SAVE_AT:
+                if mode == "save before backward" and steps == save_at:
                     accelerator.save_state(root)  # refused: accumulate() counted a micro-batch not folded yet
                 accelerator.backward(model(x, y))
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-                    if steps >= SAVE_AT:
+                    if steps >= save_at:
                         norms.append(norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 steps += 1
-                if mode == "save" and steps == SAVE_AT:
+                if mode == "save" and steps == save_at:
                     accelerator.save_state(root)
-            elif mode == "save mid-step" and steps == SAVE_AT:  # one micro-batch into the step after SAVE_AT
+            elif mode == "save mid-step" and steps == save_at:  # one micro-batch into the step after save_at
                 accelerator.save_state(root)
     return {
         "params": accelerator.get_state_dict(model),
@@ -104,18 +105,19 @@ def _assert_same_run(got: dict[str, Any], want: dict[str, Any], what: str) -> No
 
 
 @pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("save_at", [2, SAVE_AT], ids=["epoch0-step2", "epoch1-step1"])  # 2: the padded batch next
 def test_saved_on_2_ranks_mid_epoch_resumes_bitwise_on_1_2_4(
-    tmp_path: Path, pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool, version: int
+    tmp_path: Path, pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool, version: int, save_at: int
 ) -> None:
-    # - Set up: the 2-rank run that saves after SAVE_AT steps and goes on, and one that never saves
+    # - Set up: the 2-rank run that saves after save_at steps and goes on, and one that never saves
     root = str(tmp_path / "ckpt")
-    want = pool2.run(train, version, root, "save")[0]
+    want = pool2.run(train, version, root, "save", save_at)[0]
     assert want["steps"] == EPOCHS * 3 and float(want["norms"][0]) > MAX_NORM  # clipping was active
-    _assert_same_run(pool2.run(train, version, "", "straight")[0], want, "a run that never saved")
+    _assert_same_run(pool2.run(train, version, "", "straight", save_at)[0], want, "a run that never saved")
     # - Run and Check: resume on 1, 2 and 4 ranks
     for world, pool in ((1, pool1), (2, pool2), (4, pool4)):
-        got = pool.run(train, version, root, "resume")
-        _assert_same_run(got[0], want, f"fsdp{version}: resumed on {world} ranks")
+        got = pool.run(train, version, root, "resume", save_at)
+        _assert_same_run(got[0], want, f"fsdp{version}: saved after {save_at} steps, resumed on {world} ranks")
         assert all(not r["warnings"] for r in got), [r["warnings"] for r in got]
 
 
