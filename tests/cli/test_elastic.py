@@ -1,6 +1,8 @@
 """`fullshard launch --nnodes 1:2`: losing a machine under an elastic range (issue 27 §2).
 
-Set up: the reference, ``fault_scripts/elastic_train.py`` as one plain process (world-size-invariant mode, G = 4).
+Set up: the reference, ``fault_scripts/elastic_train.py`` as one plain process (world-size-invariant mode through
+the Accelerator: the plugin's ``invariant_micro_batches=4``, a shuffled prepared loader whose position the
+checkpoints keep, ``accumulate()``).
 Run: two launchers on this machine, each ``--nproc_per_node 2 --nnodes 1:2 --rdzv_backend c10d`` on one endpoint
 (the first hosts the rendezvous store), train on 4 ranks, saving every step; once a few steps are done, the second
 launcher's process group is killed (SIGKILL), as a lost machine.

@@ -26,6 +26,8 @@ def test_indexed_names() -> None:
     assert (names.scheduler_file_name(0), names.scheduler_file_name(2)) == ("scheduler.bin", "scheduler_2.bin")
     assert (names.optimizer_file_name(0), names.sampler_file_name(1)) == ("optimizer.bin", "sampler_1.bin")
     assert names.rng_state_file_name(0) == "random_states_0.pkl"
+    assert names.step_in_progress_file_name(1) == "step_in_progress_1.pt"
+    assert names.is_load_state_part("step_in_progress_1.pt")  # a stale one from another save is caught by verify
     assert names.dcp_shard_file_name(3) == "__3_0.distcp"
     assert names.custom_checkpoint_file_name(0) == "custom_checkpoint_0.pkl"
     assert names.weights_shard_file_name(2, 12) == "model-00002-of-00012.safetensors"

@@ -39,6 +39,7 @@ __all__ = [
     "SCHEDULER_NAME",
     "STAGING_SUFFIX",
     "STAGING_TAG",
+    "STEP_IN_PROGRESS_NAME",
     "WEIGHTS_INDEX_NAME",
     "WEIGHTS_NAME",
     "DCP_METADATA_FILE",
@@ -55,6 +56,7 @@ __all__ = [
     "sampler_file_name",
     "scheduler_file_name",
     "staging_folder",
+    "step_in_progress_file_name",
     "weights_shard_file_name",
 ]
 
@@ -65,6 +67,7 @@ RNG_STATE_NAME = "random_states"
 SCALER_NAME = "scaler.pt"
 SCHEDULER_NAME = "scheduler"
 SAMPLER_NAME = "sampler"
+STEP_IN_PROGRESS_NAME = "step_in_progress"  # fullshard's: a world-size-invariant save made mid-step
 WEIGHTS_NAME = f"{MODEL_NAME}.bin"
 WEIGHTS_INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
 SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
@@ -125,6 +128,12 @@ def rng_state_file_name(rank: int) -> str:
     return f"{RNG_STATE_NAME}_{rank}.pkl"
 
 
+def step_in_progress_file_name(rank: int) -> str:
+    """A rank's partial gradient sums of a world-size-invariant step saved part-way: ``step_in_progress_<rank>.pt``."""
+    _check_index(rank, "rank")
+    return f"{STEP_IN_PROGRESS_NAME}_{rank}.pt"
+
+
 def custom_checkpoint_file_name(index: int) -> str:
     """State of the ``index``-th object registered with ``register_for_checkpointing``."""
     _check_index(index, "index")
@@ -160,7 +169,8 @@ def is_staging_name(folder: Path) -> bool:
 _INDEX = r"(_\d+)?"
 _LOAD_STATE_PART = re.compile(
     rf"^({FSDP_MODEL_NAME}{_INDEX}(\.bin)?|{OPTIMIZER_NAME}{_INDEX}(\.bin)?|{SCHEDULER_NAME}{_INDEX}\.bin"
-    rf"|{SAMPLER_NAME}{_INDEX}\.bin|custom_checkpoint_\d+\.pkl|{RNG_STATE_NAME}_\d+\.pkl|{re.escape(SCALER_NAME)})$"
+    rf"|{SAMPLER_NAME}{_INDEX}\.bin|custom_checkpoint_\d+\.pkl|{RNG_STATE_NAME}_\d+\.pkl"
+    rf"|{STEP_IN_PROGRESS_NAME}_\d+\.pt|{re.escape(SCALER_NAME)})$"
 )
 
 

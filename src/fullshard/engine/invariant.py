@@ -80,6 +80,8 @@ __all__ = [
     "fold_backward",
     "fold_leftovers",
     "pending_micro_batches",
+    "restore_step_in_progress",
+    "step_in_progress",
     "resolve",
     "tree_sum_rows",
     "validate_group",
@@ -235,6 +237,49 @@ def pending_micro_batches(group: ParamGroup) -> int:
     """Micro-batches folded into ``group``'s stack and not reduced yet (0 right after a step's last one)."""
     tree = _TREES.get(group)
     return 0 if tree is None else tree.count
+
+
+def step_in_progress(states: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """The partial sums of a step part-way through (micro-batches folded, not reduced yet), one entry per unit of
+    ``states`` in order: ``{"unit", "count", "levels", "sums"}`` (``unit``: the module's class name; the sums copied
+    to the CPU); ``None`` when no unit has a micro-batch pending (a step boundary). What ``save_state`` writes
+    mid-step: the sums are this rank's unsharded ones, so only the same world size can go on from them."""
+    if not any(s.group is not None and pending_micro_batches(s.group) for s in states):
+        return None
+    saved = []
+    for state in states:
+        tree = _TREES.get(state.group) if state.group is not None else None
+        entries = tree.entries if tree is not None else []
+        saved.append({"unit": state.class_name, "count": 0 if tree is None else tree.count,
+                      "levels": [level for level, _ in entries],
+                      "sums": [t.detach().to("cpu", copy=True) for _, t in entries]})  # fmt: skip
+    return saved
+
+
+def restore_step_in_progress(states: Sequence[Any], saved: list[dict[str, Any]] | None, where: str) -> None:
+    """Put back what :func:`step_in_progress` returned (``None``: a step boundary, every unit's stack emptied) into
+    the same units on the same world size: the next backward passes finish the step as the saving run did."""
+    for i, state in enumerate(states):
+        group: ParamGroup | None = state.group
+        entry = saved[i] if saved is not None and i < len(saved) else {"count": 0, "levels": [], "sums": []}
+        unsharded = 0 if group is None else group.world * group.shard_numel
+        if saved is not None and (
+            len(saved) != len(states)
+            or entry["unit"] != state.class_name
+            or any(t.numel() != unsharded for t in entry["sums"])
+        ):
+            units = [(e["unit"], [t.numel() for t in e["sums"]]) for e in saved]
+            raise ValueError(
+                f"{where}: the step in progress was saved for the units (class, partial sum sizes) {units}; this "
+                f"model's unit {i} is {state.class_name!r} of {unsharded} elements. Load it into the model that "
+                "saved it, wrapped the same way, on the same number of processes."
+            )
+        if group is None:
+            continue
+        tree = _tree(group)
+        tree.count = int(entry["count"])
+        tree.entries = [(int(level), t.to(group.device, PARTIAL_SUM_DTYPE))
+                        for level, t in zip(entry["levels"], entry["sums"], strict=True)]  # fmt: skip
 
 
 def fold_backward(state: Any) -> None:

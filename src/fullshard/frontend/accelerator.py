@@ -179,7 +179,7 @@ class Accelerator(runtime.ProcessView):
         if self._invariant is not None:
             self.gradient_state.num_steps = self._invariant.per_rank
         self._accumulating = False
-        self._objects = state_io.TrainingObjects()
+        self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
         self.logging_dir = self.project_configuration.logging_dir
@@ -637,8 +637,7 @@ class Accelerator(runtime.ProcessView):
         """Forget every prepared object (the next ``prepare`` starts afresh) and release their memory; returns
         ``[None] * len(objects)`` for the caller to rebind its names to."""
         scaler = self._objects.scaler
-        self._objects = state_io.TrainingObjects()
-        self._objects.scaler = scaler
+        self._objects = state_io.TrainingObjects(scaler=scaler, gradient_state=self.gradient_state)
         return memory.release_memory(*objects)
 
     clear = free_memory

@@ -31,7 +31,8 @@ not depend on the number of ranks, so a checkpoint written on ``N`` ranks resume
 the global batches of the order's samples from ``samples`` on, cut for ``M`` ranks, and completes the last one from
 the start of the epoch as always. When ``samples`` is a multiple of the global batch (always, on the same number of
 ranks, and in invariant mode, whose global batch does not depend on the number of ranks) these are exactly the
-uninterrupted run's batches from ``position`` on. A mid-step position resumes only on the same ``G/N``.
+uninterrupted run's batches from ``position`` on. A mid-step position resumes only on the same ``G/N`` (with the
+step's partial gradient sums, which ``save_state`` writes beside it; see ``state_io.py``).
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ gives bitwise the same weights after every step on 1, 2, 4, ... ranks:
   base seed is ``DataLoaderConfiguration(data_seed=...)`` or else ``torch.initial_seed()`` of rank 0 at
   ``prepare`` (what ``set_seed`` set), and is saved in the loader's ``state_dict``. Draws from other generators
   (Python's ``random``, NumPy, a dataset's own transforms in loader workers) are not covered.
-- **Resuming.** The loader's ``state_dict`` holds its position in batches of this rank and ``G/N``; a loader of
-  another ``G/N`` converts a position saved at a step boundary (``position / (G/N)`` global batches done).
+- **Resuming.** The loader's ``state_dict`` holds its position in samples and ``G/N``; a loader of another
+  ``G/N`` converts a position saved at a step boundary (whole global batches done). A save part-way through a step
+  also holds each rank's partial gradient sums and ``accumulate()``'s count (``step_in_progress_<rank>.pt``,
+  ``state_io.py``): it resumes on the same ``G/N`` only, and is refused on another before anything is loaded.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
       custom_checkpoint_0.pkl                                       objects of register_for_checkpointing
       scaler.pt                                                     the fp16 loss scaler (mixed_precision="fp16")
       random_states_0.pkl random_states_1.pkl                       every rank's RNG states
+      step_in_progress_0.pt step_in_progress_1.pt                   world-size-invariant mode saved mid-step only:
+                                                                    every rank's partial gradient sums
 
 With ``FULL_STATE_DICT`` the model and optimizer are written by rank 0 in full instead:
 ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` (``_1``, ... for later ones), as Accelerate names them.
@@ -62,13 +64,14 @@ from fullshard.checkpoint.names import (
     previous_folder,
     sampler_file_name,
     staging_folder,
+    step_in_progress_file_name,
 )
 from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
 from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
 from fullshard.checkpoint.writer import local_nbytes, write_sharded
-from fullshard.engine import StateDictType, unit_states_in
+from fullshard.engine import StateDictType, invariant, unit_states_in
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
@@ -95,6 +98,7 @@ class TrainingObjects:
     dataloaders: list[Any] = field(default_factory=list)
     custom: list[Any] = field(default_factory=list)
     scaler: Any = None  # the ShardedGradScaler of fp16 runs
+    gradient_state: Any = None  # the Accelerator's GradientState: its accumulation count, for a mid-step save
 
     def model_for(self, optimizer_index: int) -> nn.Module:
         return self.models[min(optimizer_index, len(self.models) - 1)]
@@ -196,7 +200,50 @@ def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
         if objects.scaler is not None:
             states[SCALER_NAME] = objects.scaler.state_dict()
     states[rng_state_file_name(rank)] = _rng_state()
+    step = _step_in_progress(objects)
+    if step is not None:
+        states[step_in_progress_file_name(rank)] = step
     return states
+
+
+def _step_in_progress(objects: TrainingObjects) -> dict[str, Any] | None:
+    """World-size-invariant mode saved part-way through a step (micro-batches folded, not reduced): this rank's
+    partial gradient sums per model (see ``engine/invariant.py``), and how many micro-batches of how many;
+    ``None`` at a step boundary or in the default mode."""
+    models = [invariant.step_in_progress(unit_states_in(m)) if invariant_mode(m) else None for m in objects.models]
+    counts = {e["count"] for saved in models if saved is not None for e in saved if e["count"]}
+    if not counts:
+        return None
+    return {"micro_batches": max(counts), "per_rank": _per_rank(objects.models), "models": models}
+
+
+def _per_rank(models: list[nn.Module]) -> int:
+    """``G/N`` of the first world-size-invariant model: micro-batches per rank and step."""
+    for model in models:
+        for state in unit_states_in(model):
+            if state.group is not None:
+                return state.config.invariant_micro_batches // state.group.shard_group.data_parallel_size
+    return 0
+
+
+def _check_step_to_save(objects: TrainingObjects, where: str) -> None:
+    """Refuse a world-size-invariant save made part-way through a step that could not resume as this run goes on:
+    ``accumulate()`` counted another number of this step's micro-batches than the units folded (saved after
+    ``accumulate()`` was entered and before its ``backward``)."""
+    models = [m for m in objects.models if invariant_mode(m)]
+    gradient_state = objects.gradient_state
+    if not models or gradient_state is None:
+        return
+    folded = max((invariant.pending_micro_batches(s.group) for m in models for s in unit_states_in(m)
+                  if s.group is not None), default=0)  # fmt: skip
+    counted = gradient_state.step % gradient_state.num_steps
+    if counted != folded:
+        raise ValueError(
+            f"{where}: world-size-invariant mode, part-way through a step: accumulate() counted {counted} "
+            f"micro-batches of this step but {folded} went through backward, so the resumed run would not finish the "
+            "step as this one does. Call save_state after accelerator.backward (inside or after `with "
+            "accelerator.accumulate(model):`), or at a step boundary (after optimizer.step())."
+        )
 
 
 def _write_part(tx: SaveTransaction, part: _Part, state: dict[str, Any]) -> None:
@@ -226,6 +273,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
+    _check_step_to_save(objects, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
     # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
@@ -264,6 +312,7 @@ def start_save_state(
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
     _check(objects, where)
+    _check_step_to_save(objects, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
     parts = _parts_to_save(objects, _on_device(plugin))
@@ -360,8 +409,8 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[P
 def _files_read_whole(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
     """The plain files ``load_state`` reads whole on ``rank`` (the full model and optimizer files on rank 0)."""
     parts = _parts(folder, objects, full) if full and rank == 0 else []
-    rng = folder / rng_state_file_name(rank)
-    return parts + _small_files(folder, objects) + ([rng] if rng.is_file() else [])
+    own = [folder / rng_state_file_name(rank), folder / step_in_progress_file_name(rank)]
+    return parts + _small_files(folder, objects) + [path for path in own if path.is_file()]
 
 
 def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> list[int]:
@@ -371,7 +420,8 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     problem: str | None = None
     try:
         manifest = check_parts(folder)
-        for path in [*_files_to_read(folder, objects, full), folder / rng_state_file_name(rank)]:
+        own = [folder / rng_state_file_name(rank), folder / step_in_progress_file_name(rank)]
+        for path in [*_files_to_read(folder, objects, full), *own]:
             entry_path(folder, path.name)  # no link, before anything is read; see checkpoint/boundary.py
         for path in _files_to_read(folder, objects, full):
             _expect(path, where)
@@ -412,6 +462,7 @@ def load_state(
     folder = _resolve_input_dir(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     without_rng = _check_before_loading(folder, objects, full, verify, where)
+    _check_step_in_progress(folder, objects, where)
     _warn_world_size_change(where, saved_world_size(folder), without_rng, objects.models)
     small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full, strict)
@@ -423,8 +474,47 @@ def load_state(
         obj.load_state_dict(state)
     if objects.scaler is not None:
         objects.scaler.load_state_dict(small["scaler"])
+    _restore_step_in_progress(objects, small["step"], where)
     if small["rng"] is not None:
         _set_rng_state(small["rng"])
+
+
+def _check_step_in_progress(folder: Path, objects: TrainingObjects, where: str) -> None:
+    """Refuse, before anything is loaded, a checkpoint saved part-way through a world-size-invariant step on
+    another number of processes (its partial sums are per rank of that layout), or into a model that is not in
+    world-size-invariant mode. The same answer on every rank: rank 0's file decides."""
+    first = folder / step_in_progress_file_name(0)
+    if not first.is_file():
+        return
+    saved, world = saved_world_size(folder), dist.get_world_size()
+    if saved == world and objects.models and all(invariant_mode(m) for m in objects.models):
+        return
+    step = load_small_file(first)
+    done, per_rank = int(step["micro_batches"]), int(step["per_rank"])
+    if saved != world:
+        raise ValueError(
+            f"{where}: the checkpoint was saved {done} micro-batches into a step of {per_rank} per rank, on {saved} "
+            f"processes in world-size-invariant mode; those micro-batches' gradients are partial sums of that "
+            f"layout, so it resumes only on {saved} processes, not {world}. Resume it on {saved} processes (then "
+            "save again at a step boundary), or save the state after optimizer.step() (outside accumulate(), when "
+            "accelerator.sync_gradients is True) to resume on any number."
+        )
+    raise ValueError(
+        f"{where}: the checkpoint was saved {done} micro-batches into a world-size-invariant step, but the models "
+        "are not all in world-size-invariant mode, which would drop those micro-batches' gradients. Prepare them "
+        "with the same FullyShardedDataParallelPlugin(invariant_micro_batches=...) as the run that saved it."
+    )
+
+
+def _restore_step_in_progress(objects: TrainingObjects, step: dict[str, Any] | None, where: str) -> None:
+    """Put back the partial gradient sums and the accumulation count of a step saved part-way (``step``), or start
+    every world-size-invariant model at a step boundary (``None``)."""
+    saved = step["models"] if step is not None else [None] * len(objects.models)
+    invariant_models = [(m, s) for m, s in zip(objects.models, saved, strict=True) if invariant_mode(m)]
+    for model, sums in invariant_models:
+        invariant.restore_step_in_progress(unit_states_in(model), sums, where)
+    if invariant_models and objects.gradient_state is not None:
+        objects.gradient_state.step = int(step["micro_batches"]) if step is not None else 0
 
 
 def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
@@ -432,12 +522,14 @@ def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
 
     def read() -> dict[str, Any]:
         rng_file = folder / rng_state_file_name(dist.get_rank())
+        step_file = folder / step_in_progress_file_name(dist.get_rank())
         return {
             "schedulers": [load_small_file(folder / scheduler_file_name(i)) for i in range(len(objects.schedulers))],
             "samplers": [load_small_file(folder / sampler_file_name(i)) for i in range(len(objects.dataloaders))],
             "custom": [load_small_file(folder / custom_checkpoint_file_name(i)) for i in range(len(objects.custom))],
             "scaler": load_small_file(folder / SCALER_NAME) if objects.scaler is not None else None,
             "rng": load_rng_file(rng_file) if rng_file.is_file() else None,
+            "step": load_small_file(step_file) if step_file.is_file() else None,
         }
 
     small, error, failed = run_everywhere(read)
