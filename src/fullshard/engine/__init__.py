@@ -33,6 +33,7 @@ from fullshard.engine.collectives import all_reduce_flat, predivide_factor, redu
 from fullshard.engine.fully_shard import FSDPModule, fully_shard
 from fullshard.engine.grad_norm import clip_grad_norm_
 from fullshard.engine.invariant import ENV as INVARIANT_ENV
+from fullshard.engine.invariant import pending_micro_batches, restore_step_in_progress, step_in_progress
 from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.names import clean_key
@@ -135,6 +136,10 @@ __all__ = [
     # world-size-invariant mode's G, as the entry points read it (invariant.py; the front end's plugin)
     "INVARIANT_ENV",
     "resolve_invariant_micro_batches",
+    # a step saved part-way in invariant mode: its partial sums (the front end's save_state / load_state)
+    "pending_micro_batches",
+    "step_in_progress",
+    "restore_step_in_progress",
     # the collectives a communication hook calls (algorithms/comm_hooks.py)
     "all_reduce_flat",
     "predivide_factor",

@@ -71,7 +71,13 @@ from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
 from fullshard.checkpoint.writer import local_nbytes, write_sharded
-from fullshard.engine import StateDictType, invariant, unit_states_in
+from fullshard.engine import (
+    StateDictType,
+    pending_micro_batches,
+    restore_step_in_progress,
+    step_in_progress,
+    unit_states_in,
+)
 from fullshard.frontend import model_state
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
@@ -210,7 +216,7 @@ def _step_in_progress(objects: TrainingObjects) -> dict[str, Any] | None:
     """World-size-invariant mode saved part-way through a step (micro-batches folded, not reduced): this rank's
     partial gradient sums per model (see ``engine/invariant.py``), and how many micro-batches of how many;
     ``None`` at a step boundary or in the default mode."""
-    models = [invariant.step_in_progress(unit_states_in(m)) if invariant_mode(m) else None for m in objects.models]
+    models = [step_in_progress(unit_states_in(m)) if invariant_mode(m) else None for m in objects.models]
     counts = {e["count"] for saved in models if saved is not None for e in saved if e["count"]}
     if not counts:
         return None
@@ -234,7 +240,7 @@ def _check_step_to_save(objects: TrainingObjects, where: str) -> None:
     gradient_state = objects.gradient_state
     if not models or gradient_state is None:
         return
-    folded = max((invariant.pending_micro_batches(s.group) for m in models for s in unit_states_in(m)
+    folded = max((pending_micro_batches(s.group) for m in models for s in unit_states_in(m)
                   if s.group is not None), default=0)  # fmt: skip
     counted = gradient_state.step % gradient_state.num_steps
     if counted != folded:
@@ -512,7 +518,7 @@ def _restore_step_in_progress(objects: TrainingObjects, step: dict[str, Any] | N
     saved = step["models"] if step is not None else [None] * len(objects.models)
     invariant_models = [(m, s) for m, s in zip(objects.models, saved, strict=True) if invariant_mode(m)]
     for model, sums in invariant_models:
-        invariant.restore_step_in_progress(unit_states_in(model), sums, where)
+        restore_step_in_progress(unit_states_in(model), sums, where)
     if invariant_models and objects.gradient_state is not None:
         objects.gradient_state.step = int(step["micro_batches"]) if step is not None else 0
 
