@@ -178,6 +178,7 @@ class Accelerator(runtime.ProcessView):
         )
         if self._invariant is not None:
             self.gradient_state.num_steps = self._invariant.per_rank
+            self.gradient_state.caller_steps = invariance.CallerSteps(self._invariant)
         self._accumulating = False
         self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
@@ -388,16 +389,25 @@ class Accelerator(runtime.ProcessView):
     # --- training step ------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale)."""
-        run = self._invariant
-        if run is not None and run.per_rank > 1 and not self._accumulating:
+        """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale).
+
+        World-size-invariant mode: outside ``accumulate()`` with ``G/N > 1`` only in a loop that announces its
+        micro-batches (transformers' Trainer), and scaled by the steps the Accelerator was created with; see
+        [Note: the Trainer in invariant mode] in ``invariance.py``.
+        """
+        run, steps = self._invariant, self.gradient_accumulation_steps
+        caller = self.gradient_state.caller_steps
+        if run is not None and not self._accumulating and caller is not None and caller.active:
+            steps = run.requested_steps  # the loop accumulates itself, as in Accelerate
+        elif run is not None and run.per_rank > 1 and not self._accumulating:
             raise RuntimeError(
                 f"Accelerator.backward outside accumulate() in world-size-invariant mode (invariant_micro_batches="
                 f"{run.micro_batches} on {run.data_parallel_size} ranks: {run.per_rank} micro-batches per rank and "
                 "step): the optimizer would step on every micro-batch. Run each batch inside "
-                "`with accelerator.accumulate(model):`."
+                "`with accelerator.accumulate(model):` (transformers' Trainer, which accumulates itself, is "
+                "supported: see docs/accelerate.md)."
             )
-        loss = loss / self.gradient_accumulation_steps
+        loss = loss / steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(**kwargs)

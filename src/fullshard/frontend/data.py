@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fullshard.frontend.invariance import micro_batch_seed
+from fullshard.frontend.invariance import CallerSteps, check_sampler, micro_batch_seed
 from fullshard.frontend.ops import send_to_device
 from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 
@@ -76,6 +76,8 @@ class GradientState:
       real samples in its current batch (``None`` otherwise); ``gather_for_metrics`` keeps those.
     - ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``: a ``GradientAccumulationPlugin``'s
       switches (see ``handlers/grad.py``).
+    - ``caller_steps``: world-size-invariant mode, the micro-batches of a loop that accumulates itself (see
+      [Note: the Trainer in invariant mode] in ``invariance.py``); ``None`` in the default mode.
     """
 
     num_steps: int = 1
@@ -87,9 +89,13 @@ class GradientState:
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
     adjust_scheduler: bool = True
+    caller_steps: CallerSteps | None = None
 
     def _set_sync_gradients(self, sync_gradients: bool) -> None:
-        """Accelerate's setter, which transformers' Trainer calls (it accumulates gradients itself)."""
+        """Accelerate's setter, which transformers' Trainer calls before each micro-batch (it accumulates gradients
+        itself); in world-size-invariant mode it also checks the step's length and seeds the micro-batch's RNG."""
+        if self.caller_steps is not None:
+            self.caller_steps.announce(sync_gradients)
         self.sync_gradients = sync_gradients
 
     @property
@@ -193,10 +199,13 @@ class ShardBatchSampler:
         steps, k = divmod(self._in_epoch(position), self.per_rank)
         return (steps * self.num_processes + self.rank) * self.per_rank + k
 
-    def seed_rng(self, position: int | None) -> None:
-        """Seed torch's global RNG for this rank's batch at ``position`` (``None``: the epoch's start)."""
+    def seed_rng(self, position: int | None) -> tuple[int, int]:
+        """Seed torch's global RNG for this rank's batch at ``position`` (``None``: the epoch's start); returns
+        the batch's index within the epoch (``-1``) and the seed."""
         index = -1 if position is None else self.micro_batch_index(position)
-        torch.manual_seed(micro_batch_seed(self.micro_seed, self.epoch, index))
+        seed = micro_batch_seed(self.micro_seed, self.epoch, index)
+        torch.manual_seed(seed)
+        return index, seed
 
     def metric_rows(self, position: int) -> tuple[int, ...] | None:
         """Each rank's real samples in its batch at ``position`` when that batch belongs to a padded last global
@@ -372,7 +381,9 @@ class ShardedDataLoader(DataLoader):
                 dealer.at_last_batch = True
             if dealer.invariant:  # this micro-batch's randomness, whatever the rank and world size
                 state.metric_rows = dealer.metric_rows(dealer.position)
-                dealer.seed_rng(dealer.position)
+                index, seed = dealer.seed_rng(dealer.position)
+                if state.caller_steps is not None:
+                    state.caller_steps.record(index, seed)
             dealer.position += 1
             yield current if self.device is None else send_to_device(current, self.device, self.non_blocking)
             current = upcoming
@@ -416,6 +427,7 @@ def _check_loader(
             "fullshard deals fixed-size batches. Pass batch_size=... and sampler=... to the DataLoader instead."
         )
     if micro_batches is not None:
+        check_sampler(loader.sampler, micro_batches)
         return _invariant_batch_size(loader, micro_batches, split_batches, even_batches)
     if not split_batches:
         return loader.batch_size
