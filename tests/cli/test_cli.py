@@ -358,6 +358,20 @@ def test_launch_takes_torchrun_spellings(tmp_path: Path, monkeypatch: pytest.Mon
     assert (parsed.nproc_per_node, parsed.master_port, parsed.training_script_args) == ("2", 6001, [script, "--x"])
 
 
+def test_launch_warns_when_fsdp_flags_are_given_without_fsdp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Was: --fsdp_invariant_micro_batches without --use_fsdp trained in the default mode without a word.
+    monkeypatch.setattr("fullshard.cli.commands.launch.run_launch", lambda plan: 0)
+    (tmp_path / "none.yaml").write_text("use_cpu: true\n")
+    base = ["launch", "--config_file", str(tmp_path / "none.yaml"), "--num_processes", "2"]
+    script = _worker(tmp_path)
+    off = CliRunner().invoke(cli, [*base, "--fsdp_invariant_micro_batches", "4", script])
+    on = CliRunner().invoke(cli, [*base, "--use_fsdp", "--fsdp_invariant_micro_batches", "4", script])
+    plain = CliRunner().invoke(cli, [*base, script])
+    assert off.exit_code == on.exit_code == plain.exit_code == 0, off.output + on.output + plain.output
+    assert "--fsdp_invariant_micro_batches has no effect: FSDP is off in this launch. Add --use_fsdp" in off.output
+    assert "no effect" not in on.output and "no effect" not in plain.output
+
+
 @pytest.mark.parametrize(
     ("flag", "suggestion"),
     [

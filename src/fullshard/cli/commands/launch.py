@@ -232,6 +232,11 @@ def launch_command(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    ignored = [f"--{name}" for name, value in flags.items() if name.startswith("fsdp_") and value is not None]
+    if ignored and not cfg.use_fsdp:  # Accelerate ignores them silently; a run without the mode asked for is worse
+        click.echo(f"fullshard launch: warning: {', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no "
+                   "effect: FSDP is off in this launch. Add --use_fsdp (or distributed_type: FSDP in the config "
+                   "file).", err=True)  # fmt: skip
     if as_accelerate:
         plan = dataclasses.replace(plan, env={**plan.env, accelerate_redirect.ENV_VAR: "1"})
     if not module and not Path(script).is_file():
