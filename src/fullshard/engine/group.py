@@ -157,6 +157,8 @@ class ParamGroup:
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._on_grads_ready: Callable[[], None] | None = None  # see observe
         self.flat_full = self._new_flat_full()
+        self._full_blocks: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None  # full_blocks
+        self._packed_sizes = [sp.layout.padded_shard_numel for sp in self.packed]
         self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
         self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
         self._state = ShardState.SHARDED
@@ -338,15 +340,19 @@ class ParamGroup:
                 self._gather = ([], None)
                 if not self.alias_full:  # cast (or copy from the offload device) straight into flat_full
                     self._allocate_full()
-                    copy_out(self.flat_shard, [], self.flat_full, 1)
+                    copy_out(self.flat_shard, [], [], self.flat_full)
             else:
-                send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
+                send = _to(self.flat_shard, self.device, self.precision.param_dtype, non_blocking=True)
+                direct_blocks: list[torch.Tensor] = []
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
                     self._full_version = self.flat_full._version
+                    direct_blocks = self.full_blocks()[1]
                 pg = self.shard_group.shard_pg
                 with collective_check.collective("all_gather", self.label, pg):
-                    self._gather = foreach_all_gather(send, self.packed, self.direct, self.flat_full, self.world, pg)
+                    self._gather = foreach_all_gather(
+                        send, self.packed, self.direct, direct_blocks, self.flat_full, self.world, pg
+                    )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
 
@@ -369,13 +375,33 @@ class ParamGroup:
         if not self.alias_full and gathered is not None:
             with trace.phase(trace.COPY_OUT):
                 self._allocate_full()
-                copy_out(gathered, self.packed, self.flat_full, self.world)
+                copy_out(gathered, self.full_blocks()[0], self._packed_sizes, self.flat_full)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
     @property
     def full_nbytes(self) -> int:  # of the gathered parameters, flat_full
         return self.flat_full.numel() * self.flat_full.element_size()
+
+    def full_blocks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gather's destinations in ``flat_full``: the packed parameters' full blocks viewed ``(world, s_i)``
+        (for :func:`collectives.copy_out`), and the direct parameters' full blocks (1D).
+
+        Built once per ``flat_full`` and kept: they would otherwise cost a ``narrow`` and a ``view`` per parameter
+        at every gather, forward and backward. Kept views stay valid because ``flat_full`` keeps its storage object
+        for its whole life: freeing resizes that storage to 0 bytes and gathering resizes it back (or swaps a spare
+        buffer's memory into it, see ``spare.py``), neither of which touches the views' sizes, strides or offsets;
+        only a new ``flat_full`` (``new_shard_storage``) makes new views. Precondition: ``flat_full`` is allocated
+        (a view of a 0-byte storage fails its bounds check). The views are made without autograd (the gathers write
+        them under ``no_grad``) and share ``flat_full``'s version counter.
+        """
+        cached = self._full_blocks
+        if cached is None or cached[0] is not self.flat_full:
+            with torch.no_grad():
+                packed = [full_block(self.flat_full, sp, self.world).view(self.world, -1) for sp in self.packed]
+                direct = [full_block(self.flat_full, sp, self.world) for sp in self.direct]
+            cached = self._full_blocks = (self.flat_full, packed, direct)
+        return cached[1], cached[2]
 
     def _allocate_full(self) -> None:
         storage = self.flat_full.untyped_storage()
@@ -495,7 +521,8 @@ class ParamGroup:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
             output = finish_reduce(self._pending.pop(0), self.shard_group, self.label)
-            self._accumulate_sharded_grads(output.to(self.storage_device, self.precision.grad_dtype))
+            output = _to(output, self.storage_device, self.precision.grad_dtype, non_blocking=False)
+            self._accumulate_sharded_grads(output)
 
     def accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add a reduced ``flat_grad`` (1D, G_t, the trainable parameters' shards, storage device and gradient dtype)
@@ -547,6 +574,14 @@ class ParamGroup:
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
                 sp.local_view(self.flat_shard).copy_(sp.rows_of(local_tensor(full).detach()).to(self.storage_device))
+
+
+def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:
+    """``tensor.to(device, dtype, non_blocking=...)``, without dispatching an op when it is there already (once per
+    gather and per reduction)."""
+    if tensor.dtype == dtype and tensor.device == device:
+        return tensor
+    return tensor.to(device, dtype, non_blocking=non_blocking)
 
 
 DIRECT_MIN_BYTES = 4 * 2**20
