@@ -5,12 +5,17 @@ docs/benchmarks.md, "What a step dispatches"). Pinned here:
 
 - the sharded gradients are ``DTensor``s sharing their parameter's spec (built directly, not by ``from_local``);
 - with one rank, the cast to ``param_dtype`` is one copy per unit gathered, straight into the gathered buffer;
-- backward fills a padding piece with zeros only where a parameter has padding.
+- backward allocates no zeros for padding (kept zero pieces, see ``group.FullViews``);
+- the engine's own view ops: one ``as_strided`` per parameter where modules get their views, and per trainable
+  parameter in the gradient copy-in and for its sharded gradient; no ``narrow``/``slice`` (the copy-out views are
+  kept, ``ParamGroup.full_blocks``), no ``split``; the rank-check header dispatches nothing but its collective.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,13 +38,27 @@ def pool1() -> Iterator[WorkerPool]:
     pool.close()
 
 
+ENGINE = os.sep + os.path.join("fullshard", "engine") + os.sep
+
+
 class _OpCount(TorchDispatchMode):
+    """Every op dispatched (``ops``), and those dispatched from the engine's Python code (``engine``: a frame of
+    ``fullshard/engine/`` on the stack; autograd's own C++ backward formulas have none)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.engine: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        frame = sys._getframe(1)
+        while frame is not None:
+            if ENGINE in frame.f_code.co_filename:
+                self.engine[name] += 1
+                break
+            frame = frame.f_back
         return func(*args, **(kwargs or {}))
 
 
@@ -61,7 +80,15 @@ def _third_step(rank: int, world: int, bf16: bool) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     padded = sum(1 for p in model.parameters() if p.shape[0] % world)
-    return {"fwd": forward.ops, "bwd": backward.ops, "shares_spec": shares_spec, "padded": padded}
+    return {
+        "fwd": forward.ops,
+        "bwd": backward.ops,
+        "engine_fwd": forward.engine,
+        "engine_bwd": backward.engine,
+        "shares_spec": shares_spec,
+        "padded": padded,
+        "params": sum(1 for _ in model.parameters()),
+    }
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -75,8 +102,26 @@ def test_one_rank_casts_once_per_unit_and_fills_no_padding(pool1: WorkerPool, bf
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_two_ranks_fill_only_padding_that_exists(pool2: WorkerPool, bf16: bool) -> None:
+def test_two_ranks_fill_no_padding(pool2: WorkerPool, bf16: bool) -> None:
     for got in pool2.run(_third_step, bf16):
         assert all(got["shares_spec"])
         assert got["padded"] > 0
-        assert got["bwd"]["aten.zeros"] == got["padded"]
+        assert got["bwd"]["aten.zeros"] == 0  # was one per padded parameter (split's backward)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_two_ranks_one_view_op_per_parameter(pool2: WorkerPool, bf16: bool) -> None:
+    units = 3  # the root and two blocks
+    for got in pool2.run(_third_step, bf16):
+        fwd, bwd, params = got["engine_fwd"], got["engine_bwd"], got["params"]
+        # - Check: modules' views, one as_strided per parameter gathered (was a split and a view each).
+        assert fwd["aten.as_strided"] == params
+        assert fwd["aten.split_with_sizes"] == bwd["aten.split_with_sizes"] == 0
+        # - Check: the copy-out writes into kept views (was a narrow, i.e. a slice, and a view per parameter).
+        assert fwd["aten.slice"] == bwd["aten.slice"] == 0
+        assert fwd["aten.split_with_sizes_copy"] == units
+        # - Check, backward: every parameter's view again (the blocks gathered again, the root's kept gather
+        #   registered again), its gradient's copy-in and its sharded gradient; one chunk per reduction.
+        assert bwd["aten.as_strided"] == 3 * params + units
+        # - Check: the rank-check header builds and reads its buffers without ops (was torch.tensor + tolist).
+        assert fwd["aten.lift_fresh"] == bwd["aten.lift_fresh"] == 0

@@ -29,6 +29,7 @@ header then meets it as any collective would.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import weakref
@@ -171,10 +172,10 @@ _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _label_of_crc: dict[int, str] = {}  # every unit name seen here: the other ranks' CRCs are named back with it
 
 
-def _header(kind: str, label: str, pg: dist.ProcessGroup) -> torch.Tensor:
+def _header(kind: str, label: str, pg: dist.ProcessGroup) -> array.array:
     crc = zlib.crc32(label.encode())
     _label_of_crc.setdefault(crc, label)
-    return torch.tensor([_KINDS.index(kind), crc, _issued.get(pg, 0), _forwards], dtype=torch.int64)
+    return array.array("q", [_KINDS.index(kind), crc, _issued.get(pg, 0), _forwards])
 
 
 def _describe(header: list[int]) -> str:
@@ -189,12 +190,16 @@ def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> Non
     is no desync, and a process that caught an earlier error on one rank would never run in step again."""
     if pg is None:
         return
+    # The header's buffers are Python arrays seen as tensors (``torch.frombuffer``, no copy): building and reading
+    # them dispatches no ATen op, so the check costs the collective alone (it runs before every engine collective).
     mine = _header(kind, label, pg)
-    n = dist.get_world_size(pg)
-    everyone = torch.empty(n * mine.numel(), dtype=mine.dtype)
+    n, width = dist.get_world_size(pg), len(mine)
+    everyone = array.array("q", bytes(n * width * mine.itemsize))
     with _named(f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"):
-        _all_gather_single(everyone, mine, group=pg)
-    headers = everyone.view(n, -1).tolist()
+        _all_gather_single(
+            torch.frombuffer(everyone, dtype=torch.int64), torch.frombuffer(mine, dtype=torch.int64), group=pg
+        )
+    headers = [everyone[r * width : (r + 1) * width].tolist() for r in range(n)]
     if all(h[:2] == headers[0][:2] for h in headers):
         return
     ranks = dist.get_process_group_ranks(pg)

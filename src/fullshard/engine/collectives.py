@@ -144,6 +144,7 @@ def _returned(work: p2p.P2PWork | _ChunkOfAllReduce, async_op: bool) -> p2p.P2PW
 class _ChunkOfAllReduce:
     """A reduce-scatter done as an in-place all-reduce: ``wait()`` waits, then copies this rank's chunk.
 
+    ``full`` is contiguous and 1D (as any all-reduce input), ``n`` chunks of ``output.numel()`` elements.
     Invariant: ``output`` holds the reduced chunk once ``wait()`` returns; the full buffer is released then.
     """
 
@@ -155,7 +156,9 @@ class _ChunkOfAllReduce:
     def wait(self) -> bool:
         if self._work is not None and self._full is not None:
             self._work.wait()
-            self._output.copy_(self._full.view(self._n, -1)[self._rank])
+            # this rank's chunk, in one view op (``full`` is the contiguous 1D input, see reduce_scatter_flat)
+            chunk = self._output.numel()
+            self._output.copy_(self._full.as_strided((chunk,), (1,), self._full.storage_offset() + self._rank * chunk))
             self._work, self._full = None, None
         return True
 
@@ -216,54 +219,68 @@ def foreach_all_gather(
     send: torch.Tensor,
     packed: list[ShardedParam],
     direct: list[ShardedParam],
+    direct_blocks: list[torch.Tensor],
     flat_full: torch.Tensor,
     world: int,
     pg: dist.ProcessGroup | None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
     """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
     in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
-    into its block of ``flat_full`` (allocated; its version counter preserved, see :func:`copy_out`)."""
+    into its block of ``flat_full`` (``direct_blocks``, views of its allocated storage; its version counter
+    preserved, see :func:`copy_out`)."""
     works = []
     out = None
     if packed:
         numel = _numel(packed)
         out = torch.empty(world * numel, dtype=send.dtype, device=flat_full.device)
-        works.append(all_gather_flat(out, send.narrow(0, 0, numel), pg, async_op=True))
+        shard = send if numel == send.numel() else send.narrow(0, 0, numel)  # no direct ones: all of it
+        works.append(all_gather_flat(out, shard, pg, async_op=True))
     if direct:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-            for sp in direct:
+            for sp, block in zip(direct, direct_blocks):
                 shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
-                works.append(all_gather_flat(full_block(flat_full, sp, world), shard, pg, async_op=True))
+                works.append(all_gather_flat(block, shard, pg, async_op=True))
     return works, out
 
 
-def copy_out(gathered: torch.Tensor, packed: list[ShardedParam], flat_full: torch.Tensor, world: int) -> None:
-    """Move the packed parameters' rank-major pieces of ``gathered`` into their ``flat_full`` blocks.
+def copy_out(gathered: torch.Tensor, blocks: list[torch.Tensor], sizes: list[int], flat_full: torch.Tensor) -> None:
+    """Move the packed parameters' rank-major pieces of ``gathered`` into their ``flat_full`` blocks: one
+    ``split_with_sizes_copy`` into ``blocks``, the packed parameters' full blocks of ``flat_full`` viewed
+    ``(world, s_i)`` (``s_i`` = ``sizes[i]``, their padded shard sizes; the views are the group's, kept from step to
+    step, see ``ParamGroup.full_blocks``).
 
-    With one rank, ``gathered`` is the flat shard itself (any dtype and device): it is cast into ``flat_full``
-    in one copy, asynchronous from pinned memory.
+    With one rank, ``gathered`` is the flat shard itself (any dtype and device) and ``blocks`` is empty: it is
+    cast into ``flat_full`` in one copy, asynchronous from pinned memory.
 
     The copy must not bump the version counter: autograd saved views of ``flat_full`` in forward and checks
     the counter in backward, and this write restores exactly the data they saw.
     """
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-        if world == 1:
+        if not blocks:
             flat_full.copy_(gathered, non_blocking=True)
             return
-        blocks = [full_block(flat_full, sp, world).view(world, -1) for sp in packed]
-        sizes = [sp.layout.padded_shard_numel for sp in packed]
-        by_rank = gathered.view(world, _numel(packed))
-        torch.split_with_sizes_copy(by_rank, sizes, dim=1, out=blocks)
+        torch.split_with_sizes_copy(gathered.view(len(blocks[0]), -1), sizes, dim=1, out=blocks)
 
 
 def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int) -> torch.Tensor:
-    """``params``' padded blocks of ``grad`` (in layout order) reordered rank-major: ``(world, their G)``."""
-    if world == 1 and _numel(params) == grad.numel():
+    """``params``' padded blocks of ``grad`` (in layout order) reordered rank-major: ``(world, their G)``.
+
+    One ``as_strided`` per parameter straight to its ``(world, s_i)`` block (not a ``narrow`` and a ``view``: this
+    runs for every parameter at every backward), then one ``cat``.
+    """
+    numel = _numel(params)
+    if world == 1 and numel == grad.numel():
         return grad.view(1, -1)  # all of the group's parameters, and one rank: already in order
-    out = torch.empty(world, _numel(params), dtype=grad.dtype, device=grad.device)
+    out = torch.empty(world, numel, dtype=grad.dtype, device=grad.device)
     if params:
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        base = grad.storage_offset()
         with trace.phase(trace.COPY_IN):
-            torch.cat([full_block(grad, sp, world).view(world, -1) for sp in params], dim=1, out=out)
+            blocks = []
+            for sp in params:
+                size = sp.layout.padded_shard_numel
+                blocks.append(grad.as_strided((world, size), (size, 1), base + world * sp.offset))
+            torch.cat(blocks, dim=1, out=out)
     return out
 
 
@@ -318,7 +335,7 @@ def foreach_reduce(
     # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
     # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
     if packed_numel:
-        packed_out = output.narrow(0, 0, packed_numel)
+        packed_out = output if packed_numel == numel else output.narrow(0, 0, packed_numel)
         works.append(reduce_scatter_flat(packed_out, ordered.view(-1), pg, async_op=True, scratch_input=True))
     for sp in direct:
         # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.

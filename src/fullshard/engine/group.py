@@ -134,14 +134,7 @@ class ParamGroup:
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
-        # flat_full split into each parameter's real elements and its padding (where it has any), in layout order:
-        # one split at every gather (see _register_full_views); _view_index[i] is parameter i's piece.
-        self._view_sizes: list[int] = []
-        self._view_index: list[int] = []
-        for sp in ordered:
-            padding = world * sp.layout.padded_shard_numel - sp.layout.numel
-            self._view_index.append(len(self._view_sizes))
-            self._view_sizes += [sp.layout.numel, padding] if padding else [sp.layout.numel]
+        self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
         # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
         self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
         self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
@@ -157,6 +150,8 @@ class ParamGroup:
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._on_grads_ready: Callable[[], None] | None = None  # see observe
         self.flat_full = self._new_flat_full()
+        self._full_blocks: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None  # full_blocks
+        self._packed_sizes = [sp.layout.padded_shard_numel for sp in self.packed]
         self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
         self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
         self._state = ShardState.SHARDED
@@ -338,15 +333,19 @@ class ParamGroup:
                 self._gather = ([], None)
                 if not self.alias_full:  # cast (or copy from the offload device) straight into flat_full
                     self._allocate_full()
-                    copy_out(self.flat_shard, [], self.flat_full, 1)
+                    copy_out(self.flat_shard, [], [], self.flat_full)
             else:
-                send = self.flat_shard.to(self.device, self.precision.param_dtype, non_blocking=True)
+                send = _to(self.flat_shard, self.device, self.precision.param_dtype, non_blocking=True)
+                direct_blocks: list[torch.Tensor] = []
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
                     self._full_version = self.flat_full._version
+                    direct_blocks = self.full_blocks()[1]
                 pg = self.shard_group.shard_pg
                 with collective_check.collective("all_gather", self.label, pg):
-                    self._gather = foreach_all_gather(send, self.packed, self.direct, self.flat_full, self.world, pg)
+                    self._gather = foreach_all_gather(
+                        send, self.packed, self.direct, direct_blocks, self.flat_full, self.world, pg
+                    )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
 
@@ -369,13 +368,33 @@ class ParamGroup:
         if not self.alias_full and gathered is not None:
             with trace.phase(trace.COPY_OUT):
                 self._allocate_full()
-                copy_out(gathered, self.packed, self.flat_full, self.world)
+                copy_out(gathered, self.full_blocks()[0], self._packed_sizes, self.flat_full)
         self._register_full_views()
         self.state = ShardState.UNSHARDED
 
     @property
     def full_nbytes(self) -> int:  # of the gathered parameters, flat_full
         return self.flat_full.numel() * self.flat_full.element_size()
+
+    def full_blocks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gather's destinations in ``flat_full``: the packed parameters' full blocks viewed ``(world, s_i)``
+        (for :func:`collectives.copy_out`), and the direct parameters' full blocks (1D).
+
+        Built once per ``flat_full`` and kept: they would otherwise cost a ``narrow`` and a ``view`` per parameter
+        at every gather, forward and backward. Kept views stay valid because ``flat_full`` keeps its storage object
+        for its whole life: freeing resizes that storage to 0 bytes and gathering resizes it back (or swaps a spare
+        buffer's memory into it, see ``spare.py``), neither of which touches the views' sizes, strides or offsets;
+        only a new ``flat_full`` (``new_shard_storage``) makes new views. Precondition: ``flat_full`` is allocated
+        (a view of a 0-byte storage fails its bounds check). The views are made without autograd (the gathers write
+        them under ``no_grad``) and share ``flat_full``'s version counter.
+        """
+        cached = self._full_blocks
+        if cached is None or cached[0] is not self.flat_full:
+            with torch.no_grad():
+                packed = [full_block(self.flat_full, sp, self.world).view(self.world, -1) for sp in self.packed]
+                direct = [full_block(self.flat_full, sp, self.world) for sp in self.direct]
+            cached = self._full_blocks = (self.flat_full, packed, direct)
+        return cached[1], cached[2]
 
     def _allocate_full(self) -> None:
         storage = self.flat_full.untyped_storage()
@@ -384,13 +403,11 @@ class ParamGroup:
             storage.resize_(nbytes)
 
     def _register_full_views(self) -> None:
-        # One split (not one slice per parameter): its backward writes the whole flat gradient at once. Padding gets
-        # a piece only where there is some: the backward fills every piece without a gradient with zeros, one
-        # allocation and fill each, even when empty.
+        # One autograd node for all of the group's views (see FullViews): its backward writes flat_full's whole
+        # gradient at once.
         with torch.enable_grad():
-            pieces = torch.split(self.flat_full, self._view_sizes)
-            for i, sp in zip(self._view_index, self.layout_order):
-                view = pieces[i].view(sp.gathered_shape)
+            views = FullViews.apply(self.flat_full, self._full_views)
+            for sp, view in zip(self.layout_order, views):
                 sp.register(sp.compute_view(view if sp.requires_grad else view.detach()))
         self.full_views_registered = True
 
@@ -495,7 +512,8 @@ class ParamGroup:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
             output = finish_reduce(self._pending.pop(0), self.shard_group, self.label)
-            self._accumulate_sharded_grads(output.to(self.storage_device, self.precision.grad_dtype))
+            output = _to(output, self.storage_device, self.precision.grad_dtype, non_blocking=False)
+            self._accumulate_sharded_grads(output)
 
     def accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add a reduced ``flat_grad`` (1D, G_t, the trainable parameters' shards, storage device and gradient dtype)
@@ -547,6 +565,89 @@ class ParamGroup:
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
                 sp.local_view(self.flat_shard).copy_(sp.rows_of(local_tensor(full).detach()).to(self.storage_device))
+
+
+class FullViewsPlan:
+    """Where each parameter lies in ``flat_full`` (layout order), for :class:`FullViews`: fixed for a group's life.
+
+    ``views``: per parameter, the shape, contiguous strides and offset of its real elements (its block's first
+    ``numel``); ``pieces``: per parameter, its ``numel`` and the padding after it in its block (0 for none).
+    ``padding_zeros`` holds, per ``(dtype, device)`` of ``flat_full``, one zeros piece per padded parameter (views of
+    one zeros buffer as long as the largest padding), made at the first backward and only ever read.
+    """
+
+    def __init__(self, ordered: list[ShardedParam], world: int) -> None:
+        self.views: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        self.pieces: list[tuple[int, int]] = []
+        for sp in ordered:
+            lay = sp.layout
+            shape = sp.gathered_shape
+            self.views.append((shape, _contiguous_strides(shape), world * sp.offset))
+            self.pieces.append((lay.numel, world * lay.padded_shard_numel - lay.numel))
+        self.padding_zeros: dict[tuple[torch.dtype, torch.device], list[torch.Tensor | None]] = {}
+
+    def zeros_for_padding(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
+        key = (dtype, device)
+        zeros = self.padding_zeros.get(key)
+        if zeros is None:
+            longest = max((padding for _, padding in self.pieces), default=0)
+            with torch.no_grad():
+                buffer = torch.zeros(longest, dtype=dtype, device=device)
+                zeros = [buffer[:padding] if padding else None for _, padding in self.pieces]
+            self.padding_zeros[key] = zeros
+        return zeros
+
+
+class FullViews(torch.autograd.Function):
+    """Every parameter's view of ``flat_full``, in its shape, as one autograd node (what modules compute with).
+
+    Forward: one ``as_strided`` per parameter straight to its shape (``torch.split`` would cost one more view per
+    parameter, and per padding piece). Backward: ``flat_full``'s gradient in one ``cat`` of the parameters'
+    gradients (flattened) and, for the padding of each block, kept zeros (:meth:`FullViewsPlan.zeros_for_padding`),
+    where ``split``'s backward allocated and filled one zeros tensor per padded parameter at every backward. A
+    parameter without a gradient (frozen, or unused in this forward) gets zeros, as under ``split``: the gradient is
+    the same tensor, bit for bit. The views cannot be modified in place (as ``split``'s could not).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat_full: torch.Tensor, plan: FullViewsPlan) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        ctx.dtype_device = (flat_full.dtype, flat_full.device)  # its gradient's, as autograd checks
+        ctx.set_materialize_grads(False)  # no zeros allocated for the outputs without a gradient (see backward)
+        base = flat_full.storage_offset()
+        return tuple(flat_full.as_strided(shape, stride, base + offset) for shape, stride, offset in plan.views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        plan: FullViewsPlan = ctx.plan
+        dtype, device = ctx.dtype_device
+        padding_zeros = plan.zeros_for_padding(dtype, device)
+        pieces = []
+        for grad, (numel, _), zeros in zip(grads, plan.pieces, padding_zeros):
+            if grad is None:
+                pieces.append(torch.zeros(numel, dtype=dtype, device=device))
+            else:
+                pieces.append(grad.view(-1) if grad.is_contiguous() else grad.reshape(-1))
+            if zeros is not None:
+                pieces.append(zeros)
+        return torch.cat(pieces), None
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``torch.empty(shape).stride()``, without a tensor."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:
+    """``tensor.to(device, dtype, non_blocking=...)``, without dispatching an op when it is there already (once per
+    gather and per reduction)."""
+    if tensor.dtype == dtype and tensor.device == device:
+        return tensor
+    return tensor.to(device, dtype, non_blocking=non_blocking)
 
 
 DIRECT_MIN_BYTES = 4 * 2**20
