@@ -6,7 +6,9 @@ Run: epochs straight through; loaders restored from ``state_dict`` taken mid-epo
 between epochs, with and without ``use_stateful_dataloader``; ``skip_first_batches`` views.
 Check: every epoch deals each sample once over the ranks and reshuffles; a restored loader deals the batches
 the uninterrupted one dealt (the position only when stateful); with the seedable sampler epoch ``e`` is the
-permutation of ``data_seed + e`` on every rank (from rank 0's seed); ``split_batches`` cuts the original batch.
+permutation of ``data_seed + e`` on every rank (from rank 0's seed), also for a fresh loader resuming a later
+epoch as transformers' Trainer does (``skip_first_batches``, then ``set_epoch``); ``split_batches`` cuts the
+original batch.
 """
 
 from __future__ import annotations
@@ -99,6 +101,39 @@ def test_seedable_sampler_deals_seed_plus_epoch(pool2: WorkerPool) -> None:
         permutation += permutation[: 24 - N]
         dealt = [i for step in zip(ranks[0][e], ranks[1][e], strict=True) for batch in step for i in batch]
         assert dealt == permutation
+
+
+def trainer_resume(rank: int, world: int, seedable: bool) -> dict[str, Any]:
+    """Four epochs straight, each after ``set_epoch``; then transformers' Trainer resuming 2 batches into epoch 2:
+    a fresh loader (the same seed, nothing restored), ``skip_first_batches`` then ``set_epoch(2)`` on the view,
+    then ``set_epoch(3)`` on the loader."""
+    loader = prepared(rank, world, use_seedable_sampler=seedable)
+    straight = []
+    for e in range(4):
+        loader.set_epoch(e)
+        straight.append(epoch(loader))
+    fresh = prepared(rank, world, use_seedable_sampler=seedable)
+    view = skip_first_batches(fresh, 2)
+    view.set_epoch(2)
+    resumed = [epoch(view)]
+    fresh.set_epoch(3)
+    resumed.append(epoch(fresh))
+    return {"straight": straight, "resumed": resumed}
+
+
+def test_trainer_resume_into_a_later_epoch_deals_its_order_with_the_seedable_sampler(pool2: WorkerPool) -> None:
+    # - Run: the seedable sampler (the Trainer's default), then the one generator (use_seedable_sampler=False)
+    seedable = pool2.run(trainer_resume, True)
+    generator = pool2.run(trainer_resume, False)
+    # - Check: epoch e is the permutation of seed + e, however many epochs this loader dealt; with one generator
+    #   the fresh loader deals its first permutation, as Accelerate's does (it does not save that generator), so
+    #   a Trainer resumed in a later epoch sees other batches (load_state restores it: see the test above)
+    for rank in range(2):
+        straight = seedable[rank]["straight"]
+        assert seedable[rank]["resumed"] == [straight[2][2:], straight[3]], rank
+        straight = generator[rank]["straight"]
+        assert generator[rank]["resumed"] == [straight[0][2:], straight[1]], rank
+        assert straight[0] != straight[2]
 
 
 def split_epoch(rank: int, world: int) -> list[list[int]]:

@@ -5,14 +5,16 @@ Set up: ``scripts/trainer_tiny.py``, a Trainer run of a tiny model built from a 
 ``fsdp=True``; the same script without FSDP under ``torchrun`` with the real Accelerate (DDP on gloo).
 Run: each, 6 steps: FSDP2 with an ``evaluate()`` before training; FSDP1; FSDP2 with the other settings at once
 (``from_pretrained`` of the same model saved, ``cpu_ram_efficient_loading`` with rank 1's model on meta,
-``activation_checkpointing``, size-based wrapping by ``min_num_params``); runs saving SHARDED_STATE_DICT (FSDP2)
-or FULL_STATE_DICT (FSDP1, size-based wrapping) checkpoints every 3 steps, and runs resumed from their step-3
-checkpoints; a run ending in ``trainer.save_model()``.
+``activation_checkpointing``, size-based wrapping by ``min_num_params``); runs saving SHARDED_STATE_DICT (FSDP2,
+6 steps, every 3) or FULL_STATE_DICT (FSDP1, size-based wrapping, 20 steps of 8 a shuffled epoch, every 9)
+checkpoints, and runs resumed from their step-3 (epoch 0) and step-18 (epoch 2, 2 steps in) checkpoints; a run
+ending in ``trainer.save_model()``.
 Check: the model is sharded (each rank holds half the elements, after the early ``evaluate()`` too), the
 per-step losses, evaluation loss and final weights equal Accelerate's DDP run to the last bit; what each setting
 did (rank 1 started on meta, the blocks ran forward again in backward, the units size-based wrapping made); the
-resumed runs equal the uninterrupted ones; the checkpoints are fullshard's (completion markers, or the full
-files); ``from_pretrained`` loads the saved model.
+resumed runs equal the uninterrupted ones (``torch.equal`` weights; after two epochs skipped, the rows the
+uninterrupted run fetched, in its order: the Trainer's ``set_epoch`` gives the seedable sampler's order); the
+checkpoints are fullshard's (completion markers, or the full files); ``from_pretrained`` loads the saved model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -142,32 +145,41 @@ def check_settings(run: dict) -> None:
 
 
 def test_resume_from_sharded_and_full_checkpoints_equals_uninterrupted_run(tmp_path: Path) -> None:
-    # - Set up: the uninterrupted runs, saving a checkpoint every 3 steps: SHARDED_STATE_DICT under FSDP2,
-    #   FULL_STATE_DICT under FSDP1 with size-based wrapping
+    # - Set up: the uninterrupted runs: SHARDED_STATE_DICT under FSDP2, a checkpoint every 3 of 6 steps;
+    #   FULL_STATE_DICT under FSDP1 with size-based wrapping, every 9 of 20 steps (64 shuffled rows, 8 steps an epoch)
     kinds = {
-        "sharded": ["--model", "llama", "--fsdp", "v2", "--state_dict_type", "SHARDED_STATE_DICT"],
-        "full": ["--fsdp", "v1", "--state_dict_type", "FULL_STATE_DICT", "--min_num_params", "4000"],
-    }
-    runs = {kind: start_fullshard(tmp_path / kind, *args, "--save_steps", "3") for kind, args in kinds.items()}
+        "sharded": ["--model", "llama", "--fsdp", "v2", "--state_dict_type", "SHARDED_STATE_DICT", "--save_steps", "3"],
+        "full": ["--fsdp", "v1", "--state_dict_type", "FULL_STATE_DICT", "--min_num_params", "4000",
+                 "--max_steps", "20", "--save_steps", "9"],
+    }  # fmt: skip
+    resume_at = {"sharded": "checkpoint-3", "full": "checkpoint-18"}  # epoch 0; epoch 2, 2 steps in
+    runs = {kind: start_fullshard(tmp_path / kind, *args) for kind, args in kinds.items()}
     straight = {kind: result(process, tmp_path / kind) for kind, process in runs.items()}
-    sharded, full = tmp_path / "sharded" / "checkpoint-3", tmp_path / "full" / "checkpoint-3"
+    sharded, full = tmp_path / "sharded" / "checkpoint-3", tmp_path / "full" / "checkpoint-18"
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
         assert (sharded / folder / ".fullshard_complete.json").is_file(), f"{folder} is not fullshard's"
     for file in ("pytorch_model_fsdp.bin", "optimizer.bin"):
         assert (full / file).is_file(), f"FULL_STATE_DICT writes {file}"
-    # - Run: fresh output folders holding only checkpoint-3, resume_from_checkpoint=True
+    # - Run: fresh output folders holding only the checkpoint, resume_from_checkpoint=True
     runs = {}
     for kind, args in kinds.items():
         (tmp_path / f"resumed_{kind}").mkdir()
-        shutil.copytree(tmp_path / kind / "checkpoint-3", tmp_path / f"resumed_{kind}" / "checkpoint-3")
-        runs[kind] = start_fullshard(tmp_path / f"resumed_{kind}", *args, "--save_steps", "3", "--resume")
+        shutil.copytree(tmp_path / kind / resume_at[kind], tmp_path / f"resumed_{kind}" / resume_at[kind])
+        runs[kind] = start_fullshard(tmp_path / f"resumed_{kind}", *args, "--resume")
     resumed = {kind: result(process, tmp_path / f"resumed_{kind}") for kind, process in runs.items()}
     # - Check
     for kind in kinds:
         check_sharded(straight[kind])
         assert resumed[kind]["losses"] == straight[kind]["losses"], kind
-        assert resumed[kind]["weights"] == straight[kind]["weights"], kind
         assert resumed[kind]["eval_loss"] == straight[kind]["eval_loss"], kind
+        weights = {run: torch.load(tmp_path / f"{run}" / "weights.pt") for run in (kind, f"resumed_{kind}")}
+        assert all(torch.equal(weights[kind][k], weights[f"resumed_{kind}"][k]) for k in weights[kind]), kind
+    # After two epochs skipped, each rank fetched the rows the uninterrupted run fetched from step 19 on, in its
+    # order: steps 19 and 20, 4 rows each, and the batch the loader fetches ahead. Epoch 2's order is not epoch 0's
+    # (which a generator fresh at prepare would deal: the Trainer with use_seedable_sampler=False, as in Accelerate).
+    rows = [fetched[-12:] for fetched in straight["full"]["fetched"]]
+    assert resumed["full"]["fetched"] == rows
+    assert rows != [fetched[8:20] for fetched in straight["full"]["fetched"]]
     # FSDP1 names its units by the wrappers' paths
     assert straight["full"]["units"] == ["", *(f"_fsdp_wrapped_module.{name}" for name in SIZE_BASED_UNITS)]
 

@@ -6,7 +6,8 @@ runs under Accelerate too).
     fullshard launch --config_file fsdp.yaml checkpointing.py --output OUT2 --resume_from_checkpoint OUT/step_15
 
 A resumed run continues the epoch it stopped in: without ``--use_stateful_dataloader`` it skips the batches
-already trained on with ``accelerator.skip_first_batches``; with it, ``load_state`` restores the position.
+already trained on with ``accelerator.skip_first_batches``; with it, ``load_state`` restores the position. Each
+epoch starts with ``set_epoch(epoch)``, as the seedable sampler needs.
 Each rank writes ``OUT/rank<k>.json``: the loss of every step (over all ranks) by global step, the mean loss
 of each epoch, and the sample indices it trained on in each epoch.
 """
@@ -66,6 +67,7 @@ def main() -> None:
     record: dict = {"step_losses": {}, "epoch_losses": {}, "samples": {}}
     for epoch in range(starting_epoch, args.num_epochs):
         model.train()
+        train.set_epoch(epoch)  # the seedable sampler deals the order of seed + epoch (the other order ignores it)
         if epoch == starting_epoch and resume_step and not args.use_stateful_dataloader:
             active = accelerator.skip_first_batches(train, resume_step)
         else:

@@ -1,12 +1,13 @@
 """A transformers ``Trainer`` run of a tiny model built from a config, written as for Accelerate (nothing of
 fullshard in it): run it under ``fullshard launch --as_accelerate`` (sharded by fullshard) or ``torchrun``
-(Accelerate's DDP on CPU). Rank 0 writes ``result.json`` under ``--output_dir``: the per-step losses, the
-evaluation and prediction results, and a checksum of the final weights.
+(Accelerate's DDP on CPU). Rank 0 writes ``result.json`` under ``--output_dir``: the per-step losses and gradient
+norms, the evaluation and prediction results, a checksum of the final weights and the training rows each rank
+fetched, in order; and ``weights.pt``, the final full state dict.
 
     python trainer_tiny.py --output_dir OUT [--model gpt2|llama|bert] [--fsdp none|v1|v2] [--max_steps N]
         [--save_steps N] [--resume] [--state_dict_type FULL_STATE_DICT|SHARDED_STATE_DICT] [--save_model]
         [--from_pretrained DIR] [--cpu_ram_efficient_loading] [--activation_checkpointing]
-        [--min_num_params N] [--eval_first] [--others_on_meta]
+        [--min_num_params N] [--eval_first] [--others_on_meta] [--no_seedable_sampler]
 
 What the FSDP settings did is recorded too: whether each rank's model came out of ``from_pretrained`` on the
 meta device, which modules became units, how often each module ran forward with gradients enabled (twice a
@@ -46,11 +47,13 @@ class Tokens(Dataset):
         self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
         self.classes = torch.randint(0, 2, (n,), generator=g)
         self.classify = classify
+        self.fetched: list[int] = []  # the rows asked for, in order
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.fetched.append(int(i))
         labels = self.classes[i] if self.classify else self.ids[i]
         return {"input_ids": self.ids[i], "labels": labels}
 
@@ -134,8 +137,11 @@ def main() -> None:
     parser.add_argument("--min_num_params", type=int, default=0)
     parser.add_argument("--eval_first", action="store_true")
     parser.add_argument("--others_on_meta", action="store_true")
+    parser.add_argument("--no_seedable_sampler", action="store_true")
     args = parser.parse_args()
 
+    # The Trainer's default is use_seedable_sampler=True: epoch e is dealt in the order of the seed seed + e
+    order = {"accelerator_config": {"use_seedable_sampler": False}} if args.no_seedable_sampler else {}
     layer = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "bert": "BertLayer"}[args.model]
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -150,6 +156,7 @@ def main() -> None:
         report_to=[],
         seed=0,
         disable_tqdm=True,
+        **order,
         **fsdp_args(args, layer),
     )
     # After TrainingArguments, as in transformers' examples: the process group is up and the FSDP settings
@@ -164,8 +171,8 @@ def main() -> None:
     on_meta["trainer"] = any(p.is_meta for p in model.parameters())
     grad_forwards = count_grad_forwards(model)
     classify = args.model == "bert"
-    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1, classify),
-                      eval_dataset=Tokens(10, 2, classify))  # fmt: skip
+    train_rows = Tokens(64, 1, classify)
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_rows, eval_dataset=Tokens(10, 2, classify))
     numel_after_eval = None
     if args.eval_first:
         trainer.evaluate()
@@ -178,9 +185,12 @@ def main() -> None:
     state = trainer.accelerator.get_state_dict(trainer.model)
     on_meta_by_rank: list[object] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(on_meta_by_rank, on_meta)
+    fetched_by_rank: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(fetched_by_rank, train_rows.fetched)
     if trainer.accelerator.is_main_process:
         result = {
             "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e},
+            "grad_norms": {str(e["step"]): e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e},
             "eval_loss": metrics["eval_loss"],
             "predictions_shape": list(first(predictions.predictions).shape),
             "weights": {k: float(v.double().sum()) for k, v in sorted(state.items())},
@@ -192,7 +202,9 @@ def main() -> None:
             "units": units(trainer.model),
             "grad_forwards": grad_forwards,
             "local_numel_after_eval": numel_after_eval,
+            "fetched": fetched_by_rank,
         }
+        torch.save(state, os.path.join(args.output_dir, "weights.pt"))
         with open(os.path.join(args.output_dir, "result.json"), "w") as fp:
             json.dump(result, fp)
 
