@@ -55,10 +55,8 @@ from fullshard.checkpoint.checksum import save_with_checksum
 from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
 from fullshard.checkpoint.folder import FolderState, check_output_dir, checkpoint_state, staging_error
-from fullshard.checkpoint.manifest import read_manifest
 from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
-    RNG_STATE_NAME,
     custom_checkpoint_file_name,
     optimizer_file_name,
     previous_folder,
@@ -73,12 +71,8 @@ from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoi
 from fullshard.checkpoint.writer import local_nbytes, write_sharded
 from fullshard.engine import (
     StateDictType,
-    pending_micro_batches,
-    restore_step_in_progress,
-    step_in_progress,
-    unit_states_in,
 )
-from fullshard.frontend import model_state
+from fullshard.frontend import model_state, resume_layout
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.ranks import gather_from_ranks
@@ -108,12 +102,6 @@ class TrainingObjects:
 
     def model_for(self, optimizer_index: int) -> nn.Module:
         return self.models[min(optimizer_index, len(self.models) - 1)]
-
-
-def invariant_mode(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded in world-size-invariant mode (``invariant_micro_batches``)."""
-    states = unit_states_in(model)
-    return bool(states) and all(s.config.invariant_micro_batches is not None for s in states)
 
 
 def _full_model_file(index: int) -> str:
@@ -206,50 +194,10 @@ def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
         if objects.scaler is not None:
             states[SCALER_NAME] = objects.scaler.state_dict()
     states[rng_state_file_name(rank)] = _rng_state()
-    step = _step_in_progress(objects)
+    step = resume_layout.step_to_save(objects.models)
     if step is not None:
         states[step_in_progress_file_name(rank)] = step
     return states
-
-
-def _step_in_progress(objects: TrainingObjects) -> dict[str, Any] | None:
-    """World-size-invariant mode saved part-way through a step (micro-batches folded, not reduced): this rank's
-    partial gradient sums per model (see ``engine/invariant.py``), and how many micro-batches of how many;
-    ``None`` at a step boundary or in the default mode."""
-    models = [step_in_progress(unit_states_in(m)) if invariant_mode(m) else None for m in objects.models]
-    counts = {e["count"] for saved in models if saved is not None for e in saved if e["count"]}
-    if not counts:
-        return None
-    return {"micro_batches": max(counts), "per_rank": _per_rank(objects.models), "models": models}
-
-
-def _per_rank(models: list[nn.Module]) -> int:
-    """``G/N`` of the first world-size-invariant model: micro-batches per rank and step."""
-    for model in models:
-        for state in unit_states_in(model):
-            if state.group is not None:
-                return state.config.invariant_micro_batches // state.group.shard_group.data_parallel_size
-    return 0
-
-
-def _check_step_to_save(objects: TrainingObjects, where: str) -> None:
-    """Refuse a world-size-invariant save made part-way through a step that could not resume as this run goes on:
-    ``accumulate()`` counted another number of this step's micro-batches than the units folded (saved after
-    ``accumulate()`` was entered and before its ``backward``)."""
-    models = [m for m in objects.models if invariant_mode(m)]
-    gradient_state = objects.gradient_state
-    if not models or gradient_state is None:
-        return
-    folded = max((pending_micro_batches(s.group) for m in models for s in unit_states_in(m)
-                  if s.group is not None), default=0)  # fmt: skip
-    counted = gradient_state.step % gradient_state.num_steps
-    if counted != folded:
-        raise ValueError(
-            f"{where}: world-size-invariant mode, part-way through a step: accumulate() counted {counted} "
-            f"micro-batches of this step but {folded} went through backward, so the resumed run would not finish the "
-            "step as this one does. Call save_state after accelerator.backward (inside or after `with "
-            "accelerator.accumulate(model):`), or at a step boundary (after optimizer.step())."
-        )
 
 
 def _write_part(tx: SaveTransaction, part: _Part, state: dict[str, Any]) -> None:
@@ -279,7 +227,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
-    _check_step_to_save(objects, where)
+    resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
     # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
@@ -318,7 +266,7 @@ def start_save_state(
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
     _check(objects, where)
-    _check_step_to_save(objects, where)
+    resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
     parts = _parts_to_save(objects, _on_device(plugin))
@@ -468,8 +416,8 @@ def load_state(
     folder = _resolve_input_dir(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     without_rng = _check_before_loading(folder, objects, full, verify, where)
-    _check_step_in_progress(folder, objects, where)
-    _warn_world_size_change(where, saved_world_size(folder), without_rng, objects.models)
+    resume_layout.check_step_to_load(folder, objects.models, where)
+    resume_layout.warn_world_size_change(where, resume_layout.saved_world_size(folder), without_rng, objects.models)
     small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full, strict)
     for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
@@ -480,47 +428,9 @@ def load_state(
         obj.load_state_dict(state)
     if objects.scaler is not None:
         objects.scaler.load_state_dict(small["scaler"])
-    _restore_step_in_progress(objects, small["step"], where)
+    resume_layout.restore_step(objects.models, objects.gradient_state, small["step"], where)
     if small["rng"] is not None:
         _set_rng_state(small["rng"])
-
-
-def _check_step_in_progress(folder: Path, objects: TrainingObjects, where: str) -> None:
-    """Refuse, before anything is loaded, a checkpoint saved part-way through a world-size-invariant step on
-    another number of processes (its partial sums are per rank of that layout), or into a model that is not in
-    world-size-invariant mode. The same answer on every rank: rank 0's file decides."""
-    first = folder / step_in_progress_file_name(0)
-    if not first.is_file():
-        return
-    saved, world = saved_world_size(folder), dist.get_world_size()
-    if saved == world and objects.models and all(invariant_mode(m) for m in objects.models):
-        return
-    step = load_small_file(first)
-    done, per_rank = int(step["micro_batches"]), int(step["per_rank"])
-    if saved != world:
-        raise ValueError(
-            f"{where}: the checkpoint was saved {done} micro-batches into a step of {per_rank} per rank, on {saved} "
-            f"processes in world-size-invariant mode; those micro-batches' gradients are partial sums of that "
-            f"layout, so it resumes only on {saved} processes, not {world}. Resume it on {saved} processes (then "
-            "save again at a step boundary), or save the state after optimizer.step() (outside accumulate(), when "
-            "accelerator.sync_gradients is True) to resume on any number."
-        )
-    raise ValueError(
-        f"{where}: the checkpoint was saved {done} micro-batches into a world-size-invariant step, but the models "
-        "are not all in world-size-invariant mode, which would drop those micro-batches' gradients. Prepare them "
-        "with the same FullyShardedDataParallelPlugin(invariant_micro_batches=...) as the run that saved it."
-    )
-
-
-def _restore_step_in_progress(objects: TrainingObjects, step: dict[str, Any] | None, where: str) -> None:
-    """Put back the partial gradient sums and the accumulation count of a step saved part-way (``step``), or start
-    every world-size-invariant model at a step boundary (``None``)."""
-    saved = step["models"] if step is not None else [None] * len(objects.models)
-    invariant_models = [(m, s) for m, s in zip(objects.models, saved, strict=True) if invariant_mode(m)]
-    for model, sums in invariant_models:
-        restore_step_in_progress(unit_states_in(model), sums, where)
-    if invariant_models and objects.gradient_state is not None:
-        objects.gradient_state.step = int(step["micro_batches"]) if step is not None else 0
 
 
 def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
@@ -543,31 +453,6 @@ def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
         # Each rank's own message when it failed (it names the file); otherwise the first failing rank's.
         raise CheckpointFileError(str(error) if error is not None else failed[min(failed)])
     return small
-
-
-def saved_world_size(folder: str | Path) -> int:
-    """How many processes saved the checkpoint ``folder``: its manifest's ``world_size``, else (a folder from
-    Accelerate) the number of ``random_states_<rank>.pkl`` files; 0 when neither tells."""
-    manifest = read_manifest(folder)
-    if manifest is not None and manifest.world_size > 0:
-        return manifest.world_size
-    return sum(1 for _ in Path(folder).glob(f"{RNG_STATE_NAME}_*.pkl"))
-
-
-def _warn_world_size_change(where: str, saved: int, without_rng: list[int], models: list[nn.Module]) -> None:
-    """Rank 0 says once, in one line, that a checkpoint from another number of processes goes on differently;
-    nothing in world-size-invariant mode, where it goes on bitwise (see [Note: world-size invariance])."""
-    world = dist.get_world_size()
-    if dist.get_rank() != 0 or saved in (0, world) or (models and all(invariant_mode(m) for m in models)):
-        return
-    rng = f"ranks {without_rng} had no random states saved and keep theirs; " if without_rng else ""
-    warnings.warn(
-        f"{where}: the checkpoint was saved by {saved} processes and is loaded by {world}: weights, optimizer, "
-        f"schedulers, data position and random states carried over ({rng}the data goes on from the samples "
-        f"consumed), but results will differ from a {saved}-process run from here on (gradients are summed in "
-        "another order). World-size-invariant mode (invariant_micro_batches) resumes bitwise.",
-        stacklevel=3,
-    )
 
 
 def _load_models_and_optimizers(
