@@ -10,6 +10,13 @@ from fullshard.testing import WorkerPool
 
 
 @pytest.fixture(scope="session")
+def pool1() -> Iterator[WorkerPool]:
+    pool = WorkerPool(1)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def pool2() -> Iterator[WorkerPool]:
     pool = WorkerPool(2)
     yield pool

@@ -27,17 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SCRIPT = Path(__file__).resolve().parent / "fault_scripts" / "elastic_train.py"
 STEPS, PAUSE_S = 12, 0.3
-
-
-@pytest.fixture
-def child_env(tmp_path: Path) -> dict[str, str]:
-    variables = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "FULLSHARD_"))}
-    variables.pop("OMP_NUM_THREADS", None)
-    variables.update(PYTHONPATH=str(SRC), FULLSHARD_HOME=str(tmp_path / "home"))
-    return variables
 
 
 def _free_port() -> int:

@@ -6,7 +6,6 @@ bounded (``subprocess`` timeouts), so a regression shows as a failure, never as 
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -17,17 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SCRIPTS = Path(__file__).resolve().parent / "fault_scripts"
-
-
-@pytest.fixture
-def child_env(tmp_path: Path) -> dict[str, str]:
-    """This worktree's code, a private config home, and no OMP_NUM_THREADS (the launcher sets it quietly)."""
-    variables = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "FULLSHARD_"))}
-    variables.pop("OMP_NUM_THREADS", None)
-    variables.update(PYTHONPATH=str(SRC), FULLSHARD_HOME=str(tmp_path / "home"))
-    return variables
 
 
 def _launch(args: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess[str]:

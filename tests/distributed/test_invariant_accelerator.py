@@ -14,7 +14,6 @@ dropout on 1 vs 2 ranks, and the refusals.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -126,13 +125,6 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, int, str, int, boo
             "mesh": getattr(getattr(next(model.parameters()), "device_mesh", None), "shape", None),
         }
     return results
-
-
-@pytest.fixture(scope="module")
-def pool1() -> Iterator[WorkerPool]:
-    pool = WorkerPool(1)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")

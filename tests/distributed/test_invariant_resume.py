@@ -32,9 +32,7 @@ from torch.utils.data import DataLoader
 from fullshard import Accelerator, DataLoaderConfiguration
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.utils import set_seed
-from tests.distributed.test_invariant_accelerator import EPOCHS, MAX_NORM, MICRO, DropNet, _dataset, _plugin, pool1
-
-__all__ = ["pool1"]  # the 1-rank pool fixture, shared with test_invariant_accelerator
+from tests.distributed.test_invariant_accelerator import EPOCHS, MAX_NORM, MICRO, DropNet, _dataset, _plugin
 
 G, SAVE_AT = 4, 4  # 3 steps an epoch: by default the checkpoint is one step into the second epoch
 

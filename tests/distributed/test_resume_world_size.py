@@ -39,13 +39,6 @@ N_SAMPLES, BATCH, K = 40, 2, 3
 X, Y = make_batch(CFG, N_SAMPLES, seed=7)  # sample i is (X[i], Y[i]); the loader deals indices
 
 
-@pytest.fixture(scope="module")
-def pool1() -> Iterator[WorkerPool]:
-    pool = WorkerPool(1)
-    yield pool
-    pool.close()
-
-
 def _pool(request: pytest.FixtureRequest, world: int) -> WorkerPool:
     return request.getfixturevalue(f"pool{world}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,13 +28,6 @@ from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def pool1() -> Iterator[WorkerPool]:
-    pool = WorkerPool(1)
-    yield pool
-    pool.close()
 
 
 ENGINE = os.sep + os.path.join("fullshard", "engine") + os.sep

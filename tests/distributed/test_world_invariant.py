@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -119,13 +118,6 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> dict[str, object]:
             opt.zero_grad()
         results[name] = {"params": _full_params(model), "norms": norms, "references": references, "dtypes": dtypes}
     return results
-
-
-@pytest.fixture(scope="module")
-def pool1() -> Iterator[WorkerPool]:
-    pool = WorkerPool(1)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")
