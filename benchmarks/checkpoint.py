@@ -474,13 +474,14 @@ def _async_rank(
         )
     )  # fmt: skip
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    model.to_empty(device=accelerator.device if device == "cuda" else "cpu")
+    target = accelerator.device if device == "cuda" else torch.device("cpu")
+    model.to_empty(device=target)
     with torch.no_grad():
-        for param in model.parameters():
+        for param in model.parameters():  # drawn on the CPU (its generator), then copied to the shard's device
             local = param.to_local()
             local.copy_(torch.empty(local.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(rank)))
     x, y = make_batch(cfg, world, seed=0)
-    x, y = x[rank : rank + 1].to(local.device), y[rank : rank + 1].to(local.device)
+    x, y = x[rank : rank + 1].to(target), y[rank : rank + 1].to(target)
 
     def step() -> float:
         t = time.perf_counter()

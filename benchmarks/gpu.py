@@ -75,31 +75,29 @@ def measure(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, losses, phases = [], [], []
 
-    def mark(phase: str) -> None:
+    def record(phase: str) -> None:
         torch.cuda.synchronize()
         phases.append((phase, torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30))
+
+    def skip(phase: str) -> None:
+        pass
 
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     for i, (x, y) in enumerate(batches):
         if profiler is not None and i == warmup:
             profiler.start()
-        last = i == len(batches) - 1
+        mark = record if i == len(batches) - 1 else skip  # the phases of the last step only
         torch.cuda.synchronize()
         start = time.perf_counter()
-        if last:
-            mark("before the step")
+        mark("before the step")
         loss = model(x, y)
-        if last:
-            mark("forward")
+        mark("forward")
         loss.backward()
-        if last:
-            mark("backward")
+        mark("backward")
         optimizer.step()
-        if last:
-            mark("optimizer step")
+        mark("optimizer step")
         optimizer.zero_grad(set_to_none=True)
-        if last:
-            mark("zero_grad")
+        mark("zero_grad")
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
