@@ -60,7 +60,7 @@ from fullshard.engine.collectives import (
     full_block,
     wait_all,
 )
-from fullshard.engine.layout import ShardLayout, group_offsets
+from fullshard.engine.layout import ShardLayout, contiguous_strides, group_offsets
 from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup, TPSpec, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
@@ -582,7 +582,7 @@ class FullViewsPlan:
         for sp in ordered:
             lay = sp.layout
             shape = sp.gathered_shape
-            self.views.append((shape, _contiguous_strides(shape), world * sp.offset))
+            self.views.append((shape, contiguous_strides(shape), world * sp.offset))
             self.pieces.append((lay.numel, world * lay.padded_shard_numel - lay.numel))
         self.padding_zeros: dict[tuple[torch.dtype, torch.device], list[torch.Tensor | None]] = {}
 
@@ -631,15 +631,6 @@ class FullViews(torch.autograd.Function):
             if zeros is not None:
                 pieces.append(zeros)
         return torch.cat(pieces), None
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """``torch.empty(shape).stride()``, without a tensor."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:

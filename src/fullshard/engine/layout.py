@@ -70,11 +70,7 @@ class ShardLayout:
     @functools.cached_property
     def local_stride(self) -> tuple[int, ...]:
         """Contiguous strides of ``local_shape`` (as ``torch.empty(local_shape).stride()``)."""
-        strides, step = [], 1
-        for size in reversed(self.local_shape):
-            strides.append(step)
-            step *= max(size, 1)
-        return tuple(reversed(strides))
+        return contiguous_strides(self.local_shape)
 
     @functools.cached_property
     def row_offset(self) -> int:
@@ -87,6 +83,15 @@ class ShardLayout:
 
     def for_rank(self, rank: int) -> ShardLayout:
         return ShardLayout(self.shape, self.world, rank)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``torch.empty(shape).stride()``, without a tensor."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def group_offsets(padded_numels: list[int]) -> list[int]:
