@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from fullshard import Accelerator
+from fullshard import FSDP, Accelerator
 from fullshard.engine.state import unit_states_in
 from fullshard.testing import WorkerPool
-from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks
+from fullshard.wrap import ModuleWrapPolicy
 from tests.distributed.test_accelerator import plugin
 
 CFG = GPTConfig()
@@ -30,10 +31,6 @@ CFG = GPTConfig()
 def _wrap(how: str, model: TinyGPT) -> Any:
     if how == "fully_shard":
         return fully_shard_blocks(model)
-    from fullshard import FSDP
-    from fullshard.testing.models import Block
-    from fullshard.wrap import ModuleWrapPolicy
-
     return FSDP(model, sharding_strategy=how, auto_wrap_policy=ModuleWrapPolicy({Block}))
 
 
@@ -43,7 +40,7 @@ def dropped_leaves_nothing(rank: int, world: int, how: str) -> list[str]:
     accelerator = None
     if how.startswith("accelerator"):
         accelerator = Accelerator(fsdp_plugin=plugin(int(how[-1])))
-        model, optimizer = accelerator.prepare(TinyGPT(CFG), None)
+        model = accelerator.prepare(TinyGPT(CFG))
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     else:
         model = _wrap(how, TinyGPT(CFG))
