@@ -5,7 +5,7 @@ docs/benchmarks.md, "What a step dispatches"). Pinned here:
 
 - the sharded gradients are ``DTensor``s sharing their parameter's spec (built directly, not by ``from_local``);
 - with one rank, the cast to ``param_dtype`` is one copy per unit gathered, straight into the gathered buffer;
-- backward allocates no zeros for padding (kept zero pieces, see ``group.FullViews``);
+- backward allocates no zeros for padding (kept zero pieces, see ``full_views.FullViews``);
 - the engine's own view ops: one ``as_strided`` per parameter where modules get their views, and per trainable
   parameter in the gradient copy-in and for its sharded gradient; no ``narrow``/``slice`` (the copy-out views are
   kept, ``ParamGroup.full_blocks``), no ``split``; the rank-check header dispatches nothing but its collective.
