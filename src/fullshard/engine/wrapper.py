@@ -1,4 +1,4 @@
-"""``FullyShardedDataParallel``: the module wrapper with the constructor of torch's FSDP (seed 004).
+"""``FullyShardedDataParallel``: the module wrapper with the constructor of torch's FSDP.
 
 The wrapper is a thin shell over the engine: it resolves its arguments once (strategy → reshard and
 process groups, prefetch, wrap policy), creates nested wrappers for the submodules the policy picks, and

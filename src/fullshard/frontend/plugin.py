@@ -1,6 +1,6 @@
 """``FullyShardedDataParallelPlugin``: the FSDP settings of a training run, as Accelerate's plugin takes them.
 
-Every field of Accelerate's plugin (seed 003) is here with its default and meaning. A field left ``None`` is
+Every field of Accelerate's plugin is here with its default and meaning. A field left ``None`` is
 filled from the ``FSDP_*`` environment that ``fullshard launch`` (or ``accelerate launch``) set, through the
 table in :mod:`fullshard.frontend.env`; an explicit argument always wins over the environment. After
 construction every field holds a typed value (enums and config objects, never strings):

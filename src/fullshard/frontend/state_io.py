@@ -1,4 +1,4 @@
-"""``save_state`` / ``load_state``: the training checkpoint folder of seed 001.
+"""``save_state`` / ``load_state``: the training checkpoint folder, laid out as Accelerate's.
 
 With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
 
