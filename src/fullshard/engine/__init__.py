@@ -45,7 +45,7 @@ from fullshard.engine.optim_state import (
     scatter_full_optim_state_dict,
     scatter_states,
 )
-from fullshard.engine.param import local_tensor, replacement_for, retired_data_ptr
+from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
 from fullshard.engine.state import gradient_sync, unit_state, unit_states_in
 from fullshard.engine.state_dict import expected_entries, mismatches, state_dict_type
 from fullshard.engine.summon import summon_full_params
@@ -117,12 +117,14 @@ __all__ = [
     "clean_key",
     "gradient_sync",
     "local_tensor",
+    "owner_label",
     "replacement_for",
     "retired_data_ptr",
     "unit_state",
     "unit_states_in",
     # state dicts, full parameters, gradients
     "StateSpec",
+    "add_step_check",
     "clip_grad_norm_",
     "expected_entries",
     "mismatches",

@@ -1,0 +1,149 @@
+"""Matrix optimizers on shards (issue 33): ``whole_param_step`` steps each sharded parameter whole on one owning rank,
+so Muon and Adafactor give the unsharded optimizer's weights, ``torch.equal``, at 1, 2 and 4 ranks, for both entry
+points (``fully_shard``; the FSDP class with ``use_orig_params`` True and False), with accumulation and clipping.
+
+The reference is the same optimizer, unsharded, stepped on the sharded run's own (whole) gradients at every step:
+what is compared is the step itself, which must be bitwise the unsharded one by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard import FSDP, fully_shard
+from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
+from fullshard.testing import RankFailure, WorkerPool
+
+STEPS, ACCUMULATE, MAX_NORM = 3, 2, 0.5
+
+
+class MLP(nn.Module):
+    """Odd sizes: no dim 0 divides 2 or 4 (rank 3 of 4 holds no row of the 5-row head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 11)
+        self.hidden = nn.Linear(11, 9)
+        self.head = nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(torch.relu(self.inp(x)))))
+
+
+class TinyShampoo(torch.optim.Optimizer):
+    """A user's matrix optimizer: left/right statistics of each whole 2-D gradient (a toy Shampoo), a 0-dim step
+    counter and a python int; every state but the counter is shaped unlike the parameter."""
+
+    def __init__(self, params: object, lr: float = 0.05, eps: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["left"] = torch.zeros(g.shape[0], g.shape[0], dtype=g.dtype)
+                    state["right"] = torch.zeros(g.shape[1], g.shape[1], dtype=g.dtype)
+                    state["step"] = torch.tensor(0.0)
+                    state["count"] = 0
+                state["left"].add_(g @ g.T)
+                state["right"].add_(g.T @ g)
+                state["step"] += 1
+                state["count"] += 1
+                scale = (state["left"].diagonal().sum() + state["right"].diagonal().sum() + group["eps"]).rsqrt()
+                p.add_(g, alpha=-group["lr"] * float(scale))
+
+
+register_matrix_optimizer(TinyShampoo)
+
+
+def _optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    params = list(model.parameters())
+    if kind == "muon":  # Muon for the 2-D matrices, AdamW for the rest, as users set it up
+        matrices = [p for p in params if p.ndim == 2]
+        rest = [p for p in params if p.ndim != 2]
+        return [torch.optim.Muon(matrices, lr=0.05, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=0.01)]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(params, lr=0.05)]
+    matrices = [p for p in params if p.ndim == 2]
+    return [TinyShampoo(matrices), torch.optim.SGD([p for p in params if p.ndim != 2], lr=0.01)]
+
+
+def _shard(model: nn.Module, entry: str) -> nn.Module:
+    if entry == "fully_shard":
+        for block in (model.inp, model.hidden, model.head):
+            fully_shard(block)
+        return fully_shard(model)
+    return FSDP(model, use_orig_params=entry == "fsdp-orig", auto_wrap_policy=lambda m, r, n: False)
+
+
+def _full(model: nn.Module, grads: bool = False) -> list[torch.Tensor]:
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, with_grads=grads):
+            return [(p.grad if grads else p).detach().clone() for p in model.parameters()]
+    out = []
+    for p in model.parameters():
+        t = p.grad if grads else p
+        out.append((t.full_tensor() if isinstance(t, DTensor) else t).detach().clone())
+    return out
+
+
+def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
+    """Train sharded and, on the same whole gradients, unsharded; return what differs (nothing, bitwise)."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    model = _shard(model, entry)
+    optimizers = _optimizers(model, kind)
+    for opt in optimizers:
+        whole_param_step(model, opt)
+    ref_optimizers = _optimizers(reference, kind)
+    differ = []
+    for step in range(STEPS):
+        for k in range(ACCUMULATE):  # this rank's micro-batches, accumulated
+            g = torch.Generator().manual_seed(100 * step + 10 * k + rank)
+            x, y = torch.randn(3, 6, generator=g), torch.randn(3, 5, generator=g)
+            (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
+        model.clip_grad_norm_(MAX_NORM)
+        for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
+            p.grad = grad
+        for opt in optimizers + ref_optimizers:
+            opt.step()
+            opt.zero_grad()
+        for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
+            if not torch.equal(got, want):
+                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max()):.3g}")
+    return differ
+
+
+ENTRIES = ["fully_shard", "fsdp-orig", "fsdp-flat"]
+
+
+@pytest.fixture(scope="module")
+def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[tuple[int, str, str], list[list[str]]]:
+    cases = [(kind, entry) for kind in ("muon", "adafactor", "shampoo") for entry in ENTRIES]
+    return {
+        (n, kind, entry): pool.run(train, kind, entry)
+        for n, pool in ((1, pool1), (2, pool2), (4, pool4))
+        for kind, entry in cases
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("kind", ["muon", "adafactor", "shampoo"])
+def test_matrix_optimizer_bitwise_unsharded(runs: dict, world: int, entry: str, kind: str) -> None:
+    """Muon (+ AdamW), Adafactor and a user's registered matrix optimizer: every rank's weights after every step
+    are torch.equal to the unsharded optimizer's on the same gradients."""
+    for rank, differ in enumerate(runs[(world, kind, entry)]):
+        assert differ == [], f"{kind}, {entry}, {world} ranks, rank {rank}: {differ}"
