@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
-from fullshard.testing import RankFailure, WorkerPool
+from fullshard.testing import WorkerPool
 
 STEPS, ACCUMULATE, MAX_NORM = 3, 2, 0.5
 
@@ -122,7 +122,7 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
             opt.zero_grad()
         for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
             if not torch.equal(got, want):
-                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max()):.3g}")
+                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
     return differ
 
 
@@ -147,3 +147,58 @@ def test_matrix_optimizer_bitwise_unsharded(runs: dict, world: int, entry: str, 
     are torch.equal to the unsharded optimizer's on the same gradients."""
     for rank, differ in enumerate(runs[(world, kind, entry)]):
         assert differ == [], f"{kind}, {entry}, {world} ranks, rank {rank}: {differ}"
+
+
+# --- refusals ------------------------------------------------------------------------------------------------
+
+
+def step_without(rank: int, world: int, kind: str, entry: str) -> str:
+    torch.manual_seed(0)
+    model = _shard(MLP(), entry)
+    opt = _optimizers(model, kind)[0]
+    model(torch.randn(2, 6)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return "stepped"
+
+
+@pytest.mark.parametrize(
+    ("kind", "entry"), [("muon", "fully_shard"), ("adafactor", "fsdp-flat"), ("shampoo", "fsdp-orig")]
+)
+def test_matrix_optimizer_on_shards_refused_without_whole_steps(pool2: WorkerPool, kind: str, entry: str) -> None:
+    """Without whole_param_step, a known (or registered) matrix optimizer refuses its first step, on every rank."""
+    name = {"muon": "Muon", "adafactor": "Adafactor", "shampoo": "TinyShampoo"}[kind]
+    for message in pool2.run(step_without, kind, entry):
+        assert message.startswith(f"{name}.step() over ")
+        assert "fullshard.whole_param_step(model, optimizer)" in message
+
+
+def bad_calls(rank: int, world: int) -> list[str]:
+    model = _shard(MLP(), "fully_shard")
+    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    other = torch.optim.Muon([nn.Parameter(torch.zeros(3, 3))])
+    messages = []
+    for call in (
+        lambda: register_matrix_optimizer(object),  # type: ignore[arg-type]
+        lambda: whole_param_step(model, object()),  # type: ignore[arg-type]
+        lambda: whole_param_step(model, other),
+        lambda: (whole_param_step(model, opt), opt.step(lambda: 0.0)),
+    ):
+        try:
+            call()
+            messages.append("no error")
+        except (TypeError, ValueError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_calls_name_the_fix(pool1: WorkerPool) -> None:
+    got = pool1.run(bad_calls)[0]
+    assert got[0].startswith("register_matrix_optimizer(cls=<class 'object'>): expected a subclass of")
+    assert got[1].startswith("whole_param_step(optimizer=object): expected a torch.optim.Optimizer")
+    assert re.match(
+        r"whole_param_step\(model, optimizer=Muon\): the optimizer holds a parameter of shape \(3, 3\)", got[2]
+    )
+    assert got[3].startswith("Muon.step(closure=...) with whole-parameter steps: a closure would recompute")

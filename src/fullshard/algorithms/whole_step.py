@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.engine import add_step_check, local_tensor, model_params, owner_label
+from fullshard.engine import WHOLE_STATES_KEY, add_step_check, local_tensor, model_params, owner_label
 
 __all__ = [
     "MATRIX_OPTIMIZERS",
@@ -56,7 +56,6 @@ __all__ = [
     "whole_param_step",
 ]
 
-WHOLE_STATES_KEY = "fullshard_whole_states"
 # Optimizers known to need each parameter whole; register_matrix_optimizer adds a user's own.
 MATRIX_OPTIMIZERS: list[type[torch.optim.Optimizer]] = [
     cls for cls in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None)) if cls is not None

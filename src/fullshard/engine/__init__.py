@@ -38,6 +38,7 @@ from fullshard.engine.invariant import resolve as resolve_invariant_micro_batche
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.names import clean_key
 from fullshard.engine.optim_state import (
+    WHOLE_STATES_KEY,
     StateSpec,
     model_params,
     optim_state_dict,
@@ -124,6 +125,7 @@ __all__ = [
     "unit_states_in",
     # state dicts, full parameters, gradients
     "StateSpec",
+    "WHOLE_STATES_KEY",
     "add_step_check",
     "clip_grad_norm_",
     "expected_entries",
