@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from torch.distributed.tensor import DTensor
 from fullshard import FSDP, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
 from fullshard.testing import WorkerPool
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
+from fullshard.wrap import ModuleWrapPolicy
 
 STEPS, ACCUMULATE, MAX_NORM = 3, 2, 0.5
 
@@ -202,3 +205,86 @@ def test_bad_calls_name_the_fix(pool1: WorkerPool) -> None:
         r"whole_param_step\(model, optimizer=Muon\): the optimizer holds a parameter of shape \(3, 3\)", got[2]
     )
     assert got[3].startswith("Muon.step(closure=...) with whole-parameter steps: a closure would recompute")
+
+
+# --- world-size-invariant mode, save_state on 2 ranks and load_state on 1 and 4 --------------------------------
+
+INV_CFG = GPTConfig(n_embd=40, n_head=4)
+G, MICRO_ROWS, SAVE_AT, INV_STEPS = 4, 2, 2, 4
+
+
+def _invariant_model(entry: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = TinyGPT(INV_CFG)
+    if entry == "fully_shard":
+        for block in model.blocks:
+            fully_shard(block, invariant_micro_batches=G)
+        return fully_shard(model, invariant_micro_batches=G)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), invariant_micro_batches=G)
+
+
+def _invariant_optimizers(model: nn.Module, kind: str, lr_scale: float) -> list[torch.optim.Optimizer]:
+    named = list(model.named_parameters())
+    if kind == "adafactor":
+        return [torch.optim.Adafactor([p for _, p in named], lr=0.02 * lr_scale)]
+    hidden = [p for n, p in named if p.ndim == 2 and "blocks" in n]  # Muon: the blocks' matrices
+    rest = [p for n, p in named if not (p.ndim == 2 and "blocks" in n)]
+    return [torch.optim.Muon(hidden, lr=0.02 * lr_scale), torch.optim.AdamW(rest, lr=0.01 * lr_scale)]
+
+
+def invariant_run(rank: int, world: int, kind: str, entry: str, root: str, mode: str) -> dict[str, torch.Tensor]:
+    """``mode``: "straight" (every step), "save" (SAVE_AT steps, then save_state) or "resume" (load, the rest),
+    through the front end's save_state / load_state (SHARDED_STATE_DICT: DCP)."""
+    from fullshard import FullyShardedDataParallelPlugin
+    from fullshard.frontend import state_io
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2 if entry == "fully_shard" else 1, state_dict_type="SHARDED_STATE_DICT"
+    )
+    model = _invariant_model(entry, seed=9 if mode == "resume" else 0)
+    optimizers = _invariant_optimizers(model, kind, 10.0 if mode == "resume" else 1.0)
+    for opt in optimizers:
+        whole_param_step(model, opt)
+    objects = state_io.TrainingObjects(models=[model], optimizers=optimizers)
+    steps = range(INV_STEPS)
+    if mode == "resume":
+        state_io.load_state(root, objects, plugin)
+        steps = range(SAVE_AT, INV_STEPS)
+    for step in steps if mode != "save" else range(SAVE_AT):
+        x, y = make_batch(INV_CFG, G * MICRO_ROWS, seed=1000 + step)  # the global batch
+        per_rank = G // world
+        for k in range(per_rank):
+            rows = slice((rank * per_rank + k) * MICRO_ROWS, (rank * per_rank + k + 1) * MICRO_ROWS)
+            (model(x[rows], y[rows]) / per_rank).backward()
+        model.clip_grad_norm_(0.05)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    if mode == "save":
+        state_io.save_state(root, objects, plugin)
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "fsdp"])
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_invariant_mode_bitwise_across_world_sizes_and_resharded_resume(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, entry: str
+) -> None:
+    """Invariant mode makes the gradients bitwise equal on any number of ranks; whole-parameter steps keep the
+    weights so. The optimizer state saved on 2 ranks (sharded per-element states, whole Adafactor statistics)
+    loads on 1 and 4, and training goes on bitwise as the uninterrupted run."""
+    root = str(tmp_path / "ckpt")
+    straight = {
+        n: request.getfixturevalue(f"pool{n}").run(invariant_run, kind, entry, "", "straight") for n in (1, 2, 4)
+    }
+    want = straight[2][0]
+    request.getfixturevalue("pool2").run(invariant_run, kind, entry, root, "save")
+    resumed = {n: request.getfixturevalue(f"pool{n}").run(invariant_run, kind, entry, root, "resume") for n in (1, 4)}
+    for label, runs in (("straight", straight), ("resumed", resumed)):
+        for world, results in runs.items():
+            for rank, got in enumerate(results):
+                for name, value in want.items():
+                    assert torch.equal(got[name], value), f"{label} on {world} ranks, rank {rank}: {name} differs"
