@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fullshard import FSDP, fully_shard
+from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
@@ -83,11 +84,21 @@ def _optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
 
 
 def _shard(model: nn.Module, entry: str) -> nn.Module:
-    if entry == "fully_shard":
+    if entry.startswith("fully_shard"):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if entry.endswith("-mp") else None
         for block in (model.inp, model.hidden, model.head):
-            fully_shard(block)
-        return fully_shard(model)
-    return FSDP(model, use_orig_params=entry == "fsdp-orig", auto_wrap_policy=lambda m, r, n: False)
+            fully_shard(block, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
+    kwargs: dict[str, object] = {}
+    if entry == "fsdp-hybrid":  # (replicate, shard): 1 -> (1, 1), 2 -> (2, 1), 4 -> (2, 2)
+        world = torch.distributed.get_world_size()
+        kwargs = {
+            "sharding_strategy": "HYBRID_SHARD",
+            "device_mesh": init_device_mesh("cpu", (min(world, 2), max(1, world // 2))),
+        }
+    if entry == "fsdp-offload":
+        kwargs = {"cpu_offload": CPUOffload(offload_params=True)}
+    return FSDP(model, use_orig_params=entry == "fsdp-orig", auto_wrap_policy=lambda m, r, n: False, **kwargs)
 
 
 def _full(model: nn.Module, grads: bool = False) -> list[torch.Tensor]:
@@ -130,11 +141,14 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
 
 
 ENTRIES = ["fully_shard", "fsdp-orig", "fsdp-flat"]
+# mixed precision (bf16 compute, fp32 sharded parameters: the optimizer's), HSDP, CPU offload
+MORE_ENTRIES = ["fully_shard-mp", "fsdp-hybrid", "fsdp-offload"]
 
 
 @pytest.fixture(scope="module")
 def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[tuple[int, str, str], list[list[str]]]:
     cases = [(kind, entry) for kind in ("muon", "adafactor", "shampoo") for entry in ENTRIES]
+    cases += [(kind, entry) for kind in ("muon", "adafactor") for entry in MORE_ENTRIES]
     return {
         (n, kind, entry): pool.run(train, kind, entry)
         for n, pool in ((1, pool1), (2, pool2), (4, pool4))
@@ -148,6 +162,14 @@ def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[tuple[
 def test_matrix_optimizer_bitwise_unsharded(runs: dict, world: int, entry: str, kind: str) -> None:
     """Muon (+ AdamW), Adafactor and a user's registered matrix optimizer: every rank's weights after every step
     are torch.equal to the unsharded optimizer's on the same gradients."""
+    for rank, differ in enumerate(runs[(world, kind, entry)]):
+        assert differ == [], f"{kind}, {entry}, {world} ranks, rank {rank}: {differ}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("entry", MORE_ENTRIES)
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_matrix_optimizer_bitwise_with_precision_hybrid_offload(runs: dict, world: int, entry: str, kind: str) -> None:
     for rank, differ in enumerate(runs[(world, kind, entry)]):
         assert differ == [], f"{kind}, {entry}, {world} ranks, rank {rank}: {differ}"
 
@@ -288,3 +310,38 @@ def test_invariant_mode_bitwise_across_world_sizes_and_resharded_resume(
             for rank, got in enumerate(results):
                 for name, value in want.items():
                     assert torch.equal(got[name], value), f"{label} on {world} ranks, rank {rank}: {name} differs"
+
+
+# --- through the Accelerator ------------------------------------------------------------------------------
+
+
+def accelerator_step(rank: int, world: int, version: int, on: bool | None) -> list[str] | str:
+    """One Muon + AdamW step prepared by the Accelerator: the unsharded optimizer's weights on the same gradients
+    (plugin default), or the refusal (``whole_param_step=False``)."""
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, whole_param_step=on)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    muon, adamw = _optimizers(model, "muon")
+    model, muon, adamw = accelerator.prepare(model, muon, adamw)
+    accelerator.backward(nn.functional.mse_loss(model(torch.randn(3, 6)), torch.randn(3, 5)))
+    for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
+        p.grad = grad
+    try:
+        muon.step()
+    except RuntimeError as error:
+        return str(error)
+    adamw.step()
+    for opt in _optimizers(reference, "muon"):
+        opt.step()
+    return [name for (name, want), got in zip(reference.named_parameters(), _full(model)) if not torch.equal(got, want)]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_accelerator_turns_whole_steps_on_for_matrix_optimizers(pool2: WorkerPool, version: int) -> None:
+    assert pool2.run(accelerator_step, version, None) == [[], []]
+    for message in pool2.run(accelerator_step, version, False):
+        assert message.startswith("Muon.step() over 3 sharded parameters")
