@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
+from fullshard.engine.optim_state import full_optim_state_dict
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
@@ -137,6 +138,27 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
         for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
             if not torch.equal(got, want):
                 differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
+    for opt, ref_opt in zip(optimizers, ref_optimizers, strict=True):
+        differ += _state_differs(model, opt, ref_opt)
+    return differ
+
+
+def _state_differs(model: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer) -> list[str]:
+    """The full optimizer state dict (per-element states gathered, whole ones as they are) against the unsharded
+    optimizer's state, value by value."""
+    full = full_optim_state_dict(model, opt, rank0_only=False)
+    differ = []
+    for group, ref_group in zip(full["param_groups"], ref_opt.param_groups, strict=True):
+        for fqn, ref_param in zip(group["params"], ref_group["params"], strict=True):
+            want = ref_opt.state[ref_param]
+            got = full["state"].get(fqn, {})
+            if sorted(got) != sorted(want):
+                differ.append(f"state of {fqn}: names {sorted(got)} != {sorted(want)}")
+                continue
+            for name, value in want.items():
+                same = torch.equal(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value
+                if not same:
+                    differ.append(f"state {name} of {fqn} differs")
     return differ
 
 
