@@ -78,6 +78,10 @@ def _optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
         matrices = [p for p in params if p.ndim == 2]
         rest = [p for p in params if p.ndim != 2]
         return [torch.optim.Muon(matrices, lr=0.05, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=0.01)]
+    if kind == "muon-late":  # Muon over the first matrix; the others come in a param group added later
+        matrices = [p for p in params if p.ndim == 2]
+        rest = [p for p in params if p.ndim != 2]
+        return [torch.optim.Muon(matrices[:1], lr=0.05), torch.optim.AdamW(rest, lr=0.01)]
     if kind == "adafactor":
         return [torch.optim.Adafactor(params, lr=0.05)]
     matrices = [p for p in params if p.ndim == 2]
@@ -123,6 +127,9 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
     for opt in optimizers:
         whole_param_step(model, opt)
     ref_optimizers = _optimizers(reference, kind)
+    if kind == "muon-late":  # after the hook: it plans its owners again at the next step
+        for opt, m in ((optimizers[0], model), (ref_optimizers[0], reference)):
+            opt.add_param_group({"params": [p for p in m.parameters() if p.ndim == 2][1:], "lr": 0.02})
     differ = []
     for step in range(STEPS):
         for k in range(ACCUMULATE):  # this rank's micro-batches, accumulated
@@ -171,6 +178,7 @@ MORE_ENTRIES = ["fully_shard-mp", "fsdp-hybrid", "fsdp-offload"]
 def runs(pool1: WorkerPool, pool2: WorkerPool, pool4: WorkerPool) -> dict[tuple[int, str, str], list[list[str]]]:
     cases = [(kind, entry) for kind in ("muon", "adafactor", "shampoo") for entry in ENTRIES]
     cases += [(kind, entry) for kind in ("muon", "adafactor") for entry in MORE_ENTRIES]
+    cases += [("muon-late", "fully_shard")]
     return {
         (n, kind, entry): pool.run(train, kind, entry)
         for n, pool in ((1, pool1), (2, pool2), (4, pool4))
@@ -194,6 +202,12 @@ def test_matrix_optimizer_bitwise_unsharded(runs: dict, world: int, entry: str, 
 def test_matrix_optimizer_bitwise_with_precision_hybrid_offload(runs: dict, world: int, entry: str, kind: str) -> None:
     for rank, differ in enumerate(runs[(world, kind, entry)]):
         assert differ == [], f"{kind}, {entry}, {world} ranks, rank {rank}: {differ}"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_param_group_added_after_the_hook(runs: dict, world: int) -> None:
+    for rank, differ in enumerate(runs[(world, "muon-late", "fully_shard")]):
+        assert differ == [], f"{world} ranks, rank {rank}: {differ}"
 
 
 # --- refusals ------------------------------------------------------------------------------------------------

@@ -117,10 +117,27 @@ class WholeParamStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        by_id = {id(p.param): p for p in model_params(model)}
+        self._model = model
+        self._groups: list[list[Any]] | None = None  # the param groups' lists, while swapped
+        self._specs: dict[int, list[tuple[str, _Kind]]] = {}  # id(param) -> its state's kinds, as every rank has them
+        self._known: set[int] = set()  # parameters whose state's kinds the owner has sent
+        self._build()
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        _INSTALLED[optimizer] = self
+
+    def _build(self) -> None:
+        """Entries and owners for the optimizer's parameters as they are now (again after ``add_param_group``:
+        owners may change at any step, since nothing lives on an owner between steps)."""
+        optimizer = self.optimizer
+        by_id = {id(p.param): p for p in model_params(self._model)}
         buckets: dict[int, _Bucket] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
+        self._position: dict[int, tuple[int, int]] = {}  # id(param) -> (its param group, its place there)
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                self._position[id(param)] = (g, i)
                 info = by_id.get(id(param))
                 if info is None:
                     raise ValueError(
@@ -145,14 +162,7 @@ class WholeParamStep:
         for bucket in self._buckets:
             _assign_owners(bucket)
         self.owners = {e.fqn: e.owner for b in self._buckets for e in b.entries}
-        self._groups: list[list[Any]] | None = None  # the param groups' lists, while swapped
-        self._specs: dict[int, list[tuple[str, _Kind]]] = {}  # id(param) -> its state's kinds, as every rank has them
-        self._known: set[int] = set()  # parameters whose state's kinds the owner has sent
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        ]
-        _INSTALLED[optimizer] = self
+        self._param_ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
 
     def remove(self) -> None:
         """Take the hooks off: the optimizer steps on its shards again."""
@@ -169,6 +179,8 @@ class WholeParamStep:
                 "recompute gradients after they were gathered. Call loss.backward() first, then step() without one."
             )
         self._restore_groups()  # a step that raised left its groups swapped
+        if [id(p) for group in optimizer.param_groups for p in group["params"]] != self._param_ids:
+            self._build()  # add_param_group
         stepping: set[int] = set()
         for bucket in self._buckets:
             stepping.update(self._gather(bucket))
@@ -208,7 +220,7 @@ class WholeParamStep:
     def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
         """The kinds of ``e``'s state at rest, the same on every rank (the whole names are in its param group)."""
         state = self.optimizer.state.get(e.param, {})
-        whole_names = set(_whole_names_of(self.optimizer, e.param))
+        whole_names = set(_whole_names_of(self.optimizer, self._position[id(e.param)]))
         spec: list[tuple[str, _Kind]] = []
         for name in sorted(state):
             value = state[name]
@@ -222,7 +234,8 @@ class WholeParamStep:
 
     def _piece_dtypes(self, e: _Entry) -> list[torch.dtype]:
         grad = e.param.grad
-        assert grad is not None
+        if grad is None:
+            raise AssertionError(f"whole_param_step: {e.fqn!r} is stepping without a gradient")
         rows = [kind[1] for _, kind in self._specs[id(e.param)] if kind[0] == "rows"]
         return [e.param.dtype, grad.dtype, *rows]
 
@@ -332,7 +345,7 @@ class WholeParamStep:
 
     def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
         """Owners tell every rank the kinds of new state (first step, or non-tensor values)."""
-        changing = [e for e in entries if id(e.param) not in self._known or _has_values(self._specs[id(e.param)])]
+        changing = [e for e in entries if id(e.param) not in self._known or _may_change(self._specs[id(e.param)])]
         if not changing:
             for e in entries:
                 if e.owner == bucket.rank and _whole_spec(e, states[id(e.param)]) != self._specs[id(e.param)]:
@@ -352,7 +365,7 @@ class WholeParamStep:
         for e in changing:
             self._known.add(id(e.param))
             self._specs[id(e.param)] = merged[e.fqn]
-            _set_whole_names(self.optimizer, e.param, merged[e.fqn])
+            _set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
 
     def _scatter_dtypes(self, e: _Entry) -> list[tuple[torch.dtype, _Kind]]:
         spec = self._specs[id(e.param)]
@@ -419,27 +432,24 @@ def _whole_spec(e: _Entry, state: dict[str, Any]) -> list[tuple[str, _Kind]]:
     return spec
 
 
-def _has_values(spec: list[tuple[str, _Kind]]) -> bool:
-    return any(kind[0] == "value" for _, kind in spec)
+def _may_change(spec: list[tuple[str, _Kind]]) -> bool:
+    """Whether the owner's step may give state of other kinds than ``spec`` (the same answer on every rank)."""
+    return not spec or any(kind[0] == "value" for _, kind in spec)
 
 
-def _whole_names_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[str]:
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            if p is param:
-                lists = group.get(WHOLE_STATES_KEY)
-                return list(lists[i]) if lists and i < len(lists) else []
-    return []
+def _whole_names_of(optimizer: torch.optim.Optimizer, position: tuple[int, int]) -> list[str]:
+    group, i = optimizer.param_groups[position[0]], position[1]
+    lists = group.get(WHOLE_STATES_KEY)
+    return list(lists[i]) if lists and i < len(lists) else []
 
 
-def _set_whole_names(optimizer: torch.optim.Optimizer, param: torch.Tensor, spec: list[tuple[str, _Kind]]) -> None:
-    names = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
-    for group in optimizer.param_groups:
-        for i, p in enumerate(group["params"]):
-            if p is param:
-                lists = group.setdefault(WHOLE_STATES_KEY, [[] for _ in group["params"]])
-                lists[i] = names
-                return
+def _set_whole_names(
+    optimizer: torch.optim.Optimizer, position: tuple[int, int], spec: list[tuple[str, _Kind]]
+) -> None:
+    group, i = optimizer.param_groups[position[0]], position[1]
+    lists = group.setdefault(WHOLE_STATES_KEY, [])
+    lists.extend([] for _ in range(len(group["params"]) - len(lists)))
+    lists[i] = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
 
 
 def _rows_like(param: torch.Tensor, rows: torch.Tensor, old: Any) -> torch.Tensor:
