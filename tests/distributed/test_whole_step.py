@@ -8,6 +8,7 @@ what is compared is the step itself, which must be bitwise the unsharded one by 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from pathlib import Path
@@ -135,7 +136,9 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
         for k in range(ACCUMULATE):  # this rank's micro-batches, accumulated
             g = torch.Generator().manual_seed(100 * step + 10 * k + rank)
             x, y = torch.randn(3, 6, generator=g), torch.randn(3, 5, generator=g)
-            (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
+            skip_sync = entry == "fsdp-no_sync" and k < ACCUMULATE - 1
+            with model.no_sync() if skip_sync else contextlib.nullcontext():
+                (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
         model.clip_grad_norm_(MAX_NORM)
         for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
             p.grad = grad
@@ -170,8 +173,8 @@ def _state_differs(model: nn.Module, opt: torch.optim.Optimizer, ref_opt: torch.
 
 
 ENTRIES = ["fully_shard", "fsdp-orig", "fsdp-flat"]
-# mixed precision (bf16 compute, fp32 sharded parameters: the optimizer's), HSDP, CPU offload
-MORE_ENTRIES = ["fully_shard-mp", "fsdp-hybrid", "fsdp-offload"]
+# mixed precision (bf16 compute, fp32 sharded parameters: the optimizer's), HSDP, CPU offload, no_sync()
+MORE_ENTRIES = ["fully_shard-mp", "fsdp-hybrid", "fsdp-offload", "fsdp-no_sync"]
 
 
 @pytest.fixture(scope="module")
