@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
-from fullshard.engine.optim_state import full_optim_state_dict
+from fullshard.engine.optim_state import full_optim_state_dict, scatter_full_optim_state_dict
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy
@@ -150,6 +150,25 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
                 differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
     for opt, ref_opt in zip(optimizers, ref_optimizers, strict=True):
         differ += _state_differs(model, opt, ref_opt)
+        differ += _round_trip_differs(model, opt, rank)
+    return differ
+
+
+def _round_trip_differs(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> list[str]:
+    """The full state dict held by rank 0 alone, scattered back into the optimizer: this rank's state as it was."""
+    before = opt.state_dict()
+    full = full_optim_state_dict(model, opt)  # rank0_only
+    opt.load_state_dict(scatter_full_optim_state_dict(full if rank == 0 else None, model, optim=opt))
+    after = opt.state_dict()
+    differ = [] if before["param_groups"] == after["param_groups"] else ["param groups differ after the round trip"]
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            got = after["state"][key][name]
+            if isinstance(value, DTensor):
+                value, got = value.to_local(), got.to_local()
+            same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+            if not same:
+                differ.append(f"state {name} of parameter {key} differs after the round trip")
     return differ
 
 

@@ -555,6 +555,8 @@ def scatter_states(
         column = [ranks[position[id(unit)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
             holders = [p for p in members if isinstance(specs[p.fqn].get(name), StateSpec)]
+            if not holders:  # whole on every rank (see the module note): rank 0 sent it with the structure
+                continue
             dtype = specs[holders[0].fqn][name].dtype
             flat = _scatter_unit(unit, holders, name, full_states, column, pg, src, dtype)
             for p in holders:
