@@ -35,7 +35,6 @@ stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +59,9 @@ __all__ = [
 MATRIX_OPTIMIZERS: list[type[torch.optim.Optimizer]] = [
     cls for cls in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None)) if cls is not None
 ]
-_INSTALLED: weakref.WeakKeyDictionary[torch.optim.Optimizer, WholeParamStep] = weakref.WeakKeyDictionary()
+# The hook of an optimizer is an attribute of it: a table keyed by the optimizer would keep it alive (its value
+# refers to the optimizer), an attribute makes a cycle the garbage collector frees with the optimizer.
+_ATTR = "_fullshard_whole_param_step"
 
 
 def register_matrix_optimizer(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
@@ -126,7 +127,7 @@ class WholeParamStep:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
-        _INSTALLED[optimizer] = self
+        setattr(optimizer, _ATTR, self)
 
     def _build(self) -> None:
         """Entries and owners for the optimizer's parameters as they are now (again after ``add_param_group``:
@@ -168,7 +169,8 @@ class WholeParamStep:
         """Take the hooks off: the optimizer steps on its shards again."""
         for handle in self._handles:
             handle.remove()
-        _INSTALLED.pop(self.optimizer, None)
+        if getattr(self.optimizer, _ATTR, None) is self:
+            delattr(self.optimizer, _ATTR)
 
     # --- before the step: gather to the owners --------------------------------------------------------
 
@@ -404,7 +406,7 @@ def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Whol
             f"whole_param_step(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer (pass the "
             "optimizer itself, e.g. accelerated_optimizer.optimizer)."
         )
-    installed = _INSTALLED.get(optimizer)
+    installed = getattr(optimizer, _ATTR, None)
     return installed if installed is not None else WholeParamStep(model, optimizer)
 
 
@@ -491,7 +493,7 @@ def _all_to_all(
 
 def _refuse_on_shards(optimizer: torch.optim.Optimizer) -> None:
     """A known matrix optimizer over sharded parameters, without whole-parameter steps: refuse (every rank)."""
-    if optimizer in _INSTALLED or not is_matrix_optimizer(optimizer):
+    if getattr(optimizer, _ATTR, None) is not None or not is_matrix_optimizer(optimizer):
         return
     sharded = [p for g in optimizer.param_groups for p in g["params"] if owner_label(p) is not None]
     if sharded:
