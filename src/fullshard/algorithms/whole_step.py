@@ -31,6 +31,10 @@ parameters whole (parameter, gradient, state: about ``3/N`` of the model's fp32 
 balanced). Traffic per step: about the parameter, gradient and per-element state bytes gathered and the
 parameter and state bytes scattered, once each. Parameters outside every unit are whole on every rank and
 stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+
+Limits: every rank must have a gradient for the same parameters (sharded gradients are, after any backward);
+tensor parallel parameters and ``step(closure)`` are refused; an optimizer whose state changes names or shapes
+after the first step is refused by the owner (the others then wait in the collective until its timeout).
 """
 
 from __future__ import annotations
