@@ -264,6 +264,9 @@ FSDP_VARS: tuple[EnvVar, ...] = (
     _var("invariant_micro_batches", "FSDP_INVARIANT_MICRO_BATCHES", "fsdp_invariant_micro_batches", _micro_batches,
          "World-size-invariant mode: G micro-batches per step, a power of two and a multiple of every world size "
          "(0: off)."),
+    _var("whole_param_step", "FSDP_WHOLE_PARAM_STEP", "fsdp_whole_param_step", parse_bool,
+         "Step matrix optimizers (Muon, Adafactor, registered classes) on whole parameters, one owning rank each "
+         "(true/false; default true)."),
 )  # fmt: skip
 
 LAUNCH_VARS: tuple[EnvVar, ...] = (

@@ -92,6 +92,7 @@ _BOOL_FIELDS = (
     "forward_prefetch",
     "activation_checkpointing",
     "cpu_ram_efficient_loading",
+    "whole_param_step",
 )
 
 
@@ -154,6 +155,12 @@ class FullyShardedDataParallelPlugin:
     number of ranks. ``None`` (the default) or 0: off. Read from ``FSDP_INVARIANT_MICRO_BATCHES``, else the
     engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. The Accelerator then deals micro-batches, accumulates
     ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariance.py``)."""
+    whole_param_step: bool | None = None
+    """fullshard's addition: ``prepare`` steps a matrix optimizer (``torch.optim.Muon``, ``torch.optim.Adafactor``,
+    a class given to ``fullshard.register_matrix_optimizer``) on whole parameters, each on one owning rank, so its
+    weights are the unsharded optimizer's (``fullshard.whole_param_step``; docs/design.md, "Matrix optimizers").
+    Default ``True``; ``False`` leaves it off, and such an optimizer then refuses to step on shards. Read from
+    ``FSDP_WHOLE_PARAM_STEP``."""
 
     def __post_init__(self) -> None:
         given = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -441,7 +448,7 @@ def _parse_fields(plugin: FullyShardedDataParallelPlugin) -> None:
     plugin.transformer_cls_names_to_wrap = values.parse_names(plugin.transformer_cls_names_to_wrap)
     plugin.min_num_params = values.parse_min_num_params(plugin.min_num_params)
     for name in _BOOL_FIELDS:
-        _parse_bool_field(plugin, name, default=name == "limit_all_gathers")
+        _parse_bool_field(plugin, name, default=name in ("limit_all_gathers", "whole_param_step"))
     if plugin.param_init_fn is not None and not callable(plugin.param_init_fn):
         raise values.error(
             "param_init_fn", plugin.param_init_fn, "not callable", "Pass a function (module) -> None.", TypeError

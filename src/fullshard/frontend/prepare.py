@@ -31,6 +31,7 @@ from torch import nn
 
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
+from fullshard.algorithms.whole_step import is_matrix_optimizer, whole_param_step
 from fullshard.engine import InitOptions, replacement_for, retired_data_ptr, unit_state
 from fullshard.frontend import env
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -45,6 +46,7 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "is_sharded",
     "prepare_model",
+    "prepare_whole_param_step",
     "switch_optimizer_to_sharded",
 ]
 
@@ -285,6 +287,19 @@ def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
             "parameters (it has stepped), which cannot be resharded. Prepare it before the first step."
         )
     return len(mapping)
+
+
+def prepare_whole_param_step(optimizer: torch.optim.Optimizer, models: list[nn.Module], on: bool) -> bool:
+    """Turn on whole-parameter steps for a matrix optimizer (``algorithms/whole_step.py``) over one of ``models``
+    when the plugin's ``whole_param_step`` is ``on``; return whether it did. Off, such an optimizer refuses to step."""
+    if not on or not is_matrix_optimizer(optimizer):
+        return False
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in reversed(models):  # the latest prepared model that holds the optimizer's parameters
+        if ids & {id(p) for p in model.parameters()}:
+            whole_param_step(model, optimizer)
+            return True
+    return False
 
 
 def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
