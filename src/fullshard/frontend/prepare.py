@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.ranks import first_difference, require_agreement
 
 __all__ = [
+    "get_parameters_from_modules",
     "disable_fsdp_ram_efficient_loading",
     "enable_fsdp_ram_efficient_loading",
     "fsdp2_load_full_state_dict",
@@ -114,6 +116,19 @@ def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, devic
         activation_checkpointing=bool(plugin.activation_checkpointing),
         **options,
     )
+
+
+def get_parameters_from_modules(
+    modules: Iterable[nn.Module] | str | None, model: nn.Module, device: torch.device | str | None
+) -> set[nn.Parameter]:
+    """The parameters of ``modules`` (``None``: none; a string: the modules of ``model`` whose names match it in
+    full, moved to ``device`` as Accelerate does), as a set."""
+    if modules is None:
+        return set()
+    if isinstance(modules, str):
+        pattern = re.compile(modules)
+        modules = [m.to(device) for name, m in model.named_modules() if pattern.fullmatch(name)]
+    return {p for module in modules for p in module.parameters()}
 
 
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
