@@ -34,6 +34,7 @@ from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.engine import InitOptions, replacement_for, retired_data_ptr, unit_state
 from fullshard.frontend import env
+from fullshard.frontend.adapters import save_adapters_whole
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.ranks import first_difference, require_agreement
 
@@ -160,7 +161,9 @@ def _apply(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), then shard it."""
     if plan.init.sync_module_states and dist.get_world_size() > 1:
         _check_before_sync(model, plan.init.param_init_fn)
-    return apply_plan(model, plan)
+    sharded = apply_plan(model, plan)
+    save_adapters_whole(sharded)  # a PEFT model's save_pretrained: [Note: saving a sharded adapter] in adapters.py
+    return sharded
 
 
 def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:

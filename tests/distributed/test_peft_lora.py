@@ -1,0 +1,128 @@
+"""LoRA through PEFT on a sharded Llama: the adapters train as in one process, and every way of saving them
+writes an adapter that loads back into a fresh base with the trained model's logits.
+
+Set up: a tiny ``LlamaForCausalLM`` from a config (no download), ``get_peft_model`` with LoRA on ``q_proj`` and
+``v_proj`` (gaussian init, so both A and B get gradients from the first step); 2 gloo ranks, each its own batch.
+Run: ``Accelerator`` with ``fsdp_version=1`` (``use_orig_params`` True and False) and ``fsdp_version=2``, two
+SGD steps over the trainable parameters; then ``unwrap_model(model).save_pretrained(d, state_dict=
+accelerator.get_state_dict(model))`` and ``save_pretrained(d)`` without ``state_dict=``, on every rank.
+Check: only adapters have gradients; the adapters after two steps equal a single-process PEFT run on both
+ranks' rows (fp32 tolerance: the reduction order differs); each saved file holds every adapter tensor, and
+``PeftModel.from_pretrained`` on a fresh base gives the reference model's logits.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from fullshard.testing import WorkerPool
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+ROUTES = ("state_dict", "plain")
+
+
+def _base() -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _lora() -> Any:
+    base = _base()
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
+    return peft.get_peft_model(base, config)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _probe() -> torch.Tensor:
+    return torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(7))
+
+
+def _adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items() if "lora_" in k}
+
+
+def _reference(world: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    model = _lora()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(2):
+        ids = torch.cat([_batch(rank, step) for rank in range(world)])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        return _adapters(model.state_dict()), model(input_ids=_probe()).logits
+
+
+def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, folder: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, use_orig_params=use_orig_params,
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model = accelerator.prepare(_lora())
+    optimizer = accelerator.prepare(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    with_grads: set[str] = set()
+    for step in range(2):
+        ids = _batch(rank, step)
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        with_grads |= {n for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    state = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    saved = {}
+    for route in ROUTES:
+        where = os.path.join(folder, f"v{version}_{use_orig_params}_{route}")
+        if route == "state_dict":
+            unwrapped.save_pretrained(where, state_dict=state, is_main_process=accelerator.is_main_process)
+        else:
+            unwrapped.save_pretrained(where, is_main_process=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        if rank == 0:
+            tensors = load_file(os.path.join(where, "adapter_model.safetensors"))
+            loaded = peft.PeftModel.from_pretrained(_base(), where)
+            with torch.no_grad():
+                saved[route] = (sorted(tensors), loaded(input_ids=_probe()).logits)
+    return {"with_grads": with_grads, "adapters": _adapters(state) if rank == 0 else None, "saved": saved}
+
+
+@pytest.mark.parametrize(("version", "use_orig_params"), [(1, True), (1, False), (2, True)])
+def test_lora_trains_as_one_process_and_saves_by_every_route(
+    pool2: WorkerPool, tmp_path: Any, version: int, use_orig_params: bool
+) -> None:
+    results = pool2.run(train_and_save, version, use_orig_params, str(tmp_path))
+    adapters, logits = _reference(2)
+    expected_files = sorted(k.replace(".default", "") for k in adapters)
+    assert len(expected_files) == 8
+    for result in results:
+        assert result["with_grads"] and all("lora_" in name for name in result["with_grads"])
+    trained = results[0]["adapters"]
+    assert trained.keys() == adapters.keys()
+    for key, value in adapters.items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for route in ROUTES:
+        names, loaded_logits = results[0]["saved"][route]
+        assert names == expected_files, route
+        torch.testing.assert_close(loaded_logits, logits, rtol=1e-5, atol=1e-5, msg=route)
