@@ -2,7 +2,7 @@
 writes an adapter that loads back into a fresh base with the trained model's logits.
 
 Set up: a tiny ``LlamaForCausalLM`` from a config (no download), ``get_peft_model`` with LoRA on ``q_proj`` and
-``v_proj`` (gaussian init, so both A and B get gradients from the first step); 2 gloo ranks, each its own batch.
+``v_proj`` (A gaussian, B zero: A moves from the second step on); 2 gloo ranks, each its own batch.
 Run: ``Accelerator`` with ``fsdp_version=1`` (``use_orig_params`` True and False) and ``fsdp_version=2``, two
 SGD steps over the trainable parameters; then ``unwrap_model(model).save_pretrained(d, state_dict=
 accelerator.get_state_dict(model))`` and ``save_pretrained(d)`` without ``state_dict=``, on every rank.
@@ -126,3 +126,53 @@ def test_lora_trains_as_one_process_and_saves_by_every_route(
         names, loaded_logits = results[0]["saved"][route]
         assert names == expected_files, route
         torch.testing.assert_close(loaded_logits, logits, rtol=1e-5, atol=1e-5, msg=route)
+
+
+def adapter_only_round_trip(rank: int, world: int, version: int, kind: str, folder: str) -> dict[str, Any]:
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
+    from fullshard.frontend.fsdp_checkpoints import load_fsdp_model, save_fsdp_model
+
+    def prepared() -> tuple[Any, Any, Any]:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=kind,
+                                                auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
+        accelerator = Accelerator(fsdp_plugin=plugin)
+        return plugin, accelerator, accelerator.prepare(_lora())
+
+    plugin, accelerator, model = prepared()
+    optimizer = accelerator.prepare(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    for step in range(2):  # B starts at zero: A moves from the second step on
+        ids = _batch(rank, step)
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = accelerator.get_state_dict(model)
+    save_fsdp_model(plugin, accelerator, model, folder, adapter_only=True)
+    written = sorted(os.listdir(folder))
+    saved_keys = sorted(torch.load(os.path.join(folder, written[0]))) if kind == "FULL_STATE_DICT" else None
+    plugin, accelerator, fresh = prepared()
+    before = {k: v.clone() for k, v in accelerator.get_state_dict(fresh).items()}
+    load_fsdp_model(plugin, accelerator, fresh, folder, adapter_only=True)
+    after = accelerator.get_state_dict(fresh)
+    if rank != 0:
+        return {}
+    return {
+        "written": written,
+        "saved_keys": saved_keys,
+        "adapters_changed": sorted(k for k in after if not torch.equal(after[k], before[k])),
+        "equal_to_trained": all(torch.equal(after[k], trained[k]) for k in trained),
+    }
+
+
+@pytest.mark.parametrize(("version", "kind"), [(1, "FULL_STATE_DICT"), (2, "SHARDED_STATE_DICT")])
+def test_adapter_only_checkpoint_saves_and_loads_the_adapter(
+    pool2: WorkerPool, tmp_path: Any, version: int, kind: str
+) -> None:
+    # was: NotImplementedError("save_fsdp_model(adapter_only=True) of a PEFT model: fullshard saves whole models")
+    result = pool2.run(adapter_only_round_trip, version, kind, str(tmp_path))[0]
+    adapters = sorted(_adapters(_lora().state_dict()))
+    assert result["written"] == (["pytorch_model_fsdp.bin"] if kind == "FULL_STATE_DICT" else ["pytorch_model_fsdp_0"])
+    if kind == "FULL_STATE_DICT":
+        assert result["saved_keys"] == adapters  # the adapter only: no frozen base weight
+    assert result["adapters_changed"] == adapters  # loading changed the adapters and nothing else
+    assert result["equal_to_trained"]
