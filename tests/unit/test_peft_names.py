@@ -66,3 +66,14 @@ def test_get_parameters_from_modules_as_accelerate() -> None:
         ours = get_parameters_from_modules(modules, model, "cpu")
         assert ours == accelerate_fsdp_utils.get_parameters_from_modules(modules, model, "cpu")
     assert get_parameters_from_modules(r"2\.0", model, "cpu") == set(model[2][0].parameters())
+
+
+def test_get_module_class_from_name_as_accelerate() -> None:
+    from fullshard.accelerate.utils.dataclasses import get_module_class_from_name
+
+    accelerate_dataclasses = pytest.importorskip("accelerate.utils.dataclasses")
+    model = _model()
+    for name in ("Sequential", "Linear", "BatchNorm1d", "Conv2d"):
+        ours = get_module_class_from_name(model, name)
+        assert ours is accelerate_dataclasses.get_module_class_from_name(model, name)
+    assert get_module_class_from_name(model, "BatchNorm1d") is nn.BatchNorm1d
