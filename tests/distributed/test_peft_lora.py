@@ -8,7 +8,8 @@ SGD steps over the trainable parameters; then ``unwrap_model(model).save_pretrai
 accelerator.get_state_dict(model))`` and ``save_pretrained(d)`` without ``state_dict=``, on every rank.
 Check: only adapters have gradients; the adapters after two steps equal a single-process PEFT run on both
 ranks' rows (fp32 tolerance: the reduction order differs); each saved file holds every adapter tensor, and
-``PeftModel.from_pretrained`` on a fresh base gives the reference model's logits.
+``PeftModel.from_pretrained`` on a fresh base gives the reference model's logits; ``save_state`` merged by
+``merge_fsdp_weights`` loads into a fresh PEFT model whose ``merge_and_unload()`` gives them too.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, f
     from fullshard import Accelerator, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=version, use_orig_params=use_orig_params,
+                                            state_dict_type="SHARDED_STATE_DICT",
                                             auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
     accelerator = Accelerator(fsdp_plugin=plugin)
@@ -91,6 +93,7 @@ def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, f
         optimizer.step()
         optimizer.zero_grad()
     state = accelerator.get_state_dict(model)
+    accelerator.save_state(os.path.join(folder, f"state_v{version}_{use_orig_params}"))
     unwrapped = accelerator.unwrap_model(model)
     saved = {}
     for route in ROUTES:
@@ -126,6 +129,19 @@ def test_lora_trains_as_one_process_and_saves_by_every_route(
         names, loaded_logits = results[0]["saved"][route]
         assert names == expected_files, route
         torch.testing.assert_close(loaded_logits, logits, rtol=1e-5, atol=1e-5, msg=route)
+    # the whole-model checkpoint, merged by merge-weights, loads into a fresh PEFT model; then merge_and_unload
+    from safetensors.torch import load_file
+
+    from fullshard.utils import merge_fsdp_weights
+
+    checkpoint = tmp_path / f"state_v{version}_{use_orig_params}" / "pytorch_model_fsdp_0"
+    merge_fsdp_weights(str(checkpoint), str(tmp_path / "merged"))
+    fresh = _lora()
+    fresh.load_state_dict(load_file(tmp_path / "merged" / "model.safetensors"))
+    plain = fresh.merge_and_unload()
+    assert type(plain) is transformers.LlamaForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=_probe()).logits, logits, rtol=1e-4, atol=1e-5)
 
 
 def adapter_only_round_trip(rank: int, world: int, version: int, kind: str, folder: str) -> dict[str, Any]:
