@@ -6,8 +6,9 @@ Set up: a tiny ``LlamaForCausalLM`` from a config (no download), ``get_peft_mode
 Run: ``Accelerator`` with ``fsdp_version=1`` (``use_orig_params`` True and False) and ``fsdp_version=2``, two
 SGD steps over the trainable parameters; then ``unwrap_model(model).save_pretrained(d, state_dict=
 accelerator.get_state_dict(model))`` and ``save_pretrained(d)`` without ``state_dict=``, on every rank.
-Check: only adapters have gradients; the adapters after two steps equal a single-process PEFT run on both
-ranks' rows (fp32 tolerance: the reduction order differs); each saved file holds every adapter tensor, and
+Check: only adapters have gradients, and gradients and optimizer state hold the adapters' shards' bytes only;
+the adapters after two steps (SGD with momentum) equal a single-process PEFT run on both ranks' rows (fp32
+tolerance: the reduction order differs); each saved file holds every adapter tensor, and
 ``PeftModel.from_pretrained`` on a fresh base gives the reference model's logits; ``save_state`` merged by
 ``merge_fsdp_weights`` loads into a fresh PEFT model whose ``merge_and_unload()`` gives them too.
 """
@@ -61,9 +62,14 @@ def _adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if "lora_" in k}
 
 
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
 def _reference(world: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     model = _lora()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     for step in range(2):
         ids = torch.cat([_batch(rank, step) for rank in range(world)])
         model(input_ids=ids, labels=ids).loss.backward()
@@ -84,14 +90,17 @@ def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, f
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])  # fmt: skip
     accelerator = Accelerator(fsdp_plugin=plugin)
     model = accelerator.prepare(_lora())
-    optimizer = accelerator.prepare(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = accelerator.prepare(torch.optim.SGD(trainable, lr=0.1, momentum=0.9))
     with_grads: set[str] = set()
     for step in range(2):
         ids = _batch(rank, step)
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         with_grads |= {n for n, p in model.named_parameters() if p.grad is not None}
+        grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
         optimizer.step()
         optimizer.zero_grad()
+    state_bytes = sum(_local_bytes(t) for s in optimizer.optimizer.state.values() for t in s.values())
     state = accelerator.get_state_dict(model)
     accelerator.save_state(os.path.join(folder, f"state_v{version}_{use_orig_params}"))
     unwrapped = accelerator.unwrap_model(model)
@@ -108,7 +117,9 @@ def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, f
             loaded = peft.PeftModel.from_pretrained(_base(), where)
             with torch.no_grad():
                 saved[route] = (sorted(tensors), loaded(input_ids=_probe()).logits)
-    return {"with_grads": with_grads, "adapters": _adapters(state) if rank == 0 else None, "saved": saved}
+    adapter_bytes = sum(_local_bytes(p) for p in trainable)
+    return {"with_grads": with_grads, "adapters": _adapters(state) if rank == 0 else None, "saved": saved,
+            "bytes": (grad_bytes, state_bytes, adapter_bytes)}  # fmt: skip
 
 
 @pytest.mark.parametrize(("version", "use_orig_params"), [(1, True), (1, False), (2, True)])
@@ -121,6 +132,9 @@ def test_lora_trains_as_one_process_and_saves_by_every_route(
     assert len(expected_files) == 8
     for result in results:
         assert result["with_grads"] and all("lora_" in name for name in result["with_grads"])
+        grad_bytes, state_bytes, adapter_bytes = result["bytes"]
+        # frozen weights cost no gradient and no optimizer state: both are the adapters' shards only
+        assert grad_bytes == state_bytes == adapter_bytes > 0
     trained = results[0]["adapters"]
     assert trained.keys() == adapters.keys()
     for key, value in adapters.items():
