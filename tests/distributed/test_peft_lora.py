@@ -206,3 +206,47 @@ def test_adapter_only_checkpoint_saves_and_loads_the_adapter(
         assert result["saved_keys"] == adapters  # the adapter only: no frozen base weight
     assert result["adapters_changed"] == adapters  # loading changed the adapters and nothing else
     assert result["equal_to_trained"]
+
+
+def bf16_base_fp32_adapters(rank: int, world: int) -> dict[str, Any]:
+    from peft.utils.other import fsdp_auto_wrap_policy
+
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
+
+    model = _lora()
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=fsdp_auto_wrap_policy(model))
+    accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses = []
+    for step in range(3):
+        ids = _batch(rank, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
+    dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
+    return {"dtypes": dtypes, "losses": losses}
+
+
+def test_bf16_base_with_fp32_adapters_as_their_own_units(pool2: WorkerPool) -> None:
+    # PEFT casts adapters to fp32; a unit holds one dtype, so the adapters become units of their own (PEFT's policy)
+    result = pool2.run(bf16_base_fp32_adapters)[0]
+    assert result["dtypes"] == {(False, torch.bfloat16), (True, torch.float32)}  # the base is not upcast
+    model = _lora()
+    for param in model.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step, loss in enumerate(result["losses"]):
+        ids = torch.cat([_batch(rank, step) for rank in range(2)])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(input_ids=ids, labels=ids).loss
+        expected.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss == pytest.approx(expected.item(), abs=3e-2), step
