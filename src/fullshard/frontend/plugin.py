@@ -61,7 +61,7 @@ from fullshard.engine import (
 from fullshard.frontend import env
 from fullshard.frontend import plugin_values as values
 
-__all__ = ["FullyShardedDataParallelPlugin"]
+__all__ = ["FullyShardedDataParallelPlugin", "get_module_class_from_name"]
 
 _PLUGIN = values.PLUGIN
 # state_dict_type → (model config class, optim config class, default model config, default optim config)
@@ -570,3 +570,15 @@ def _env_value(plugin: FullyShardedDataParallelPlugin, name: str) -> Any:
     if name == "ignored_modules":
         return value if isinstance(value, str) else None
     return value
+
+
+def get_module_class_from_name(module: nn.Module, name: str) -> type[nn.Module] | None:
+    """The class named ``name`` of ``module`` or of the first module below it (depth first) that has it, else
+    ``None``: Accelerate's lookup, which PEFT's ``fsdp_auto_wrap_policy`` imports."""
+    if type(module).__name__ == name:
+        return type(module)
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None
