@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 from dataclasses import dataclass, field
@@ -172,3 +173,44 @@ def test_a_rank_still_running_when_another_timed_out_is_named_first() -> None:
     raised = {0: _Failure(0, 1, 100, error_file_data=_raised("ValueError: boom", 100.0))}
     outcome = failures.describe_failures(raised, stragglers={1: straggler})
     assert outcome.message.startswith("fullshard launch: rank 0 failed first (exit code 1)")
+
+
+def test_the_error_file_is_written_whole_by_a_rename(tmp_path, monkeypatch) -> None:
+    # - Set up: a half error file already there (a reader must never see one half written by the worker)
+    path = tmp_path / "error.json"
+    path.write_text('{"message": {"mess')
+    before = path.stat().st_ino
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", "3")
+    # - Run
+    handler = worker._RankErrorHandler()
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        handler.record_exception(exc)
+    # - Check: a new file (renamed into place, not written through the old one), whole JSON, nothing left over
+    assert path.stat().st_ino != before
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "ValueError: boom" and data["fullshard"]["rank"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_an_unreadable_error_file_is_a_failure_without_a_message(tmp_path) -> None:
+    from torch.distributed.elastic.multiprocessing import api
+
+    half = tmp_path / "error.json"
+    half.write_text('{"message": {"message": "ValueError: cut sh')
+    with pytest.raises(json.JSONDecodeError):
+        api.ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(half))  # torch's agent, alone
+    with failures.readable_error_files():
+        failure = api.ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(half))
+    assert api.ProcessFailure.__name__ == "ProcessFailure"  # put back
+    assert failure.message == "Signal 9 (SIGKILL) received by PID 7"
+    outcome = failures.describe_failures({1: failure})
+    assert outcome.exit_code == 128 + signal.SIGKILL
+    assert outcome.message.splitlines() == [
+        "fullshard launch: rank 1 failed first (killed by SIGKILL); its output is above (pass --log_dir DIR to keep "
+        "each rank's output in a file)",
+        "  it failed without a message: its error file could not be read (JSONDecodeError: Unterminated string "
+        "starting at: line 1 column 25 (char 24))",
+    ]

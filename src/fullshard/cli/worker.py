@@ -3,7 +3,8 @@
 ``fullshard launch`` starts every worker through this module rather than the script itself, so that a
 failure is recorded the way torch's elastic agent reads it: an exception is written to the rank's error
 file (``TORCHELASTIC_ERROR_FILE``, torch's format, plus the exact time and the rank under ``"fullshard"``,
-which lets the launcher tell the first failure from the ones it caused), then printed once to stderr under a
+which lets the launcher tell the first failure from the ones it caused; written whole, by a rename, so that a
+worker killed while writing it leaves no file rather than half of one), then printed once to stderr under a
 line naming the rank, and the worker exits 1. ``sys.exit(code)`` keeps its code; a signal keeps its
 default action (the launcher reports it). The worker's state (``running``, then its exit code) goes to
 ``FULLSHARD_STATUS_DIR`` when the launcher sets it, the only way the launcher learns how workers ended after
@@ -67,8 +68,17 @@ class _RankErrorHandler(ErrorHandler):
         message = {"message": f"{type(e).__name__}: {e}", "extraInfo": {"py_callstack": _script_traceback(e)}}
         message["extraInfo"]["timestamp"] = str(int(time.time()))
         data = {"message": message, "fullshard": {"time": time.time(), "rank": _rank()}}
-        with open(path, "w") as fp:
-            json.dump(data, fp)
+        write_whole(path, json.dumps(data))
+
+
+def write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees no file or the whole file, never a part: the launcher
+    reads the error file when it notices the worker ended, and the worker may be killed (SIGTERM from the
+    launcher stopping a failed job, SIGKILL) in the middle of writing it."""
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as fp:
+        fp.write(text)
+    os.replace(partial, path)
 
 
 def _script_traceback(exc: BaseException) -> str:
