@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -372,3 +373,25 @@ def test_damage_is_named_without_verify(pool2: WorkerPool, tmp_path: Path, saved
     assert f"{cases['evil_scheduler'] / 'scheduler.bin'} was refused: it asks for posix.system" in got["evil_scheduler"]
     assert f"{cases['evil_rng'] / 'random_states_1.pkl'} was refused: it holds more than tensors" in got["evil_rng"]
     assert "weights_only" not in got["evil_scheduler"] + got["evil_rng"]
+
+
+def load_warned(rank: int, world: int, folder: str) -> tuple[Any, list[str]]:
+    """``load_each`` of one folder, with the warnings this rank gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (result,) = load_each(rank, world, [folder])
+    return result, [str(w.message) for w in caught if "records no checksums" in str(w.message)]
+
+
+def test_an_unchecked_load_says_so_once_on_rank_0(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
+    # - Set up: the checkpoint as Accelerate would have written it: no manifest, no markers
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    (folder / CHECKPOINT_MANIFEST).unlink()
+    for marker in folder.glob(f"*/{FOLDER_MARKER}"):
+        marker.unlink()
+    # - Run
+    (loaded0, said0), (loaded1, said1) = pool2.run(load_warned, str(folder))
+    # - Check: it loads the saved values, and says once, on rank 0 only, that nothing was checksummed
+    assert _same(loaded0, saved[1]) and not isinstance(loaded1, str), loaded1  # rank 0 holds the full state dict
+    assert len(said0) == 1 and said1 == [], (said0, said1)
+    assert "written by Accelerate or a fullshard before 2026-11-23" in said0[0]
