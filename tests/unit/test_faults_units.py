@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -214,3 +216,29 @@ def test_an_unreadable_error_file_is_a_failure_without_a_message(tmp_path) -> No
         "  it failed without a message: its error file could not be read (JSONDecodeError: Unterminated string "
         "starting at: line 1 column 25 (char 24))",
     ]
+
+
+_ENDING = """
+import atexit, sys
+from fullshard.cli.shutdown import exit_without_teardown
+
+class Late:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+keep = Late()
+atexit.register(lambda: print("atexit ran"))
+print("unflushed ", end="")
+{end}(5)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit_without_teardown", "sys.exit"])
+def test_the_launcher_and_workers_end_without_the_interpreters_teardown(end: str) -> None:
+    # The launcher ends this way after its summary: the teardown of everything it imported took 2-4 s (see
+    # [Note: ending the launcher] in cli/shutdown.py). sys.exit is the control: there the teardown runs.
+    done = subprocess.run([sys.executable, "-c", _ENDING.format(end=end)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5, done.stderr
+    assert done.stdout.startswith("unflushed atexit ran"), done.stdout  # atexit handlers ran, the streams flushed
+    assert ("teardown ran" in done.stdout) == (end == "sys.exit"), done.stdout
+

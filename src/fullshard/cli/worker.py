@@ -30,12 +30,12 @@ is finalizing is ended by CPython mid-destructor, and the C++ runtime aborts the
 called without an active exception", SIGABRT) after the script has finished and reported success. It was
 seen about once in 60 runs of a 2-rank script ending in ``gather`` + ``end_training``. Without the
 teardown there is no finalizing interpreter to meet, whatever torch's threads still hold. What is given
-up: ``__del__`` of objects still alive at exit, which Python does not promise to run either.
+up: ``__del__`` of objects still alive at exit, which Python does not promise to run either. The launcher ends
+the same way (``shutdown.exit_without_teardown``), for another reason: see [Note: ending the launcher] there.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
@@ -43,15 +43,14 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import traceback
-from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from fullshard.cli import as_accelerate
 from fullshard.cli.failures import LAUNCHER_PID_VAR, STATUS_DIR_VAR, write_identity, write_status
+from fullshard.cli.shutdown import exit_without_teardown
 from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"
     code = _run(target, as_module)
     write_status(str(code))
-    _exit_without_teardown(code)
+    exit_without_teardown(code)  # see [Note: ending a worker]
 
 
 def end_with_launcher() -> None:
@@ -167,20 +166,6 @@ def end_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
     if os.getppid() != int(launcher):  # it ended before the request: the kernel will not send the signal
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _exit_without_teardown(code: int) -> NoReturn:
-    """Exit with ``code`` after what ``sys.exit`` does while the interpreter is still whole; see
-    [Note: ending a worker]."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the interpreter runs at exit; no public name in the standard library
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to save
-            stream.flush()
-    os._exit(code)
 
 
 def _run(target: str, as_module: bool) -> int:
