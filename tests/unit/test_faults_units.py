@@ -241,4 +241,3 @@ def test_the_launcher_and_workers_end_without_the_interpreters_teardown(end: str
     assert done.returncode == 5, done.stderr
     assert done.stdout.startswith("unflushed atexit ran"), done.stdout  # atexit handlers ran, the streams flushed
     assert ("teardown ran" in done.stdout) == (end == "sys.exit"), done.stdout
-
