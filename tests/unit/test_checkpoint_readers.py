@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from fullshard.checkpoint import load_sharded, merge_fsdp_weights
 from fullshard.checkpoint.checksum import save_with_checksum
+from fullshard.checkpoint.errors import CheckpointDamagedError
 from fullshard.checkpoint.manifest import CHECKPOINT_MANIFEST, FOLDER_MARKER
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import check_parts, verify_checkpoint
@@ -181,3 +182,19 @@ def test_verify_names_files_with_other_hard_links(ck: Path, tmp_path: Path) -> N
     result = CliRunner().invoke(cli, ["verify", str(ck)])
     assert result.exit_code == 0, result.output
     assert "note: 1 file(s) have other hard links (scheduler.bin)" in result.output
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("echo pwned",))
+
+
+def test_verify_reads_plain_files_as_a_load_does_without_a_manifest(ck: Path) -> None:
+    # - Set up: a checkpoint without records (as Accelerate writes one) whose scheduler file is a crafted pickle
+    (ck / CHECKPOINT_MANIFEST).unlink()
+    for marker in ck.glob(f"*/{FOLDER_MARKER}"):
+        marker.unlink()
+    torch.save({"x": _Evil()}, ck / "scheduler.bin", pickle_protocol=2)
+    # - Run / Check: the safe unpickler that load_state reads it with refuses it, and so does verify
+    with pytest.raises(CheckpointDamagedError, match=r"scheduler.bin was refused: it asks for posix.system"):
+        verify_checkpoint(ck)

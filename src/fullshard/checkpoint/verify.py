@@ -191,10 +191,11 @@ def _check_dcp(folder: Path, share: tuple[int, int]) -> None:
             check_file(folder / name, marker)
 
 
-def _read_plain_files(root: Path, manifest: Manifest, share: tuple[int, int]) -> None:
-    """Every plain file a load reads whole: its CRC-32 against the manifest's, then read by the safe unpickler."""
+def _read_plain_files(root: Path, manifest: Manifest | None, share: tuple[int, int]) -> None:
+    """Every plain file a load reads whole: its CRC-32 against the manifest's (if any; ``check_parts`` refused
+    the files it does not list), then read by the same safe unpickler."""
     rank, world = share
-    plain = [name for name in sorted(manifest.files) if "/" not in name and is_load_state_part(name)]
+    plain = [p.name for p in sorted(root.iterdir()) if is_load_state_part(p.name) and not p.is_dir()]
     for i, name in enumerate(plain):
         if i % world != rank:
             continue
@@ -257,8 +258,7 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
         _check_dcp(root, share)
     else:
         check_parts(root)
-        if manifest is not None:
-            _read_plain_files(root, manifest, share)
+        _read_plain_files(root, manifest, share)
         for sub in _dcp_folders(root):
             _check_dcp(sub, share)
     files = manifest.files if manifest is not None else {}
