@@ -24,9 +24,11 @@ subfolder given alone through :func:`check_enclosing`), so the same folder is re
 none: the subfolder is not a symbolic link (even when it is the folder named); with the checkpoint's manifest,
 every file the manifest lists under it is there with its recorded size, nothing else is, its marker has the
 CRC-32 the manifest records (the marker holds the checksums of everything else in the subfolder) and the
-manifest's save id. A checkpoint that fullshard wrote (:func:`written_by_fullshard`: a manifest, or a
-subfolder's marker that carries a save id, which only a save that also writes the manifest records) cannot be
-taken for an unchecked one by deleting records: without its manifest it is refused, naming what is missing.
+manifest's save id. A checkpoint that fullshard wrote (a subfolder's marker carries a save id, which only a
+save that also writes the manifest records in a checkpoint) cannot be taken for an unchecked one by deleting
+records: without its manifest it is refused, naming the markers that show it. A sharded folder read alone counts
+as a part of a checkpoint when its parent holds a manifest or ``random_states_0.pkl`` (``save_state`` writes
+both); otherwise it is a folder of its own (``save_sharded``'s), whose marker is its only record.
 
 "This file has its recorded size" is one check too (:func:`size_problem`), run by the commit before it renames,
 by the loads and by ``verify``. One sharded folder loaded alone (``load_sharded``, ``merge_fsdp_weights``) is
@@ -70,7 +72,6 @@ __all__ = [
     "missing_message",
     "size_problem",
     "staging_error",
-    "written_by_fullshard",
 ]
 
 
@@ -203,11 +204,6 @@ def _marked_parts(root: Path) -> list[str]:
     return found
 
 
-def written_by_fullshard(root: Path, manifest: Manifest | None) -> bool:
-    """Whether fullshard's ``save_state`` wrote ``root`` (a manifest, or a part whose marker has a save id)."""
-    return manifest is not None or bool(_marked_parts(root))
-
-
 def _missing_manifest(root: Path) -> CheckpointDamagedError:
     parts = ", ".join(f"'{name}'" for name in _marked_parts(root))
     return CheckpointDamagedError(
@@ -233,6 +229,12 @@ def check_part(root: Path, name: str, manifest: Manifest | None) -> Path:
             f"{sub} is not part of save {manifest.save_id} ({manifest.path} lists no {FOLDER_MARKER} for it): it "
             "comes from another save. Remove it, or load another checkpoint."
         )
+    own = read_folder_marker(sub)  # first: a folder copied in from another save is named as such
+    if own is not None and own.save_id != manifest.save_id:
+        raise CheckpointDamagedError(
+            f"{root}: its parts come from different saves: '{name}' is from save {own.save_id}, the checkpoint "
+            f"({CHECKPOINT_MANIFEST}) from save {manifest.save_id}. Load another checkpoint, or re-save."
+        )
     check_sizes(sub, listed, f"{manifest.path.name} of {root}")
     for path in sorted(sub.iterdir()):
         if path.name not in listed:
@@ -245,12 +247,6 @@ def check_part(root: Path, name: str, manifest: Manifest | None) -> Path:
         raise CheckpointDamagedError(
             f"{sub / FOLDER_MARKER} is corrupt: its CRC-32 is {actual.crc32:08x}, but {manifest.path} records "
             f"{marker.crc32:08x}. Load another checkpoint, or re-save."
-        )
-    own = read_folder_marker(sub)
-    if own is not None and own.save_id != manifest.save_id:
-        raise CheckpointDamagedError(
-            f"{root}: its parts come from different saves: '{name}' is from save {own.save_id}, the checkpoint "
-            f"({CHECKPOINT_MANIFEST}) from save {manifest.save_id}. Load another checkpoint, or re-save."
         )
     return sub
 
