@@ -84,6 +84,7 @@ __all__ = [
     "load_checked",
     "read_checked_metadata",
     "quiet_single_process_warning",
+    "read_error_line",
     "read_every_item",
     "read_metadata",
     "resolve_checkpoint_dir",
@@ -546,12 +547,14 @@ def read_every_item(checkpoint_dir: Path, metadata: Metadata, *, share: tuple[in
             raise
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             raise CheckpointDamagedError(
-                f"{checkpoint_dir}: the stored value of {fqn!r} cannot be read ({_first_sentence(exc)}); the "
+                f"{checkpoint_dir}: the stored value of {fqn!r} cannot be read ({read_error_line(exc)}); the "
                 "checkpoint is damaged. Load another checkpoint."
             ) from None
 
 
-def _first_sentence(exc: BaseException) -> str:
+def read_error_line(exc: BaseException) -> str:
+    """A failed read in one line: DCP's wrapper unwrapped to the first rank's error, its first sentence only (torch's
+    unpickling errors go on to suggest ``weights_only=False``, which fullshard never uses)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
