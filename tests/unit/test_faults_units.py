@@ -16,6 +16,7 @@ import pytest
 import fullshard
 import fullshard.utils
 from fullshard.cli import failures, worker
+from fullshard.cli import main as cli_main
 from fullshard.frontend import runtime
 from fullshard.frontend.handlers import InitProcessGroupKwargs, process_group_kwargs
 
@@ -241,3 +242,23 @@ def test_the_launcher_and_workers_end_without_the_interpreters_teardown(end: str
     assert done.returncode == 5, done.stderr
     assert done.stdout.startswith("unflushed atexit ran"), done.stdout  # atexit handlers ran, the streams flushed
     assert ("teardown ran" in done.stdout) == (end == "sys.exit"), done.stdout
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["--help"], 0), (["verify", "/nonexistent/ckpt"], 2)])
+def test_the_fullshard_command_ends_without_teardown_with_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], code: int
+) -> None:
+    ended: list[int] = []
+
+    class _Ended(Exception):
+        pass
+
+    def record(value: int) -> None:
+        ended.append(value)
+        raise _Ended
+
+    monkeypatch.setattr(cli_main, "exit_without_teardown", record)
+    monkeypatch.setattr(sys, "argv", ["fullshard", *argv])
+    with pytest.raises(_Ended):
+        cli_main.main()
+    assert ended == [code]

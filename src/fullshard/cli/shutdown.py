@@ -23,9 +23,10 @@ workers, and ``fullshard launch`` prints its summary about 0.3-0.5 s after the k
 a garbage collection over every module the launcher imported: torch, the front end, numpy; a native stack
 taken then shows nothing else running), which grew with the imports (0.7-1.1 s from kill to exit on
 2026-11-25, 2.1-3.1 s on 2026-11-26). Nothing is left to do by then: the workers have ended, the summary is
-printed, the status folder removed. So the launcher ends like a worker ([Note: ending a worker] in
-``worker.py``): :func:`exit_without_teardown` runs the ``atexit`` handlers, flushes the streams and calls
-``os._exit``.
+printed, the status folder removed. So the ``fullshard`` command (``cli.main.main``, which owns the process;
+not ``cli`` itself, which tests invoke in their own process) ends like a worker ([Note: ending a worker] in
+``worker.py``): :func:`exit_without_teardown` joins the non-daemon threads, runs the ``atexit`` handlers,
+flushes the streams and calls ``os._exit``.
 """
 
 from __future__ import annotations

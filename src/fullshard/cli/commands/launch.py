@@ -23,7 +23,6 @@ import click
 from fullshard.cli import as_accelerate as accelerate_redirect
 from fullshard.cli.config_file import RDZV_BACKENDS, load_config, override
 from fullshard.cli.launch import build_launch, run_launch
-from fullshard.cli.shutdown import exit_without_teardown
 from fullshard.frontend import env
 
 __all__ = ["TORCHRUN_SPELLINGS", "launch_command", "parse_nnodes", "torchrun_spellings"]
@@ -248,7 +247,7 @@ def launch_command(
         click.echo(f"fullshard launch: error: module {script!r} not found ({missing}). Give a module that "
                    "`python -m` finds from this folder or PYTHONPATH.", err=True)  # fmt: skip
         sys.exit(2)
-    exit_without_teardown(run_launch(plan))  # see [Note: ending the launcher] in cli/shutdown.py
+    sys.exit(run_launch(plan))
 
 
 def _missing_module(name: str) -> str | None:
