@@ -136,18 +136,11 @@ class ParamGroup:
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
         self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
-        # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
-        self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
-        self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
-        self.grad_params = self.packed_grad_params + self.direct_grad_params  # in layout order
-        for sp, offset in zip(
-            self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
-        ):
-            sp.grad_offset = offset
+        self._plan_grads()
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
-        self.requires_grad = bool(self.grad_params)
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
+        self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self._on_grads_ready: Callable[[], None] | None = None  # see observe
         self.flat_full = self._new_flat_full()
@@ -169,6 +162,41 @@ class ParamGroup:
             sp.register_sharded()
 
     # --- construction -------------------------------------------------------------------------------
+
+    def _plan_grads(self) -> None:
+        """Which parameters get gradients (``sp.requires_grad``) and where their shards lie in a reduced gradient.
+
+        Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
+        """
+        self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
+        self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
+        self.grad_params = self.packed_grad_params + self.direct_grad_params  # in layout order
+        for sp, offset in zip(
+            self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
+        ):
+            sp.grad_offset = offset
+        self.requires_grad = bool(self.grad_params)
+
+    def follow_requires_grad(self) -> None:
+        """Take ``requires_grad_()`` calls on the sharded parameters since sharding (freezing or unfreezing after
+        ``fully_shard``, as fine-tuning does): from the next gather on, a frozen parameter's view is detached and
+        it gets no gradient, and a unit with no trainable parameter left reduces nothing (as torch's FSDP2)."""
+        changed = False
+        for sp in self.params:
+            wanted = sp.sharded_param.requires_grad  # type: ignore[union-attr]
+            if sp.requires_grad != wanted:
+                sp.requires_grad, changed = wanted, True
+        if not changed:
+            return
+        self._plan_grads()
+        self._track_grads(self.flat_full)
+
+    def _track_grads(self, full: torch.Tensor) -> None:
+        """``full`` (``flat_full``) requires grad iff a parameter does; it then carries the post-backward hook."""
+        full.requires_grad_(self.requires_grad)
+        if self.requires_grad and not self._grads_hooked:  # the unit's post-backward (see observe)
+            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+            self._grads_hooked = True
 
     def _new_flat_shard(self) -> torch.Tensor:
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
@@ -205,13 +233,12 @@ class ParamGroup:
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
-            full = self.flat_shard.detach().requires_grad_(self.requires_grad)
+            full = self.flat_shard.detach()
         else:
             full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
             full.untyped_storage().resize_(0)
-            full.requires_grad_(self.requires_grad)
-        if self.requires_grad:  # the unit's post-backward (see observe)
-            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+        self._grads_hooked = False
+        self._track_grads(full)
         return full
 
     def observe(
@@ -406,6 +433,7 @@ class ParamGroup:
     def _register_full_views(self) -> None:
         # One autograd node for all of the group's views (see FullViews): its backward writes flat_full's whole
         # gradient at once.
+        self.follow_requires_grad()
         with torch.enable_grad():
             views = FullViews.apply(self.flat_full, self._full_views)
             for sp, view in zip(self.layout_order, views):
