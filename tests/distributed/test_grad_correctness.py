@@ -8,7 +8,6 @@ class, whose exposed parameters are the original ones sharded), and compares los
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
@@ -169,3 +168,166 @@ def test_requires_grad_changed_after_sharding_matches_unsharded(pool2: WorkerPoo
 @pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
 def test_multi_forward_mixed_requires_grad_matches_unsharded(pool2: WorkerPool, entry: str) -> None:
     check_matches_reference(pool2.run(sharded, "multi", entry, "none"), "multi", "none")
+
+
+# --- unused parameters ------------------------------------------------------------------------------------
+
+
+class DoubleLinear(nn.Module):
+    """Two outputs (``lin1``'s and ``lin2``'s), and a parameter forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = nn.Linear(DIM, DIM)
+        self.lin2 = nn.Linear(DIM, DIM)
+        self.lin3 = nn.Linear(DIM, DIM)  # its own unit, never run
+        self.unused = nn.Parameter(torch.randn(DIM))  # in the root unit, never used
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.relu(self.lin1(x)), F.relu(self.lin2(x))
+
+
+def unused_loss(outs: tuple[torch.Tensor, torch.Tensor], step: int) -> torch.Tensor:
+    """Both outputs for the first steps, then only the first (``lin2``'s parameters get no gradient)."""
+    out1, out2 = outs
+    return (out1 * out2).mean() if step < 2 else out1.square().mean()
+
+
+def unused_reference() -> tuple[list[list[dict[str, object]]], dict[str, torch.Tensor]]:
+    model = DoubleLinear()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen: list[dict[str, object]] = []
+    for step in range(STEPS):
+        unused_loss(model(batch(step)), step).backward()
+        seen.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        optim.step()
+        optim.zero_grad(set_to_none=step % 2 == 1)
+    return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def unused_sharded(rank: int, world: int, entry: str, reshard_after_forward: bool) -> dict[str, object]:
+    model = DoubleLinear()
+    if entry == "FSDP":
+        policy = ModuleWrapPolicy({nn.Linear})
+        strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
+        model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, sharding_strategy=strategy)
+    else:
+        for lin in (model.lin1, model.lin2, model.lin3):
+            fully_shard(lin, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    seen = []
+    for step in range(STEPS):
+        unused_loss(model(rows(batch(step), rank, world)), step).backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = p.grad
+            grads[name.replace("_fsdp_wrapped_module.", "")] = None if grad is None else _local(grad).clone()
+        seen.append(grads)
+        optim.step()
+        optim.zero_grad(set_to_none=step % 2 == 1)
+    return {"grads": seen, "params": full_params(model, entry)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
+def test_unused_parameters_get_no_gradient(pool2: WorkerPool, entry: str, reshard_after_forward: bool) -> None:
+    """A parameter that no output used gets ``.grad`` None (Adam leaves it alone), as unsharded; the others'
+    gradients are finite and the final parameters those of the unsharded run."""
+    results = pool2.run(unused_sharded, entry, reshard_after_forward)
+    seen, want = unused_reference()
+    for rank, got in enumerate(results):
+        for step, (grads, ref) in enumerate(zip(got["grads"], seen)):
+            assert sorted(grads) == sorted(ref)
+            for name, grad in grads.items():
+                where = f"rank {rank} step {step} {name}"
+                if ref[name] is None or not ref[name].any():
+                    # zeros: the reference kept a zeroed .grad (zero_grad(set_to_none=False)) and used nothing
+                    assert (grad is None) == (ref[name] is None), f"{where}: {grad} where unsharded has {ref[name]}"
+                if grad is not None:
+                    assert torch.isfinite(grad).all() and grad.abs().max() < 1e3, f"{where}: {grad.abs().max()}"
+        for name, value in want.items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+def one_rank_uses_lin2(rank: int, world: int, entry: str) -> dict[str, object]:
+    """Rank 0's loss uses ``lin2``, rank 1's does not: every rank's shard of ``lin2``'s gradient is the average.
+    One unit for the whole model (units that run backward on some ranks only would desynchronise the ranks)."""
+    model = FSDP(DoubleLinear(), use_orig_params=True) if entry == "FSDP" else fully_shard(DoubleLinear())
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        out1, out2 = model(rows(batch(step), rank, world))
+        (out1 * out2 if rank == 0 else out1).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    return full_params(model, entry)
+
+
+def one_rank_reference() -> dict[str, torch.Tensor]:
+    model = DoubleLinear()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        out1, out2 = model(batch(step))
+        ((rows(out1 * out2, 0, 2).mean() + rows(out1, 1, 2).mean()) / 2).backward()
+        optim.step()
+        optim.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
+def test_parameter_used_on_one_rank_only_matches_unsharded(pool2: WorkerPool, entry: str) -> None:
+    """A rank that did not use a parameter still takes its shard of the average another rank computed."""
+    want = one_rank_reference()
+    for rank, got in enumerate(pool2.run(one_rank_uses_lin2, entry)):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+# --- post-accumulate-grad hooks on sharded parameters -----------------------------------------------------
+
+
+def optimizer_in_backward(rank: int, world: int, entry: str, in_backward: bool) -> dict[str, object]:
+    """Adam stepped per parameter from its post-accumulate-grad hook (torchtune's optimizer in backward), or as
+    usual after backward; the hook also counts its calls and checks that ``.grad`` is the sharded gradient."""
+    model = shard(linear_stack(), entry)
+    params = list(model.parameters())
+    calls = {id(p): 0 for p in params}
+    bad: list[str] = []
+    if in_backward:
+        optims = {id(p): torch.optim.Adam([p], lr=1e-2) for p in params}
+
+        def hook(param: torch.Tensor) -> None:
+            calls[id(param)] += 1
+            if param.grad is None or _local(param.grad).shape != _local(param).shape:
+                bad.append(f"grad {None if param.grad is None else tuple(param.grad.shape)}")
+            optims[id(param)].step()
+            optims[id(param)].zero_grad()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+    else:
+        optim = torch.optim.Adam(params, lr=1e-2)
+    for step in range(STEPS):
+        model(rows(batch(step), rank, world)).square().mean().backward()
+        if not in_backward:
+            optim.step()
+            optim.zero_grad()
+    return {"params": full_params(model, entry), "calls": sorted(set(calls.values())), "bad": bad}
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
+def test_post_accumulate_grad_hooks_step_in_backward(pool2: WorkerPool, entry: str) -> None:
+    """Each sharded parameter's hook runs once per backward with its sharded gradient in ``.grad``; stepping
+    there trains exactly as stepping after backward."""
+    in_backward = pool2.run(optimizer_in_backward, entry, True)
+    after = pool2.run(optimizer_in_backward, entry, False)
+    for rank, (got, want) in enumerate(zip(in_backward, after)):
+        assert got["calls"] == [STEPS], f"rank {rank}: hooks ran {got['calls']} times, not once per backward"
+        assert not got["bad"], f"rank {rank}: {got['bad'][:3]}"
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-6, rtol=1e-6, msg=f"rank {rank} {name}")

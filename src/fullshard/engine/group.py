@@ -152,7 +152,7 @@ class ParamGroup:
         self._on_state_change: Callable[[ShardState, ShardState], None] | None = None  # see observe
         self._summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
-        self._pending: list[PendingReduce] = []
+        self._pending: list[tuple[PendingReduce, list[bool]]] = []  # with which parameters got a gradient
         self._unsharded_version = -1
         self._full_version = 0  # flat_full's version counter when a direct gather was issued
         self.spare: SpareStorage | None = None  # shared by the units of one root (see spare.py)
@@ -480,6 +480,7 @@ class ParamGroup:
         it); detaches it from ``flat_full`` so that the next backward starts from none."""
         grad = self.flat_full.grad
         self.flat_full.grad = None
+        self._full_views.take_received()
         rdtype = self.precision.reduce_dtype if dtype is None else dtype
         if grad is None:
             return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
@@ -496,9 +497,11 @@ class ParamGroup:
             if not self.requires_grad:
                 return
             self._restore_sharded_grads()
+            received = self._full_views.take_received()
             grad = self.take_unsharded_grad()
             packed, direct = self.packed_grad_params, self.direct_grad_params
-            self._pending.append(foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook))
+            pending = foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook)
+            self._pending.append((pending, received))
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
@@ -540,21 +543,33 @@ class ParamGroup:
     def finish_reduce(self) -> None:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
-            output = finish_reduce(self._pending.pop(0), self.shard_group, self.label)
+            pending, received = self._pending.pop(0)
+            output = finish_reduce(pending, self.shard_group, self.label)
             output = _to(output, self.storage_device, self.precision.grad_dtype, non_blocking=False)
-            self._accumulate_sharded_grads(output)
+            self._accumulate_sharded_grads(output, None if all(received) else self._unused(received))
 
     def accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add a reduced ``flat_grad`` (1D, G_t, the trainable parameters' shards, storage device and gradient dtype)
         into their ``.grad`` (world-size-invariant mode reduces on its own, see ``invariant.py``)."""
         self._accumulate_sharded_grads(flat_grad)
 
-    def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
+    def _unused(self, received: list[bool]) -> set[int]:
+        """``id`` of each trainable parameter that got no gradient on this rank (``received``: layout order)."""
+        return {id(sp) for sp, got in zip(self.layout_order, received) if not got and sp.requires_grad}
+
+    def _accumulate_sharded_grads(self, flat_grad: torch.Tensor, unused: set[int] | None = None) -> None:
         """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``.
 
         Runs for every parameter at every step, so each gradient costs one view op (``as_strided`` straight to its
         shape, as torch FSDP2 cuts its sharded gradients) and, under ``fully_shard``, a ``DTensor`` sharing the
         sharded parameter's spec (see :meth:`ShardGroup.dtensor_like`).
+
+        ``unused``: parameters no output used on this rank (by ``id``). One without a ``.grad`` keeps none, as
+        without sharding (an optimizer then leaves it alone), unless its reduced shard is not zero: another rank
+        used it, and this rank's shard of the average is its gradient. The reduction itself is the same on every
+        rank either way, so ranks that disagree never issue different collectives.
+        Then each parameter's post-accumulate-grad hooks run (``Tensor.register_post_accumulate_grad_hook`` on
+        the sharded parameter), as torch's FSDP2 runs them: once per reduction, with the sharded ``.grad`` in place.
         """
         flat_grad = flat_grad.contiguous()
         base = flat_grad.storage_offset()
@@ -563,9 +578,15 @@ class ParamGroup:
             local = flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset)
             param = sp.sharded_param
             if param.grad is None:
+                if unused is not None and id(sp) in unused and not bool(local.any()):
+                    continue
                 param.grad = self.shard_group.dtensor_like(local, param) if self.use_dtensor else local
             else:
                 local_tensor(param.grad).add_(local)
+            hooks = param._post_accumulate_grad_hooks
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
 
     # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
 
