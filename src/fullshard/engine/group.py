@@ -319,13 +319,32 @@ class ParamGroup:
         self.new_shard_storage(devices.pop())
         with torch.no_grad():
             for sp, local in zip(self.params, locals_):
-                view = sp.local_view(self.flat_shard)
-                view.copy_(local)
-                if self.use_dtensor:
-                    sp.sharded_param._local_tensor = view  # type: ignore[union-attr]
-                else:
-                    sp.sharded_param.data = view  # type: ignore[union-attr]
-                set_owner(sp.sharded_param, self.label)  # type: ignore[arg-type]
+                sp.local_view(self.flat_shard).copy_(local)
+        self._rebind_sharded_params()
+
+    def materialize(self, device: torch.device) -> None:
+        """Give a unit built on ``meta`` zero storage on ``device``; its sharded parameters become views of it (for
+        ``load_state_dict(..., assign=True)`` onto a model sharded on ``meta``, which then fills it)."""
+        self.reshard()
+        self.new_shard_storage(device)
+        if not self.use_dtensor:
+            self._rebind_sharded_params()
+            return
+        for sp in self.params:  # a DTensor's own device is fixed: swap in one on ``device``, keeping the object
+            param = sp.sharded_param
+            real = nn.Parameter(self.dtensor_of(sp, sp.local_view(self.flat_shard)), param.requires_grad)  # type: ignore[union-attr]
+            torch.utils.swap_tensors(param, real)
+            set_owner(param, self.label)  # type: ignore[arg-type]
+
+    def _rebind_sharded_params(self) -> None:
+        """Make each sharded parameter (the same object) a view of this rank's rows in ``flat_shard`` again."""
+        for sp in self.params:
+            view = sp.local_view(self.flat_shard)
+            if self.use_dtensor:
+                sp.sharded_param._local_tensor = view  # type: ignore[union-attr]
+            else:
+                sp.sharded_param.data = view  # type: ignore[union-attr]
+            set_owner(sp.sharded_param, self.label)  # type: ignore[arg-type]
 
     def meta_parameter_names(self) -> list[str]:
         """The names of the parameters that still have no storage."""
