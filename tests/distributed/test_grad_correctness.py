@@ -8,7 +8,8 @@ class, whose exposed parameters are the original ones sharded), and compares los
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP, fully_shard
+from fullshard.engine.group import ParamGroup
 from fullshard.testing import WorkerPool
 from fullshard.wrap import ModuleWrapPolicy
 
@@ -206,9 +208,14 @@ def unused_reference() -> tuple[list[list[dict[str, object]]], dict[str, torch.T
     return seen, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def unused_sharded(rank: int, world: int, entry: str, reshard_after_forward: bool) -> dict[str, object]:
+def unused_sharded(
+    rank: int, world: int, entry: str, reshard_after_forward: bool, one_unit: bool = False
+) -> dict[str, object]:
+    """``one_unit``: the whole model is one unit, so the unused parameters share it with used ones."""
     model = DoubleLinear()
-    if entry == "FSDP":
+    if one_unit:
+        model = FSDP(model, use_orig_params=True) if entry == "FSDP" else fully_shard(model)
+    elif entry == "FSDP":
         policy = ModuleWrapPolicy({nn.Linear})
         strategy = "FULL_SHARD" if reshard_after_forward else "SHARD_GRAD_OP"
         model = FSDP(model, auto_wrap_policy=policy, use_orig_params=True, sharding_strategy=strategy)
@@ -234,12 +241,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize(("reshard_after_forward", "one_unit"), [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
-def test_unused_parameters_get_no_gradient(pool2: WorkerPool, entry: str, reshard_after_forward: bool) -> None:
+def test_unused_parameters_get_no_gradient(
+    pool2: WorkerPool, entry: str, reshard_after_forward: bool, one_unit: bool
+) -> None:
     """A parameter that no output used gets ``.grad`` None (Adam leaves it alone), as unsharded; the others'
     gradients are finite and the final parameters those of the unsharded run."""
-    results = pool2.run(unused_sharded, entry, reshard_after_forward)
+    results = pool2.run(unused_sharded, entry, reshard_after_forward, one_unit)
+    check_unused(results)
+
+
+def check_unused(results: list[dict[str, object]]) -> None:
     seen, want = unused_reference()
     for rank, got in enumerate(results):
         for step, (grads, ref) in enumerate(zip(got["grads"], seen)):
@@ -331,3 +344,49 @@ def test_post_accumulate_grad_hooks_step_in_backward(pool2: WorkerPool, entry: s
         assert not got["bad"], f"rank {rank}: {got['bad'][:3]}"
         for name, value in want["params"].items():
             torch.testing.assert_close(got["params"][name], value, atol=1e-6, rtol=1e-6, msg=f"rank {rank} {name}")
+
+
+# --- no unwritten memory reaches a gradient ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Every new floating-point ``torch.empty`` / ``empty_like`` tensor and every newly allocated gathered buffer
+    (``flat_full``) starts as NaN, so that a read before a write shows in the numbers instead of depending on what
+    the allocator hands out (once seen as a gradient norm of 2.9e17 on a loaded machine)."""
+    empty, empty_like, allocate = torch.empty, torch.empty_like, ParamGroup._allocate_full
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and not t.is_meta:
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    def allocate_poisoned(group: ParamGroup) -> None:
+        fresh = group.flat_full.untyped_storage().size() != group.full_nbytes
+        allocate(group)
+        if fresh:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(group.flat_full):
+                group.flat_full.detach().fill_(float("nan"))
+
+    torch.empty = lambda *a, **k: empty(*a, **k) if "out" in k else poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+    ParamGroup._allocate_full = allocate_poisoned
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, ParamGroup._allocate_full = empty, empty_like, allocate
+
+
+def poisoned(rank: int, world: int, case: str, entry: str) -> dict[str, object]:
+    with poisoned_allocations():
+        if case == "unused":
+            return unused_sharded(rank, world, entry, True, True)
+        return sharded(rank, world, "stack", entry, case)
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
+def test_no_unwritten_memory_reaches_gradients(pool2: WorkerPool, entry: str) -> None:
+    """With every new buffer NaN, unused and frozen parameters and the rest still train as unsharded."""
+    check_unused(pool2.run(poisoned, "unused", entry))
+    check_matches_reference(pool2.run(poisoned, "freeze_weights", entry), "stack", "freeze_weights")
