@@ -1,19 +1,22 @@
 """Where ``fully_shard`` behaved differently from torch's, each seen in torch's own FSDP2 tests: a model sharded on
-``meta`` loaded with ``load_state_dict(assign=True)``, the default mesh after the process group changed, and a
-slice of a sharded ``nn.Sequential``."""
+``meta`` loaded with ``load_state_dict(assign=True)``, the default mesh after the process group changed, a slice of
+a sharded ``nn.Sequential``, and ``model.to(dtype)`` after sharding (for the FSDP class too, where the cast
+parameters used to leave the unit's shards silently)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard import FSDPModule, fully_shard
+from fullshard import FSDP, FSDPModule, fully_shard
 from fullshard.testing import WorkerPool
+from fullshard.wrap import ModuleWrapPolicy
 
 
 def build() -> nn.Sequential:
@@ -94,3 +97,39 @@ def test_slice_of_sharded_sequential_is_a_plain_sequential(pool2: WorkerPool) ->
     for got in pool2.run(slice_of_sharded_sequential):
         assert got["part"] == ("Sequential", False, ["ReLU", "FSDPLinear"])
         assert got["root"] == ("FSDPSequential", True)
+
+
+def cast_after_sharding(rank: int, world: int, entry: str) -> dict[str, torch.Tensor]:
+    """``model.to(torch.float64)`` on the root after sharding, then Adam steps on each rank's half of the batch."""
+    model = build()
+    if entry == "FSDP":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    else:
+        shard(model)
+    model = model.to(torch.float64)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        model(x[2 * rank : 2 * rank + 2]).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+    if entry == "FSDP":
+        with FSDP.summon_full_params(model):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "FSDP"])
+def test_model_to_dtype_after_sharding_trains_in_that_dtype(pool2: WorkerPool, entry: str) -> None:
+    model = build().to(torch.float64)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        model(
+            torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        ).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+    for rank, got in enumerate(pool2.run(cast_after_sharding, entry)):
+        for name, value in model.named_parameters():
+            assert got[name].dtype == torch.float64, f"rank {rank} {name}: {got[name].dtype}"
+            torch.testing.assert_close(got[name], value.detach(), msg=f"rank {rank} {name}")

@@ -104,7 +104,7 @@ class FSDPModule:
             state.group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
-            state.group.adopt_applied_params()
+            state.group.adopt_applied_params(state.config.casts)
         return result
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

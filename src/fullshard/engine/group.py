@@ -65,7 +65,7 @@ from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup, TPSpec, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
-from fullshard.engine.precision import GroupPrecision
+from fullshard.engine.precision import Casts, GroupPrecision, group_precision
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
@@ -286,7 +286,7 @@ class ParamGroup:
         self.flat_full = self._new_flat_full()
         self._unsharded_version = -1
 
-    def adopt_applied_params(self) -> None:
+    def adopt_applied_params(self, casts: Casts | None = None) -> None:
         """Make the sharded parameters views of ``flat_shard`` again after ``nn.Module._apply``.
 
         Nothing to do while they stay on ``meta`` or still share ``flat_shard``'s storage (``.to`` to where they
@@ -302,20 +302,27 @@ class ParamGroup:
                 sp.register_sharded()
         locals_ = [local_tensor(sp.sharded_param).detach() for sp in self.params]  # type: ignore[arg-type]
         storage = self.flat_shard.untyped_storage()
-        if all(t.is_meta for t in locals_):
-            return
-        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
-            return
         devices = {t.device for t in locals_}
         dtypes = {t.dtype for t in locals_}
-        if len(devices) != 1 or dtypes != {self.dtype}:
+        cast = (
+            len(dtypes) == 1 and dtypes != {self.dtype} and casts is not None and next(iter(dtypes)).is_floating_point
+        )
+        if not cast and all(t.is_meta for t in locals_):
+            return
+        if not cast and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
+            return
+        if len(devices) != 1 or (dtypes != {self.dtype} and not cast):
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
                 f"{sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))}, but a unit keeps its parameters "
-                f"in {self.dtype} on one device. "
-                "Move the whole model at once (model.to_empty(device=...) or model.to(device)), and cast dtypes before "
-                "sharding."
+                f"in one floating-point dtype on one device (now {self.dtype}). "
+                "Move and cast the whole model at once (model.to_empty(device=...), model.to(device), "
+                "model.to(torch.bfloat16))."
             )
+        if cast:  # model.to(dtype): the unit's shards, gathers and gradients follow (as torch's fully_shard)
+            self.dtype = dtypes.pop()
+            self.precision = group_precision(casts, self.dtype)  # type: ignore[arg-type]
+            self.alias_full = self.world == 1 and self.precision.param_dtype == self.dtype and self.offload is None
         self.new_shard_storage(devices.pop())
         with torch.no_grad():
             for sp, local in zip(self.params, locals_):
