@@ -173,6 +173,18 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ``.double()``), then take the moved or cast parameters back into
+        the unit's flat shard: left outside it, the optimizer would step tensors that no gather reads."""
+        unit: UnitState | None = self.__dict__.get("_unit")
+        group = None if unit is None else unit.group
+        if group is not None:
+            group.reshard()
+        result = super()._apply(fn, recurse)
+        if group is not None:
+            group.adopt_applied_params(unit.config.casts)  # type: ignore[union-attr]
+        return result
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._unit.pre_forward(args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
