@@ -201,6 +201,17 @@ class Accelerator(runtime.ProcessView):
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP
 
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        """Accelerate's tests and some scripts write ``accelerator.state.distributed_type = DistributedType.FSDP``:
+        accepted, as it is what fullshard always does; any other type is refused, naming it."""
+        name = getattr(value, "value", value)
+        if name != DistributedType.FSDP.value:
+            raise ValueError(
+                f"accelerator.distributed_type = {value!r}: fullshard always shards (DistributedType.FSDP); it has "
+                "no other distributed type. Leave it as it is, or use the real Accelerate for another one."
+            )
+
     @property
     def is_fsdp2(self) -> bool:
         return self.fsdp_plugin.fsdp_version == 2
@@ -243,6 +254,11 @@ class Accelerator(runtime.ProcessView):
         """The prepared models (Accelerate's private list, which transformers' Trainer reads)."""
         return self._objects.models
 
+    _optimizers = property(lambda self: self._objects.optimizers, doc="The prepared optimizers, in order.")
+    _schedulers = property(lambda self: self._objects.schedulers, doc="The prepared schedulers, in order.")
+    _dataloaders = property(lambda self: self._objects.dataloaders, doc="The prepared dataloaders, in order.")
+    _custom_objects = property(lambda self: self._objects.custom, doc="register_for_checkpointing's objects.")
+
     @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
@@ -266,9 +282,25 @@ class Accelerator(runtime.ProcessView):
         """Whether this step reduces gradients and steps the optimizer (``False`` on accumulation steps)."""
         return self.gradient_state.sync_gradients
 
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Change the accumulation length (Accelerate's setter); not in world-size-invariant mode, where the
+        plugin's micro-batch count decides it."""
+        _check_args(steps, self.fsdp_plugin)
+        if self._invariant is not None:
+            raise ValueError(
+                f"accelerator.gradient_accumulation_steps = {steps}: in world-size-invariant mode the steps per rank "
+                f"follow from the plugin's invariant_micro_batches ({self._invariant.micro_batches}); change that."
+            )
+        self.gradient_state.num_steps = steps
 
     @property
     def scaler(self) -> ShardedGradScaler | None:
@@ -307,6 +339,9 @@ class Accelerator(runtime.ProcessView):
         result = list(args)
         for passes in (self._prepare_first, self._prepare_optimizer, self._prepare_scheduler):
             result = [passes(obj) for obj in result]
+        for before, after in zip(args, result, strict=True):
+            if after is not before or isinstance(after, nn.Module):  # Accelerate marks what it prepared
+                after._is_accelerate_prepared = True
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_first(self, obj: Any) -> Any:
@@ -473,10 +508,14 @@ class Accelerator(runtime.ProcessView):
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and restore ``objects`` (with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``."""
-        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        bad = [
+            f"Item at index {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
+        ]
         if bad:
-            raise TypeError(
-                f"Accelerator.register_for_checkpointing({', '.join(bad)}): these objects lack state_dict() and "
+            raise ValueError(
+                f"Accelerator.register_for_checkpointing(...): {', '.join(bad)} lack state_dict() and "
                 "load_state_dict(). Register objects that have both (or wrap yours in a class that does)."
             )
         self._objects.custom.extend(objects)
@@ -559,6 +598,8 @@ class Accelerator(runtime.ProcessView):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""
         del unwrap  # names are always the original module's
+        if not model_state.has_units(model):  # never prepared: its own state dict, as Accelerate returns it
+            return model.state_dict()
         return model_state.full_model_state_dict(model)
 
     def save_model(

@@ -18,12 +18,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from torch import nn
 
 from fullshard.frontend.enums import DynamoBackend
 from fullshard.frontend.env import DYNAMO_MODES, read_dynamo_env
 
-__all__ = ["TorchDynamoPlugin", "compile_model", "resolve_dynamo_plugin"]
+__all__ = [
+    "TorchDynamoPlugin",
+    "compile_model",
+    "compile_regions_fsdp2",
+    "has_compiled_regions",
+    "is_compiled_module",
+    "resolve_dynamo_plugin",
+]
 
 
 @dataclasses.dataclass
@@ -112,6 +120,26 @@ def compile_model(model: nn.Module, plugin: TorchDynamoPlugin) -> nn.Module:
 
 def _is_repeated_blocks(module: nn.Module) -> bool:
     return isinstance(module, nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``). A model compiled in
+    place (``module.compile()``, as the Accelerator compiles) is not: it is its own class, with a compiled call."""
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
+def has_compiled_regions(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` is an ``OptimizedModule`` (``torch.compile`` applied to a part)."""
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
+
+
+def compile_regions_fsdp2(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """Compile ``module`` in place by regions (Accelerate's name for it): each block of a run of repeated blocks
+    on its own (dynamo reuses the first block's code), every other leaf child whole; returns ``module``, whose
+    hooks, sharded or not, keep running (``module.compile()`` keeps ``nn.Module.__call__``)."""
+    _compile_regions(module, compile_kwargs)
+    return module
 
 
 def _compile_regions(module: nn.Module, kwargs: dict[str, Any]) -> None:

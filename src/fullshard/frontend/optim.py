@@ -40,6 +40,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._step_was_skipped = False
 
+    def __getstate__(self) -> dict[str, Any]:  # torch's Optimizer pickles only its own three fields
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
