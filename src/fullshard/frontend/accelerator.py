@@ -41,6 +41,7 @@ from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loade
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
 from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
+from fullshard.frontend.loader_parts import dealt_as_accelerate, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,
@@ -379,6 +380,14 @@ class Accelerator(runtime.ProcessView):
         config = self.dataloader_config
         # Under a ParallelismConfig the ranks of one tp group share a batch (see parallelism.py).
         index, count = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)
+        if self._invariant is None and dealt_as_accelerate(data_loader):  # a stream, or batches of any size
+            prepared = shard_loader(
+                data_loader, num_processes=count, process_index=index, device=self.device,
+                split_batches=config.split_batches, even_batches=config.even_batches,
+                non_blocking=config.non_blocking, rng_types=self.rng_types,
+            )  # fmt: skip
+            self._objects.dataloaders.append(prepared)
+            return prepared
         prepared = prepare_data_loader(
             data_loader,
             num_processes=count,

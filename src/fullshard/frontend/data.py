@@ -572,6 +572,8 @@ def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
     """
     if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
         raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): expected an int >= 0.")
+    if callable(getattr(loader, "_skipping", None)):  # Accelerate's DataLoaderShard / DataLoaderDispatcher
+        return loader._skipping(num_batches)
     if isinstance(loader, ShardedDataLoader):
         return ShardedDataLoader(
             loader.dataset,
