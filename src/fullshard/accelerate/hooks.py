@@ -9,3 +9,8 @@ add_hook_to_module = refused_function("add_hook_to_module", _WHY)
 remove_hook_from_module = refused_function("remove_hook_from_module", _WHY)
 
 __all__ = ["AlignDevicesHook", "ModelHook", "add_hook_to_module", "remove_hook_from_module"]
+
+
+# --- added for Accelerate's own test files (NAME=mirror); kept apart from the names above -----------------------
+attach_align_device_hook = refused_function("attach_align_device_hook", _WHY)
+__all__ += ["attach_align_device_hook"]

@@ -40,7 +40,15 @@ from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
-from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
+from fullshard.frontend.handlers import (
+    AutocastKwargs,
+    ProfileKwargs,
+    collect_handlers,
+    ddp,
+    grad,
+    process_group_kwargs,
+    profiling,
+)
 from fullshard.frontend.loader_parts import dealt_as_accelerate, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
@@ -360,7 +368,9 @@ class Accelerator(runtime.ProcessView):
         ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
         autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
-        training.wrap_forward_for_precision(prepared, precision, self.device, autocast=autocast)
+        training.wrap_forward_for_precision(
+            prepared, precision, self.device, autocast=autocast, handler=self._handlers.autocast
+        )
         compile_model(prepared, self.dynamo_plugin)
         self._objects.models.append(prepared)
         return prepared
@@ -493,8 +503,11 @@ class Accelerator(runtime.ProcessView):
         self.unscale_gradients()
         return training.clip_grad_norm(self._objects.models, parameters, max_norm, norm_type)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return training.autocast_context(PrecisionType(self.mixed_precision), self.device)
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` in the run's mixed precision; ``autocast_handler`` (else the Accelerator's
+        ``AutocastKwargs``) sets its ``enabled`` and ``cache_enabled``."""
+        handler = autocast_handler if autocast_handler is not None else self._handlers.autocast
+        return training.autocast_context(PrecisionType(self.mixed_precision), self.device, handler)
 
     # --- data across processes ----------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ for the others; every other leaf child is compiled on its own, as Accelerate doe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from fullshard.frontend.env import DYNAMO_MODES, read_dynamo_env
 __all__ = [
     "TorchDynamoPlugin",
     "compile_model",
+    "compile_regions",
     "compile_regions_fsdp2",
     "has_compiled_regions",
     "is_compiled_module",
@@ -132,6 +135,28 @@ def is_compiled_module(module: nn.Module) -> bool:
 def has_compiled_regions(module: nn.Module) -> bool:
     """Whether a submodule of ``module`` is an ``OptimizedModule`` (``torch.compile`` applied to a part)."""
     return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
+
+
+def compile_regions(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """A copy of ``module``'s tree whose regions are ``torch.compile`` d: each block of a run of repeated blocks, and
+    every leaf child outside such runs (Accelerate's ``compile_regions``). Parameters, buffers and the original
+    modules are shared, not copied; the result keeps ``module`` as ``_orig_mod``."""
+    compiled = _compiled_copy(module, compile_kwargs)
+    compiled.__dict__.setdefault("_orig_mod", module)
+    return compiled
+
+
+def _compiled_copy(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+    if _is_repeated_blocks(module):
+        return nn.ModuleList(torch.compile(block, **kwargs) for block in module)
+    if not any(_is_repeated_blocks(m) for m in module.modules()):
+        return torch.compile(module, **kwargs)
+    shell = copy.copy(module)  # the same parameters, buffers and hooks; its own children below
+    for name, value in list(shell.__dict__.items()):  # methods bound to the original bind to the copy
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            shell.__dict__[name] = types.MethodType(value.__func__, shell)
+    shell._modules = {name: _compiled_copy(child, kwargs) for name, child in module.named_children()}
+    return shell
 
 
 def compile_regions_fsdp2(module: nn.Module, **compile_kwargs: Any) -> nn.Module:

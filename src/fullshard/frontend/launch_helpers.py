@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
-from collections.abc import Callable
+import platform
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fullshard.frontend import env
 from fullshard.frontend.enums import DistributedType
 
-__all__ = ["PrepareForLaunch", "patch_environment"]
+__all__ = [
+    "PrepareForLaunch",
+    "check_os_kernel",
+    "clear_environment",
+    "convert_dict_to_env_variables",
+    "patch_environment",
+    "purge_accelerate_environment",
+]
+
+_logger = logging.getLogger(__name__)
+_MIN_KERNEL = (5, 5, 0)
 
 
 def patch_environment(**kwargs: Any) -> contextlib.AbstractContextManager[None]:
@@ -38,3 +52,76 @@ class PrepareForLaunch:
             os.environ["RANK"] = str(nproc * node_rank + index)
         os.environ["FORK_LAUNCHED"] = "1"
         return self.launcher(*args)
+
+
+@contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """An empty ``os.environ`` for the block; afterwards exactly the variables of before (added ones removed)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
+    """``KEY=value\\n`` lines for an environment file; an empty key or value, or one holding ``; < >``, a space or
+    a newline, is left out with a warning naming it."""
+    lines = []
+    for key, value in current_env.items():
+        if key and value and not any(c in key + value for c in ";\n<> "):
+            lines.append(f"{key}={value}\n")
+        else:
+            _logger.warning(f"convert_dict_to_env_variables: skipping {key}={value}: empty, or a forbidden character.")
+    return lines
+
+
+def purge_accelerate_environment(func_or_cls: Any) -> Any:
+    """Decorate a function (or every ``test*`` method of a class and its subclasses) so that ``ACCELERATE_*``
+    variables it sets or changes are put back as they were when it returns."""
+
+    def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            saved = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+            try:
+                return func(*args, **kwargs)
+            finally:
+                for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+                    del os.environ[key]
+                os.environ.update(saved)
+
+        run._accelerate_purged = True  # type: ignore[attr-defined]
+        return run
+
+    if not isinstance(func_or_cls, type):
+        return wrap(func_or_cls)
+
+    def wrap_tests(cls: type) -> type:
+        for name in dir(cls):
+            method = getattr(cls, name)
+            if name.startswith("test") and callable(method) and not hasattr(method, "_accelerate_purged"):
+                setattr(cls, name, wrap(method))
+        return cls
+
+    wrap_tests(func_or_cls)
+    func_or_cls.__init_subclass__ = classmethod(lambda cls, **kw: wrap_tests(cls))  # type: ignore[misc]
+    return func_or_cls
+
+
+def check_os_kernel() -> None:
+    """Warn (``logging``) when a Linux kernel is older than 5.5.0, which can make processes hang."""
+    info = platform.uname()
+    if info.system != "Linux":
+        return
+    found = re.search(r"(\d+)\.(\d+)\.(\d+)", info.release)
+    if found is None:
+        return
+    version = tuple(int(x) for x in found.groups())
+    if version < _MIN_KERNEL:
+        _logger.warning(
+            f"Detected kernel version {found.group(0)}, which is below the recommended minimum of "
+            f"{'.'.join(map(str, _MIN_KERNEL))}; this can cause the process to hang. Upgrade the kernel."
+        )

@@ -1,5 +1,7 @@
 """``accelerate.utils.imports``: availability checks; DeepSpeed is never available here."""
 
+import importlib.util
+
 from fullshard.utils import (
     is_aim_available,
     is_bf16_available,
@@ -31,6 +33,10 @@ from fullshard.utils import (
     is_wandb_available,
     is_xpu_available,
 )
+
+
+def is_import_timer_available() -> bool:
+    return importlib.util.find_spec("import_timer") is not None
 
 
 def is_deepspeed_available() -> bool:
@@ -69,4 +75,5 @@ __all__ = [
     "is_torchao_available",
     "is_torchdata_stateful_dataloader_available",
     "is_trackio_available",
+    "is_import_timer_available",
 ]

@@ -8,5 +8,6 @@ planning where the layers of an inference model go, offloading weights to disk.
 - ``tied.py``: ``find_tied_parameters``, ``check_tied_parameters_on_same_device``, ``retie_parameters``.
 - ``tensors.py``: ``set_module_tensor_to_device``.
 - ``loading.py``: ``load_state_dict``, ``load_checkpoint_in_model``, ``shard_checkpoint``.
+- ``cpu_hook.py``: ``cpu_offload_with_hook`` (a model moved to its device when it runs).
 - ``offload.py``: ``offload_state_dict``, ``load_offloaded_weights`` (Accelerate's folder format).
 """
