@@ -83,7 +83,9 @@ class TorchDynamoPlugin:
 
     def to_kwargs(self) -> dict[str, Any]:
         """The ``torch.compile`` keyword arguments (``use_regional_compilation`` is ours, not torch's)."""
-        kwargs = {"backend": self.backend.value.lower(), "mode": self.mode, "fullgraph": self.fullgraph}
+        kwargs = {"backend": self.backend.value.lower(), "mode": self.mode}
+        if self.fullgraph:  # torch.compile's default is False: written only when asked for, as Accelerate does
+            kwargs["fullgraph"] = True
         kwargs.update({k: v for k, v in (("dynamic", self.dynamic), ("options", self.options)) if v is not None})
         if self.disable:
             kwargs["disable"] = True

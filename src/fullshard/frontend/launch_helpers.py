@@ -1,4 +1,5 @@
-"""Helpers for scripts that start their own processes: :func:`patch_environment` and :class:`PrepareForLaunch`."""
+"""Helpers for scripts that start their own processes (:func:`patch_environment`, :class:`PrepareForLaunch`,
+:func:`debug_launcher`) and for the process environment (``clear_environment``, ``check_os_kernel``, ...)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import logging
 import os
 import platform
 import re
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
+import torch.multiprocessing
 
 from fullshard.frontend import env
 from fullshard.frontend.enums import DistributedType
 
 __all__ = [
     "PrepareForLaunch",
+    "debug_launcher",
     "check_os_kernel",
     "clear_environment",
     "convert_dict_to_env_variables",
@@ -52,6 +58,38 @@ class PrepareForLaunch:
             os.environ["RANK"] = str(nproc * node_rank + index)
         os.environ["FORK_LAUNCHED"] = "1"
         return self.launcher(*args)
+
+
+def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2) -> None:
+    """Run ``function(*args)`` in ``num_processes`` forked CPU processes that form a gloo process group (for
+    testing and debugging, as Accelerate's ``debug_launcher``); an ``Accelerator`` built there joins it. Raises
+    when a process fails, with its traceback."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"debug_launcher(num_processes={num_processes!r}): expected an int >= 1.")
+    with socket.socket() as probe:  # a free port, so that jobs on one machine do not meet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    variables = {"world_size": num_processes, "nproc": num_processes, "master_addr": "127.0.0.1",
+                 "master_port": port, "accelerate_mixed_precision": "no", "accelerate_use_cpu": "yes"}  # fmt: skip
+    with patch_environment(**variables):
+        launcher = PrepareForLaunch(_ForgetParentGroup(function), distributed_type="MULTI_CPU", debug=True)
+        torch.multiprocessing.start_processes(launcher, args=args, nprocs=num_processes, start_method="fork")
+
+
+class _ForgetParentGroup:
+    """Runs ``function`` in a forked process after dropping the process group (and the shared Accelerator state)
+    inherited from the parent, so that the child joins the group of the launched processes."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        from fullshard.frontend.shared_state import AcceleratorState
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(True)
+        return self.function(*args)
 
 
 @contextlib.contextmanager

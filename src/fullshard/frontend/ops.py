@@ -218,6 +218,8 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     if not isinstance(data, (list, tuple)) or not data:
         raise ValueError(f"concatenate(data={type(data).__name__}): expected a non-empty list of nested tensors.")
     first = data[0]
+    if len(data) == 1:  # nothing to join: the one element as it is (Accelerate's answer, of any type)
+        return first
     if isinstance(first, (tuple, list)):
         items = [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)

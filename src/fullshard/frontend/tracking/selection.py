@@ -98,8 +98,9 @@ def resolve_log_with(
         needing = [str(e) for e in resolved if isinstance(e, str) and BUILTIN[e].requires_logging_directory]
         if needing:
             raise ValueError(
-                f"Accelerator(log_with={log_with!r}): the {needing[0]!r} tracker writes files and needs a directory. "
-                "Pass project_dir='runs' (or project_config=ProjectConfiguration(logging_dir=...))."
+                f"Accelerator(log_with={log_with!r}): Logging with `{needing[0]}` requires a `logging_dir`: the "
+                "tracker writes files. Pass project_dir='runs' (or "
+                "project_config=ProjectConfiguration(logging_dir=...))."
             )
     return resolved
 
