@@ -61,9 +61,10 @@ class PrepareForLaunch:
 
 
 def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2) -> None:
-    """Run ``function(*args)`` in ``num_processes`` forked CPU processes that form a gloo process group (for
-    testing and debugging, as Accelerate's ``debug_launcher``); an ``Accelerator`` built there joins it. Raises
-    when a process fails, with its traceback."""
+    """Run ``function(*args)`` in ``num_processes`` CPU processes that form a gloo process group (for testing and
+    debugging, as Accelerate's ``debug_launcher``); an ``Accelerator`` built there joins it. The processes are
+    forked, or spawned (``function`` must then be importable) when this process already has a process group.
+    Raises when a process fails, with its traceback."""
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"debug_launcher(num_processes={num_processes!r}): expected an int >= 1.")
     with socket.socket() as probe:  # a free port, so that jobs on one machine do not meet
@@ -73,12 +74,14 @@ def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num
                  "master_port": port, "accelerate_mixed_precision": "no", "accelerate_use_cpu": "yes"}  # fmt: skip
     with patch_environment(**variables):
         launcher = PrepareForLaunch(_ForgetParentGroup(function), distributed_type="MULTI_CPU", debug=True)
-        torch.multiprocessing.start_processes(launcher, args=args, nprocs=num_processes, start_method="fork")
+        # Forked children would inherit this process's group, if it has one: then start them fresh.
+        method = "spawn" if torch.distributed.is_available() and torch.distributed.is_initialized() else "fork"
+        torch.multiprocessing.start_processes(launcher, args=args, nprocs=num_processes, start_method=method)
 
 
 class _ForgetParentGroup:
-    """Runs ``function`` in a forked process after dropping the process group (and the shared Accelerator state)
-    inherited from the parent, so that the child joins the group of the launched processes."""
+    """Runs ``function`` in a launched process after forgetting the shared Accelerator state a forked child
+    inherits, so that its ``Accelerator`` joins the group of the launched processes."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
@@ -86,8 +89,6 @@ class _ForgetParentGroup:
     def __call__(self, *args: Any) -> Any:
         from fullshard.frontend.shared_state import AcceleratorState
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(True)
         return self.function(*args)
 
