@@ -327,3 +327,9 @@ def test_small_helpers() -> None:
         assert os.environ["MIRROR_TEST_VAR"] == "1" and "OTHER_MIRROR_VAR" not in os.environ
     finally:
         del os.environ["MIRROR_TEST_VAR"]
+
+
+def test_preparing_a_model_twice_lists_it_once() -> None:
+    accelerator = Accelerator()
+    model = accelerator.prepare(nn.Linear(2, 2))
+    assert accelerator.prepare(model) is model and accelerator._models == [model]

@@ -364,6 +364,8 @@ class Accelerator(runtime.ProcessView):
         """Shard ``model`` as the plugin says (see ``prepare.py``), compile it if the dynamo plugin says so (see
         ``compile.py``), and remember it for checkpoints."""
         _check_device_placement(device_placement, "Accelerator.prepare_model")
+        if any(model is known for known in self._objects.models):  # prepared here already: as it is, listed once
+            return model
         prepared = prepare_model(model, self.fsdp_plugin, self.device, **self._mesh_options(model))
         ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
