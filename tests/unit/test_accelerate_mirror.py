@@ -333,3 +333,18 @@ def test_preparing_a_model_twice_lists_it_once() -> None:
     accelerator = Accelerator()
     model = accelerator.prepare(nn.Linear(2, 2))
     assert accelerator.prepare(model) is model and accelerator._models == [model]
+
+
+def test_safe_save_drops_tensors_that_share_memory(tmp_path, caplog) -> None:
+    from safetensors.torch import load_file
+
+    from fullshard.utils import save
+
+    tied = nn.Module()
+    tied.a = nn.Linear(2, 2)
+    tied.b = tied.a
+    with caplog.at_level("WARNING"):
+        save(tied.state_dict(), tmp_path / "m.safetensors", safe_serialization=True)
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert sorted(loaded) == ["a.bias", "a.weight"] and torch.equal(loaded["a.weight"], tied.a.weight.detach())
+    assert [r.message.count("Removed shared tensor") for r in caplog.records] == [1]

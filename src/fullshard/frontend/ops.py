@@ -9,6 +9,7 @@ Every rank must call a collective with the same structure, in the same order.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import warnings
@@ -269,9 +270,33 @@ def save(
     if safe_serialization:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in _without_shared(obj).items()}, str(f), metadata={"format": "pt"})
     else:
         torch.save(obj, f)
+
+
+def _without_shared(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with one name per storage (safetensors refuses tensors that share memory, e.g. tied weights):
+    the first name in sorted order stays; the others are dropped with one warning naming them."""
+    kept: dict[Any, str] = {}
+    dropped = []
+    for name in sorted(state):
+        value = state[name]
+        key = (
+            (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+            if torch.is_tensor(value)
+            else None
+        )
+        if key is not None and key[0] != 0 and key in kept:
+            dropped.append(name)
+        elif key is not None:
+            kept[key] = name
+    if dropped:
+        logging.getLogger(__name__).warning(
+            f"save(safe_serialization=True): Removed shared tensor {dropped} while saving (they share memory with "
+            "tensors that are saved); retie them after loading (e.g. model.tie_weights())."
+        )
+    return {k: v for k, v in state.items() if k not in dropped}
 
 
 # --- per-tensor transforms (no communication) -------------------------------------------------------
