@@ -348,3 +348,12 @@ def test_safe_save_drops_tensors_that_share_memory(tmp_path, caplog) -> None:
     loaded = load_file(tmp_path / "m.safetensors")
     assert sorted(loaded) == ["a.bias", "a.weight"] and torch.equal(loaded["a.weight"], tied.a.weight.detach())
     assert [r.message.count("Removed shared tensor") for r in caplog.records] == [1]
+
+
+def test_an_accelerator_fills_the_partial_state() -> None:
+    from fullshard.accelerate.state import PartialState
+
+    PartialState._reset_state()
+    assert PartialState._shared_state == {}
+    accelerator = Accelerator()
+    assert PartialState().process_index == accelerator.process_index and PartialState._shared_state != {}

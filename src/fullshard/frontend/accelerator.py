@@ -60,7 +60,7 @@ from fullshard.frontend.parallelism import (
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import is_sharded, prepare_model, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
-from fullshard.frontend.shared_state import AcceleratorState
+from fullshard.frontend.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 
 __all__ = ["Accelerator"]
@@ -176,6 +176,7 @@ class Accelerator(runtime.ProcessView):
             adjust_scheduler=accumulation.adjust_scheduler,
         )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
+        PartialState._adopt(self._process, cpu)  # PartialState() now answers for this process, as in Accelerate
         self.torch_device_mesh = None
         if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
             self.parallelism_config._validate_accelerator(self)
