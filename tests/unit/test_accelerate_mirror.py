@@ -357,3 +357,17 @@ def test_an_accelerator_fills_the_partial_state() -> None:
     assert PartialState._shared_state == {}
     accelerator = Accelerator()
     assert PartialState().process_index == accelerator.process_index and PartialState._shared_state != {}
+
+
+def test_scheduler_follows_the_optimizers_skip_flag() -> None:
+    accelerator = Accelerator()
+    model = nn.Linear(2, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda n: 1 - n / 10)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    optimizer._is_overflow = False  # Accelerate's flag: the last step ran
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.9
+    optimizer._is_overflow = True  # the last step was skipped: the scheduler does not step either
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == 0.9 and accelerator.optimizer_step_was_skipped
