@@ -1,7 +1,7 @@
 """``accelerate.utils.dataclasses``: fullshard's plugins and kwargs handlers; DeepSpeed's classes are refused."""
 
-from fullshard.frontend.plugin import get_module_class_from_name
 from fullshard.frontend.handlers import AutocastKwargs
+from fullshard.frontend.plugin import get_module_class_from_name
 from fullshard.frontend.refused import refused_class
 from fullshard.utils import (
     ComputeEnvironment,
