@@ -18,4 +18,3 @@ __all__ = [
     "remove_hook_from_module",
     "remove_hook_from_submodules",
 ]
-

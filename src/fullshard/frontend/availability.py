@@ -125,6 +125,8 @@ def is_wandb_available() -> bool:
 
 def is_peft_available() -> bool:
     return _package("peft")
+
+
 def is_fp16_available() -> bool:
     """fp16 compute is possible: on every device fullshard runs on (Accelerate says no only on Gaudi 1)."""
     return True
