@@ -425,6 +425,28 @@ class UnitState:
                     state.reduced = False
 
 
+def reset_iteration(root: UnitState) -> None:
+    """``FSDPModule.reset_iter_state``: after an exception aborted a forward or backward, wait for started
+    collectives, free every gathered unit, drop this iteration's gradients in flight and bookkeeping (the
+    recorded forward order stays), so that the next iteration starts as after a clean one."""
+    ctx = root.ctx
+    if ctx is None:
+        return
+    for state in ctx.states:
+        group = state.group
+        if group is not None:
+            group.drop_reductions()
+            group.reshard()
+        state.training_state = TrainingState.IDLE
+        state.ran_forward = False
+        state.reduced = False
+    ctx.backward.end()
+    ctx.spare.drop()
+    ctx.order.cursor = 0
+    ctx.order.this_iteration.clear()
+    ctx.gathered = 0
+
+
 def _next_gather_fits(ctx: RootContext, state: UnitState, step: int) -> bool:
     """Whether the next unit to gather after ``state`` (the first still-sharded one in the recorded order, 1 in
     forward, -1 in backward) gathers as many bytes on the same device: ``state`` then keeps its freed
