@@ -1,6 +1,7 @@
 """torch FSDP2's public surface on ``fully_shard`` (torch 2.13), each feature against torch's own ``fully_shard`` run on
 the same ranks, model and data: ``shard_placement_fn`` (``Shard(1)``, ``Shard(-1)``, uneven), the gradient divide
-factor, the all-reduce hook, custom collectives, ``reshard_after_forward`` as an int or None, ``unshard(async_op=True)``,
+factor, the all-reduce hook, custom collectives, ``reshard_after_forward`` as an int or None,
+``unshard(async_op=True)``,
 ``register_fsdp_forward_method``, ``fully_shard.state``, ``reset_iter_state``, and the accepted no-op setters."""
 
 from __future__ import annotations
