@@ -115,9 +115,11 @@ def test_shard_placement_fn_matches_torch(pool2: WorkerPool, fn_name: str) -> No
 
 
 def _placement_refusals(rank: int, world: int) -> None:
-    for bad, needle in ((lambda p: Shard(1), "has no dim 1"), (lambda p: "row", r"must return Shard\(dim\)")):
+    for bad, needle in ((lambda p: Shard(1), r"bias.*of shape \(4,\)"), (lambda p: "row", r"must return Shard\(dim\)")):
         with pytest.raises(ValueError, match=needle):
             fully_shard(nn.Linear(4, 4), shard_placement_fn=bad)
+    with pytest.raises(AssertionError, match="Shard dim 1 is invalid for 1D tensor"):  # what torch raises, too
+        fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1))
 
 
 def test_shard_placement_fn_refuses_bad_placements(pool2: WorkerPool) -> None:
@@ -242,6 +244,17 @@ def _surface(rank: int, world: int) -> None:
     states = [fully_shard.state(m) for m in (model, model[0], model[1])]
     assert all(s is not None for s in states) and len({id(s) for s in states}) == 3
     assert fully_shard.state(nn.Linear(2, 2)) is None
+
+    # Slicing a sharded Sequential gives a plain Sequential (no unit behind it), as in torch.
+    sliced = model[:1]
+    assert type(sliced) is nn.Sequential and not isinstance(sliced, FSDPModule)
+    # Containers without forward, and meshes of more than 2 dims, are refused with torch's opening words.
+    with pytest.raises(ValueError, match="containers that do not implement forward"):
+        fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match="expects a 1D or 2D DeviceMesh"):
+        fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (world, 1, 1)))
 
     # deepcopy of a sharded module is refused, as torch refuses it.
     with pytest.raises(AssertionError, match="deepcopy"):

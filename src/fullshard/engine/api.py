@@ -38,6 +38,11 @@ __all__ = [
 ]
 
 
+class PlacementError(ValueError, AssertionError):
+    """A ``shard_placement_fn`` result that cannot shard its parameter: a ``ValueError``, and an ``AssertionError``
+    as torch's ``fully_shard`` raises for the same input (so ``except`` clauses written for either catch it)."""
+
+
 class ShardingStrategy(enum.Enum):
     """How parameters, gradients and optimizer states are split across data-parallel ranks.
 

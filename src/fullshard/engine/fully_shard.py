@@ -44,6 +44,14 @@ M = TypeVar("M", bound=nn.Module)
 class FSDPModule:
     """Methods gained by a module passed to :func:`fully_shard`."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A new instance of a sharded module's class (``nn.Sequential`` slicing builds one with
+        ``type(self)(...)``) is a plain instance of the original class: it has no unit, so it is no FSDPModule."""
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        instance = original.__new__(original)
+        instance.__init__(*args, **kwargs)
+        return instance
+
     def _fullshard_state(self) -> UnitState:
         state = unit_state(self)  # type: ignore[arg-type]
         if state is None:
@@ -354,6 +362,12 @@ def fully_shard(
         raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
     if unit_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # The opening words are torch fully_shard's, which users' code matches on.
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: got a {type(module).__name__}. "
+            "Apply fully_shard to each module in it, or to the module whose forward calls them."
+        )
     require_process_group("fully_shard")
     device = resolve_device(None, module)
     mesh = mesh if mesh is not None else _default_mesh(device.type)

@@ -381,7 +381,12 @@ def shard_group_from_mesh(mesh: DeviceMesh, device: torch.device, *, hybrid: boo
         return ShardGroup(mesh.get_group(0), None, device, mesh)
     if mesh.ndim == 2:
         return ShardGroup(mesh.get_group(1), mesh.get_group(0), device, mesh)
-    raise ValueError(f"device_mesh has {mesh.ndim} dimensions; fullshard takes a 1-D or a 2-D mesh.")
+    # The opening words are torch fully_shard's, which users' code matches on.
+    raise ValueError(
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: it has {mesh.ndim} dimensions. Pass a 1-D mesh "
+        "(shard) or a 2-D one (replicate, shard), e.g. a slice of a larger mesh: mesh['dp'] or mesh['dp_replicate', "
+        "'dp_shard']."
+    )
 
 
 def _mesh_for(group: ShardGroup) -> DeviceMesh:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.engine.api import Offload
+from fullshard.engine.api import Offload, PlacementError
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import ShardGroup, simulating
@@ -301,10 +301,10 @@ def shard_dims(
         ndim = max(param.dim(), 1)
         dim = placement.dim + ndim if placement.dim < 0 else placement.dim
         if not 0 <= dim < ndim:
-            raise ValueError(
-                f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for parameter {fqn!r} of "
-                f"shape {tuple(param.shape)}, which has no dim {placement.dim}. Return Shard(d) with "
-                f"-{ndim} <= d < {ndim} for it (or None for Shard(0))."
+            raise PlacementError(
+                f"Shard dim {placement.dim} is invalid for {ndim}D tensor: fully_shard({label})'s shard_placement_fn "
+                f"returned Shard({placement.dim}) for parameter {fqn!r} of shape {tuple(param.shape)}. Return Shard(d) "
+                f"with -{ndim} <= d < {ndim} for it (or None for Shard(0))."
             )
         if dim and isinstance(param, DTensor):
             raise ValueError(
