@@ -337,3 +337,55 @@ def _reset_iter_state(rank: int, world: int) -> None:
 
 def test_reset_iter_state_after_a_failed_forward(pool2: WorkerPool) -> None:
     pool2.run(_reset_iter_state)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer2(self.layer1(x)) * self.scale
+
+
+def _replaced_after_sharding(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    ref = _Normed()
+    nn.init.uniform_(ref.scale)
+    x = torch.randn(4, 3)
+    ref(x).pow(2).sum().backward()
+
+    # torch's order: build on meta, shard, materialize the blocks, then assign a new parameter on the root.
+    with torch.device("meta"):
+        model = _Normed()
+    for module in (model.layer1, model.layer2, model):
+        fully_shard(module)
+    model.layer1.to_empty(device="cpu")
+    model.layer2.to_empty(device="cpu")
+    with torch.no_grad():
+        for name in ("layer1", "layer2"):
+            full = getattr(ref, name).weight.detach()
+            getattr(model, name).weight.to_local().copy_(torch.chunk(full, world)[rank])
+    model.scale = nn.Parameter(ref.scale.detach().clone())  # a full tensor, assigned after fully_shard
+    assert isinstance(model.scale, nn.Parameter) and not isinstance(model.scale, DTensor)
+    out = model(x)
+    assert isinstance(model.scale, DTensor)  # taken in as a shard at the first forward
+    torch.testing.assert_close(out, ref(x), atol=ATOL, rtol=RTOL)
+    out.pow(2).sum().backward()
+    for name, param in model.named_parameters():
+        want = dict(ref.named_parameters())[name].grad
+        torch.testing.assert_close(param.grad.full_tensor(), want, atol=ATOL, rtol=RTOL, msg=name)
+
+    # load_state_dict(assign=True) of full tensors onto a meta-device sharded model.
+    with torch.device("meta"):
+        model = _Normed()
+    for module in (model.layer1, model.layer2, model):
+        fully_shard(module)
+    model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()}, assign=True)
+    torch.testing.assert_close(model(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_parameters_replaced_after_sharding(pool2: WorkerPool) -> None:
+    pool2.run(_replaced_after_sharding)

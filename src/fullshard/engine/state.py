@@ -241,6 +241,9 @@ class UnitState:
             if state.group is not None:
                 state.group.rename(state.label)  # errors about its collectives name the path
                 state.group.spare = ctx.spare
+        for state in states:
+            if state.group is not None:
+                state.group.adopt_replaced_params()  # parameters assigned after sharding
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)

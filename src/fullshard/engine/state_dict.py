@@ -384,6 +384,8 @@ def _pre_load(
                 continue
             values = [state_dict.pop(k) for k in present]
             unit.consumed.update(clean_key(k) for k in present)
+            if group.flat_shard.is_meta and not values[0].is_meta:
+                group.materialize_meta_shard()  # a model sharded on meta, loaded with assign=True (or not)
             sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
 
 
