@@ -389,3 +389,29 @@ def _replaced_after_sharding(rank: int, world: int) -> None:
 
 def test_parameters_replaced_after_sharding(pool2: WorkerPool) -> None:
     pool2.run(_replaced_after_sharding)
+
+
+def _to_dtype_after_sharding(rank: int, world: int) -> None:
+    ref = _model().to(torch.float64)
+    model = _shard(_model(), fully_shard)
+    model.to(torch.float64)
+    for param in model.parameters():
+        assert param.dtype == param.to_local().dtype == torch.float64
+    losses = []
+    for m in (ref, model):
+        optim = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for step in range(3):
+            torch.manual_seed(step)  # the same data on every rank: the sharded average is the reference's gradient
+            loss = m(torch.randn(4, 6, dtype=torch.float64)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    assert losses[:3] == pytest.approx(losses[3:], rel=1e-12)
+    for (name, param), want in zip(model.named_parameters(), ref.parameters()):
+        assert param.grad is None and param.dtype == torch.float64
+        torch.testing.assert_close(param.full_tensor(), want, atol=1e-12, rtol=1e-12, msg=name)
+
+
+def test_module_to_dtype_after_sharding(pool2: WorkerPool) -> None:
+    pool2.run(_to_dtype_after_sharding)

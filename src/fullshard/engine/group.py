@@ -38,6 +38,7 @@ keeps one collective for all the small parameters (norms, biases), which would e
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from collections.abc import Callable
@@ -261,6 +262,17 @@ class ParamGroup:
         """The shards have no storage yet (built under ``torch.device("meta")``; see ``materialize.py``)."""
         return self.flat_shard.is_meta
 
+    def _change_dtype(self, dtype: torch.dtype) -> None:
+        """The unit's parameters now have ``dtype`` (``model.to(dtype)``): every dtype that followed the parameters'
+        (compute, reduction, gradients: those mixed precision did not set) follows the new one. Precondition: sharded;
+        the caller allocates the buffers of the new dtype."""
+        old = self.dtype
+        self.dtype = dtype
+        self.precision = GroupPrecision(*(dtype if d == old else d for d in dataclasses.astuple(self.precision)))
+        for sp in self.params:
+            sp.dtype = dtype
+        self.alias_full = self.world == 1 and self.precision.param_dtype == dtype and self.offload is None
+
     def new_shard_storage(self, device: torch.device) -> None:
         """Allocate a new, zero ``flat_shard`` on ``device`` (and ``flat_full`` to go with it).
 
@@ -340,6 +352,8 @@ class ParamGroup:
             return
         devices = {t.device for t in locals_}
         dtypes = {t.dtype for t in locals_}
+        if len(devices) == 1 and len(dtypes) == 1 and dtypes != {self.dtype} and next(iter(dtypes)).is_floating_point:
+            self._change_dtype(next(iter(dtypes)))  # model.to(dtype) after sharding, as torch's FSDP2 allows
         if len(devices) != 1 or dtypes != {self.dtype}:
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
