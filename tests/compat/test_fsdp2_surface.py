@@ -415,3 +415,22 @@ def _to_dtype_after_sharding(rank: int, world: int) -> None:
 
 def test_module_to_dtype_after_sharding(pool2: WorkerPool) -> None:
     pool2.run(_to_dtype_after_sharding)
+
+
+def _list_of_modules(rank: int, world: int) -> None:
+    ours = _model(layers=3)
+    assert fully_shard([ours[1], ours[2]]) == [ours[1], ours[2]]
+    fully_shard(ours[0])
+    fully_shard(ours)
+    assert all(isinstance(m, FSDPModule) for m in ours) and isinstance(ours[1].in_proj.weight, DTensor)
+    theirs = _model(layers=3)
+    torch_fully_shard([theirs[1], theirs[2]])
+    torch_fully_shard(theirs[0])
+    torch_fully_shard(theirs)
+    _compare(_train(ours), _train(theirs))
+    with pytest.raises(TypeError, match="non-empty list"):
+        fully_shard([])
+
+
+def test_fully_shard_list_of_modules_matches_torch(pool2: WorkerPool) -> None:
+    pool2.run(_list_of_modules)

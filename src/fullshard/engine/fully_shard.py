@@ -338,6 +338,8 @@ def fully_shard(
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
+    ``module`` may be a list of modules (each becomes a unit; see [Note: a list of modules]).
+
     A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
     and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
     Parameters that are already ``DTensor``s over another dimension of the same mesh (tensor parallelism:
@@ -358,8 +360,29 @@ def fully_shard(
     float32 or bfloat16 parameters and ``param_dtype`` (float16 is refused) and sums gradients in float32 whatever
     ``reduce_dtype`` says. See [Note: world-size invariance] in ``invariant.py``.
     """
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        # [Note: a list of modules] torch makes the listed modules one unit (one collective for all); fullshard
+        # makes each its own unit, bottom-up in the order given: the same values, a collective per module. Tied
+        # parameters across the listed modules are refused by the second unit, naming the fix (a common parent).
+        for m in module:
+            fully_shard(
+                m,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=shard_placement_fn,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                ignored_params=ignored_params,
+                param_init_fn=param_init_fn,
+                sync_module_states=sync_module_states,
+                tp_mesh=tp_mesh,
+                invariant_micro_batches=invariant_micro_batches,
+            )
+        return module  # type: ignore[return-value]
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
+        raise TypeError(
+            f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got {type(module).__name__}."
+        )
     if unit_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
