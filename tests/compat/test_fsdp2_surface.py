@@ -102,7 +102,14 @@ def _placement_parity(rank: int, world: int, fn_name: str) -> list:
     # The state dict holds the same DTensors, and loads back.
     sd = ours.state_dict()
     assert all(isinstance(v, DTensor) for v in sd.values())
-    ours.load_state_dict(sd)
+    for name, param in ours.named_parameters():  # the state dict's values are the shards themselves, no copies
+        assert sd[name].placements == param.placements and sd[name].to_local().data_ptr() == param.to_local().data_ptr()
+    # Loading new DTensors of the same layout writes them into the shards (torch's _test_state_dict_save_load).
+    saved = {k: v.detach().clone() for k, v in sd.items()}
+    ours.load_state_dict({k: v.detach().clone().fill_(42 + rank) for k, v in sd.items()})
+    for name, param in ours.named_parameters():
+        assert torch.all(param.to_local() == 42 + rank), name
+    ours.load_state_dict(saved)
     _compare(_train(ours), _train(_shard(copy.deepcopy(ref), torch_fully_shard)))
     return placements
 
@@ -434,3 +441,26 @@ def _list_of_modules(rank: int, world: int) -> None:
 
 def test_fully_shard_list_of_modules_matches_torch(pool2: WorkerPool) -> None:
     pool2.run(_list_of_modules)
+
+
+def _placement_dcp(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = _shard(_model(hidden=9), fully_shard, shard_placement_fn=_largest_dim)
+    want = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    # Loaded back into the same layout, and into a dim-0 sharded model (DCP reshards between placements).
+    for fn in (_largest_dim, None):
+        other = _shard(_model(hidden=9), fully_shard, shard_placement_fn=fn)
+        with torch.no_grad():
+            for param in other.parameters():
+                param.to_local().zero_()
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        other.load_state_dict(sd)
+        for key, value in other.state_dict().items():
+            assert torch.equal(value.full_tensor(), want[key]), key
+
+
+def test_shard_placement_fn_dcp_round_trip(pool2: WorkerPool, tmp_path) -> None:
+    pool2.run(_placement_dcp, str(tmp_path))
