@@ -464,3 +464,33 @@ def _placement_dcp(rank: int, world: int, path: str) -> None:
 
 def test_shard_placement_fn_dcp_round_trip(pool2: WorkerPool, tmp_path) -> None:
     pool2.run(_placement_dcp, str(tmp_path))
+
+
+def _hsdp_requires_all_reduce(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ref = _model()
+    model = _shard(_model(), fully_shard, mesh=mesh)
+    batches = []
+    for micro in range(2):
+        torch.manual_seed(10 * micro + rank)
+        batches.append(torch.randn(4, 6))
+    # Micro-batch 1 reduce-scatters only; micro-batch 2 all-reduces both sums across the replicas.
+    model.set_requires_all_reduce(False)
+    model(batches[0]).pow(2).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # .grad waits for the all-reduce, as in torch
+    model.set_requires_all_reduce(True)
+    model(batches[1]).pow(2).sum().backward()
+    # Reference: every rank's two micro-batches on the unsharded model, averaged over the 4 ranks.
+    for b in batches:
+        ref(b).pow(2).sum().backward()
+    for param in ref.parameters():
+        dist.all_reduce(param.grad)
+        param.grad.div_(world)
+    for (name, param), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), want.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_hsdp_requires_all_reduce_accumulates(pool4: WorkerPool) -> None:
+    pool4.run(_hsdp_requires_all_reduce)
