@@ -45,8 +45,11 @@ class FSDPModule:
     """Methods gained by a module passed to :func:`fully_shard`."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """A new instance of a sharded module's class (``nn.Sequential`` slicing builds one with
-        ``type(self)(...)``) is a plain instance of the original class: it has no unit, so it is no FSDPModule."""
+        """A new instance of a sharded module's class built with arguments (``nn.Sequential`` slicing builds one with
+        ``type(self)(...)``) is a plain instance of the original class: it has no unit, so it is no FSDPModule.
+        Without arguments (``copy.copy``, unpickling) the class is kept, as the copy carries the unit's state."""
+        if not args and not kwargs:
+            return super().__new__(cls)
         original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
         instance = original.__new__(original)
         instance.__init__(*args, **kwargs)
