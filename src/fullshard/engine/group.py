@@ -285,51 +285,6 @@ class ParamGroup:
         self.flat_full = self._new_flat_full()
         self._unsharded_version = -1
 
-    def materialize_meta_shard(self) -> None:
-        """Give a ``meta`` ``flat_shard`` real (zero) storage where the unit keeps its shards, with new sharded
-        parameters viewing it: ``load_state_dict(assign=True)`` onto a model sharded on ``meta`` then loads values
-        (torch's FSDP2 assigns the loaded tensors). Precondition: sharded, no optimizer built yet."""
-        if not self.flat_shard.is_meta:
-            return
-        self.new_shard_storage(torch.device("cpu") if self.offload is not None else self.device)
-        for sp in self.params:
-            sp.sharded_param = nn.Parameter(
-                self._as_sharded(sp, sp.local_view(self.flat_shard)), requires_grad=sp.requires_grad
-            )
-            sp.register_sharded()
-            set_owner(sp.sharded_param, self.label)
-
-    def adopt_replaced_params(self) -> None:
-        """Take in parameters the user assigned after sharding (``module.weight = nn.Parameter(...)`` or
-        ``load_state_dict(assign=True)`` before the first forward, as torch's FSDP2 does at lazy init): a full tensor
-        of the parameter's shape gives this rank's rows, a ``DTensor`` laid out as the sharded parameter its local
-        tensor; the values then move into ``flat_shard`` (:meth:`adopt_applied_params`)."""
-        replaced = False
-        for sp in self.params:
-            module, name = sp.registrations[0]
-            current = module._parameters[name]
-            if current is sp.sharded_param or current is None or self.state is not ShardState.SHARDED:
-                continue
-            if isinstance(current, DTensor):
-                if tuple(current.placements) != self.placements_of(sp) or tuple(current.shape) != sp.shape:
-                    current = current.full_tensor()
-                else:
-                    local = current.to_local().detach()
-            if not isinstance(current, DTensor):
-                if tuple(current.shape) != sp.shape:
-                    raise ValueError(
-                        f"unit {self.label!r}: parameter {sp.fqn!r} was replaced after sharding by a tensor of shape "
-                        f"{tuple(current.shape)}, but it has shape {sp.shape}. Assign a tensor of the parameter's full "
-                        "shape (or a DTensor laid out as the sharded parameter), or replace it before fully_shard."
-                    )
-                local = sp.rows_of(local_tensor(current).detach())
-            param = nn.Parameter(self._as_sharded(sp, local), requires_grad=sp.requires_grad)
-            sp.sharded_param = param
-            sp.register_sharded()
-            replaced = True
-        if replaced:
-            self.adopt_applied_params()
-
     def adopt_applied_params(self) -> None:
         """Make the sharded parameters views of ``flat_shard`` again after ``nn.Module._apply``.
 

@@ -40,6 +40,7 @@ from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
+from fullshard.engine.reassign import adopt_replaced_params
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
@@ -243,7 +244,7 @@ class UnitState:
                 state.group.spare = ctx.spare
         for state in states:
             if state.group is not None:
-                state.group.adopt_replaced_params()  # parameters assigned after sharding
+                adopt_replaced_params(state.group)  # parameters assigned after sharding (reassign.py)
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)

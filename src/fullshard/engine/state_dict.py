@@ -64,6 +64,7 @@ from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
+from fullshard.engine.reassign import materialize_meta_shard
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
 from fullshard.ranks import global_rank
 
@@ -385,7 +386,7 @@ def _pre_load(
             values = [state_dict.pop(k) for k in present]
             unit.consumed.update(clean_key(k) for k in present)
             if group.flat_shard.is_meta and not values[0].is_meta:
-                group.materialize_meta_shard()  # a model sharded on meta, loaded with assign=True (or not)
+                materialize_meta_shard(group)  # a model sharded on meta, loaded with assign=True (or not)
             sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
 
 
