@@ -386,6 +386,11 @@ def fully_shard(
         raise TypeError(
             f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got {type(module).__name__}."
         )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):  # bool is an int
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): pass True, False, None (the default), or "
+            "an int that divides the shard group's size."
+        )
     if unit_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
