@@ -494,3 +494,42 @@ def _hsdp_requires_all_reduce(rank: int, world: int) -> None:
 
 def test_hsdp_requires_all_reduce_accumulates(pool4: WorkerPool) -> None:
     pool4.run(_hsdp_requires_all_reduce)
+
+
+def _placement_bf16_and_clipping(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    from fullshard import MixedPrecisionPolicy
+
+    # hidden=10: torch refuses uneven Shard(1), so the comparison uses even splits.
+    ours = _train(
+        _shard(
+            _model(hidden=10),
+            fully_shard,
+            shard_placement_fn=_largest_dim,
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        )
+    )
+    theirs = _train(
+        _shard(
+            _model(hidden=10),
+            torch_fully_shard,
+            shard_placement_fn=_largest_dim,
+            mp_policy=TorchMixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        )
+    )
+    _compare(ours, theirs)
+    clipped = []
+    for shard_fn in (fully_shard, torch_fully_shard):
+        model = _shard(_model(hidden=10), shard_fn, shard_placement_fn=_largest_dim)
+        torch.manual_seed(rank)
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.1)
+        clipped.append((norm.full_tensor(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(clipped[0][0], clipped[1][0], atol=ATOL, rtol=RTOL)
+    for name, grad in clipped[0][1].items():
+        torch.testing.assert_close(grad, clipped[1][1][name], atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_shard_placement_fn_bf16_and_clipping_match_torch(pool2: WorkerPool) -> None:
+    pool2.run(_placement_bf16_and_clipping)
