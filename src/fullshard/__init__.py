@@ -5,6 +5,7 @@ This module re-exports the public surface; it holds no logic.
 
 from fullshard.algorithms.checkpointing import apply_activation_checkpointing, checkpoint_module
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
+from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
 from fullshard.engine import (
     FSDP,
     BackwardPrefetch,
@@ -97,6 +98,8 @@ __all__ = [
     "infer_auto_device_map",
     "init_empty_weights",
     "load_checkpoint_in_model",
+    "register_matrix_optimizer",
     "skip_first_batches",
     "synchronize_rng_states",
+    "whole_param_step",
 ]

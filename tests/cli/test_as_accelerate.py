@@ -126,3 +126,27 @@ def test_torchrun_entry_point(tmp_path: Path) -> None:
     script.write_text("import accelerate\nprint('accelerate:', accelerate.__name__)\n")
     out = _run("", *entry, str(script), env={"FULLSHARD_AS_ACCELERATE": "1"})
     assert "accelerate: fullshard.accelerate" in out
+
+
+def test_peft_trl_and_the_trainer_import_under_the_mirror(tmp_path: Path) -> None:
+    # peft imports accelerate.hooks.remove_hook_from_submodules, TRL accelerate.utils.is_peft_model and
+    # accelerate.utils.fsdp_utils.get_parameters_from_modules at module level: every script stopped at import
+    script = tmp_path / "imports.py"
+    script.write_text(
+        textwrap.dedent("""
+        import peft, trl, transformers
+        from transformers import Trainer, TrainingArguments
+        from trl import SFTConfig, SFTTrainer
+        import trl.models.utils, trl.trainer.dpo_trainer, trl.trainer.callbacks, peft.mixed_model
+        import accelerate.utils.versions
+        from accelerate.hooks import remove_hook_from_submodules
+        from accelerate.utils import is_peft_model
+        import fullshard, torch
+        model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), peft.LoraConfig(target_modules=["0"]))
+        assert is_peft_model(model) and not is_peft_model(torch.nn.Linear(2, 2))
+        assert remove_hook_from_submodules is fullshard.accelerate.hooks.remove_hook_from_submodules
+        print("imports ok", accelerate.__name__ if (accelerate := __import__("accelerate")) else "")
+    """)
+    )
+    out = _run("", "-m", "fullshard.cli.main", "launch", "--num_processes", "1", "--as_accelerate", str(script))
+    assert "imports ok fullshard.accelerate" in out

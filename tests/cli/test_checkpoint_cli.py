@@ -12,6 +12,9 @@ from click.testing import CliRunner
 
 from fullshard.checkpoint import merge as merge_module
 from fullshard.checkpoint import save_sharded
+from fullshard.checkpoint.checksum import save_with_checksum
+from fullshard.checkpoint.transaction import SaveTransaction
+from fullshard.checkpoint.writer import write_sharded
 from fullshard.cli.main import cli
 
 
@@ -39,7 +42,7 @@ def test_verify_good_and_truncated(ckpt: Path) -> None:
     assert code == 0 and "OK" in output and "checksums" in output
     shard = ckpt / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])
-    _one_line_error(*_run("verify", str(ckpt)), f"{shard} is {shard.stat().st_size} bytes")
+    _one_line_error(*_run("verify", str(ckpt)), f"{shard} is truncated ({shard.stat().st_size} bytes")  # as a load
 
 
 def test_not_a_checkpoint_is_not_called_incomplete(tmp_path: Path) -> None:
@@ -136,14 +139,23 @@ def test_a_merge_onto_a_full_disk_says_how_much_it_needs(tmp_path: Path) -> None
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def _save_state_like(state: dict[str, object], folder: Path) -> None:
+    """A checkpoint as save_state writes it (one rank): a model folder, a random states file, markers, manifest."""
+    tx = SaveTransaction(folder, "test")
+    tx.begin()
+    for leaf, record in write_sharded(state, tx.staging / "pytorch_model_fsdp_0").items():
+        tx.record(f"pytorch_model_fsdp_0/{leaf}", record)
+    tx.record("random_states_0.pkl", save_with_checksum({"seed": 0}, tx.staging / "random_states_0.pkl"))
+    tx.commit()
+
+
 def test_a_folder_of_checkpoints_is_answered_with_the_list(tmp_path: Path) -> None:
     # - Set up: a project folder whose checkpoints/ holds checkpoint_0 and checkpoint_1 (and a plain file).
     project = tmp_path / "runs" / "x"
     g = torch.Generator().manual_seed(0)
     for i in range(2):
         state = {"model": {"w": torch.randn(4, 4, generator=g)}}
-        save_sharded(state, project / "checkpoints" / f"checkpoint_{i}" / "pytorch_model_fsdp_0")
-        (project / "checkpoints" / f"checkpoint_{i}" / "random_states_0.pkl").write_bytes(b"")
+        _save_state_like(state, project / "checkpoints" / f"checkpoint_{i}")
     (project / "checkpoints" / "notes.txt").write_text("x")
     latest = project / "checkpoints" / "checkpoint_1"
     # - Run / Check: both the project folder and its checkpoints/ list what they hold and name one to pass.

@@ -127,6 +127,25 @@ def test_a_killed_rank_ends_the_job_naming_it_and_its_log(tmp_path: Path, child_
     assert Path(log.group(1)).is_file() and Path(log.group(1)).parent.name == "1"
 
 
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_half_written_error_file_is_a_failure_without_a_message(child_env: dict[str, str], restarts: int) -> None:
+    # A worker killed while writing its error file leaves half of it: the launcher restarts the job (or ends it,
+    # naming the rank and the signal), never dies of it itself ([Note: an unreadable error file] in failures.py).
+    result = _launch(["--max_restarts", str(restarts), str(SCRIPTS / "half_error_file.py")], child_env, timeout=120)
+    output = result.stdout + result.stderr
+    assert "json.decoder" not in output, output
+    assert "Traceback" not in result.stderr, output
+    if restarts:
+        assert result.returncode == 0, output
+        back = sorted(re.findall(r"^BACK attempt=1 rank=(\d)", result.stdout, flags=re.MULTILINE))
+        assert back == ["0", "1"], output
+    else:
+        assert result.returncode == 128 + signal.SIGKILL, output
+        summary = result.stderr[result.stderr.index("fullshard launch: rank") :].splitlines()
+        assert summary[0].startswith("fullshard launch: rank 1 failed first (killed by SIGKILL)"), output
+        assert summary[1].startswith("  it failed without a message: its error file could not be read ("), output
+
+
 def test_an_extra_forward_on_one_rank_is_named_not_aborted(child_env: dict[str, str]) -> None:
     # Rank 1 runs one forward more: its gathers meet rank 0's backward gathers of other sizes, which made gloo
     # abort the process (SIGABRT, "Received data size doesn't match expected size") naming nothing.

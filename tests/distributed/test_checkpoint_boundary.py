@@ -57,6 +57,10 @@ def _double_fault(folder: Path, outside: Path) -> None:
     data = bytearray((model / "__0_0.distcp").read_bytes())
     data[offset + length - 8] ^= 0x01
     (model / "__0_0.distcp").write_bytes(bytes(data))
+    manifest = json.loads((folder / CHECKPOINT_MANIFEST).read_text())  # the marker's CRC-32, as a crafter would
+    written = (model / FOLDER_MARKER).read_bytes()
+    manifest["files"][f"pytorch_model_fsdp_0/{FOLDER_MARKER}"].update(size=len(written), crc32=zlib.crc32(written))
+    (folder / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
 
 
 CRAFTS = {

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from click.testing import CliRunner
 from fullshard import Accelerator
 from fullshard.checkpoint.checksum import ChecksumStream
 from fullshard.checkpoint.folder import is_complete_checkpoint
-from fullshard.checkpoint.names import CHECKPOINT_MANIFEST
+from fullshard.checkpoint.names import CHECKPOINT_MANIFEST, FOLDER_MARKER
 from fullshard.checkpoint.transaction import SaveTransaction
 from fullshard.checkpoint.verify import verify_checkpoint
 from fullshard.cli.main import cli
@@ -249,14 +250,14 @@ def test_bit_rot_is_found_by_verify_load_and_merge(pool2: WorkerPool, tmp_path: 
     bad = folder / "pytorch_model_fsdp_0" / "__1_0.distcp"
     _flip(bad)
     result = CliRunner().invoke(cli, ["verify", str(folder)])
-    assert result.exit_code == 2 and f"{bad} is corrupt: its CRC-32 is" in result.output
+    assert result.exit_code == 2 and f"{bad} is corrupt: the bytes of " in result.output  # as a load says it
     assert len(result.output.strip().splitlines()) == 1
     merged = CliRunner().invoke(
         cli, ["merge-weights", "--verify", str(folder / "pytorch_model_fsdp_0"), str(tmp_path / "o")]
     )
     assert merged.exit_code == 2 and f"{bad} is corrupt" in merged.output and not (tmp_path / "o").exists()
     for (message,) in pool2.run(load_each, [str(folder)], True):
-        assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: its CRC-32 is")
+        assert message.startswith(f"CheckpointDamagedError: {bad} is corrupt: the bytes of ")
 
 
 @pytest.mark.parametrize(
@@ -350,6 +351,8 @@ def test_damage_is_named_without_verify(pool2: WorkerPool, tmp_path: Path, saved
 
     for name, file in (("evil_scheduler", "scheduler.bin"), ("evil_rng", "random_states_1.pkl")):
         (cases[name] / CHECKPOINT_MANIFEST).unlink()  # as in a checkpoint written by Accelerate: no checksums
+        for marker in cases[name].glob(f"*/{FOLDER_MARKER}"):  # (a marker left would show that fullshard wrote it)
+            marker.unlink()
         protocol = pickle.HIGHEST_PROTOCOL if name == "evil_rng" else 2  # torch's loader words these two apart
         torch.save({"x": Evil()}, cases[name] / file, pickle_protocol=protocol)
     # - Run: load each on 2 ranks
@@ -370,3 +373,25 @@ def test_damage_is_named_without_verify(pool2: WorkerPool, tmp_path: Path, saved
     assert f"{cases['evil_scheduler'] / 'scheduler.bin'} was refused: it asks for posix.system" in got["evil_scheduler"]
     assert f"{cases['evil_rng'] / 'random_states_1.pkl'} was refused: it holds more than tensors" in got["evil_rng"]
     assert "weights_only" not in got["evil_scheduler"] + got["evil_rng"]
+
+
+def load_warned(rank: int, world: int, folder: str) -> tuple[Any, list[str]]:
+    """``load_each`` of one folder, with the warnings this rank gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (result,) = load_each(rank, world, [folder])
+    return result, [str(w.message) for w in caught if "records no checksums" in str(w.message)]
+
+
+def test_an_unchecked_load_says_so_once_on_rank_0(pool2: WorkerPool, tmp_path: Path, saved: tuple[Path, Any]) -> None:
+    # - Set up: the checkpoint as Accelerate would have written it: no manifest, no markers
+    folder = Path(shutil.copytree(saved[0], tmp_path / "ckpt"))
+    (folder / CHECKPOINT_MANIFEST).unlink()
+    for marker in folder.glob(f"*/{FOLDER_MARKER}"):
+        marker.unlink()
+    # - Run
+    (loaded0, said0), (loaded1, said1) = pool2.run(load_warned, str(folder))
+    # - Check: it loads the saved values, and says once, on rank 0 only, that nothing was checksummed
+    assert _same(loaded0, saved[1]) and not isinstance(loaded1, str), loaded1  # rank 0 holds the full state dict
+    assert len(said0) == 1 and said1 == [], (said0, said1)
+    assert "written by Accelerate or a fullshard before 2026-11-23" in said0[0]

@@ -7,6 +7,7 @@ naming the first job before either loses anything ([Note: one job per checkpoint
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -16,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from fullshard.checkpoint import save_sharded
+from fullshard.checkpoint.errors import CheckpointBusyError
 from fullshard.checkpoint.manifest import read_manifest
-from fullshard.checkpoint.transaction import SaveTransaction
+from fullshard.checkpoint.transaction import STAGING_TAG, SaveTransaction, staging_folder
 from fullshard.checkpoint.verify import verify_checkpoint
 from fullshard.testing import WorkerPool
 from tests.distributed.test_checkpoint_faults import _train
@@ -118,3 +122,30 @@ def test_a_second_save_to_the_same_folder_names_the_first_job(
     verify_checkpoint(folder)
     assert read_manifest(folder).save_id != before
     assert not (tmp_path / "ckpt.incomplete").exists()
+
+
+def save_busy(rank: int, world: int, folder: str) -> tuple[str, str]:
+    """save_sharded into a folder another job is saving: which class each rank caught, and its message."""
+    try:
+        save_sharded({"w": torch.full((4,), float(rank))}, folder)
+    except CheckpointBusyError as exc:
+        return ("CheckpointBusyError", str(exc))
+    except RuntimeError as exc:
+        return (type(exc).__name__, str(exc))
+    return ("saved", "")
+
+
+def test_a_busy_folder_raises_checkpoint_busy_error_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
+    # - Set up: the folder's staging folder belongs to a live job on this host (this test's process)
+    folder = tmp_path / "ckpt"
+    staging = staging_folder(folder)
+    staging.mkdir()
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": None, "save_id": "feed", "since": 0.0}
+    (staging / STAGING_TAG).write_text(json.dumps(owner))
+    # - Run: a 2-rank save to that folder
+    results = pool2.run(save_busy, str(folder))
+    # - Check: the documented class on both ranks (caught by `except CheckpointBusyError`), naming the owner
+    for kind, message in results:
+        assert kind == "CheckpointBusyError", results
+        assert f"pid {os.getpid()}" in message and "is being saved by another job" in message, message
+    assert staging.is_dir() and not folder.exists()

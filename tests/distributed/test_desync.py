@@ -110,7 +110,9 @@ def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None
         mine, theirs = ("unit 'b'", "unit 'a'") if rank == 0 else ("unit 'a'", "unit 'b'")
         assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
         assert len(re.findall(r"in its forward #\d+", message)) == 2, message  # each rank's forward count
-        assert elapsed < 4, f"rank {rank} took {elapsed:.1f}s: the header should fail before the 4s timeout"
+        # A DesyncError at all shows the header failed first: the group's 4 s timeout raises gloo's own error, which
+        # the message checks above would reject. The bound only catches a hang, with room for a loaded machine.
+        assert elapsed < 60, f"rank {rank} took {elapsed:.1f}s"
 
 
 def _check_switch(rank: int, world_size: int) -> list[bool]:

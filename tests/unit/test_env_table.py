@@ -28,7 +28,10 @@ ACCELERATE_FSDP_VARS = {
     "ignored_modules": "FSDP_IGNORED_MODULES",
 }
 # fullshard's own settings in the same family (Accelerate has no such field).
-FULLSHARD_FSDP_VARS = {"invariant_micro_batches": "FSDP_INVARIANT_MICRO_BATCHES"}
+FULLSHARD_FSDP_VARS = {
+    "invariant_micro_batches": "FSDP_INVARIANT_MICRO_BATCHES",
+    "whole_param_step": "FSDP_WHOLE_PARAM_STEP",
+}
 
 
 @pytest.fixture(autouse=True)

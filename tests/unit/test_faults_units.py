@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -13,6 +16,7 @@ import pytest
 import fullshard
 import fullshard.utils
 from fullshard.cli import failures, worker
+from fullshard.cli import main as cli_main
 from fullshard.frontend import runtime
 from fullshard.frontend.handlers import InitProcessGroupKwargs, process_group_kwargs
 
@@ -172,3 +176,89 @@ def test_a_rank_still_running_when_another_timed_out_is_named_first() -> None:
     raised = {0: _Failure(0, 1, 100, error_file_data=_raised("ValueError: boom", 100.0))}
     outcome = failures.describe_failures(raised, stragglers={1: straggler})
     assert outcome.message.startswith("fullshard launch: rank 0 failed first (exit code 1)")
+
+
+def test_the_error_file_is_written_whole_by_a_rename(tmp_path, monkeypatch) -> None:
+    # - Set up: a half error file already there (a reader must never see one half written by the worker)
+    path = tmp_path / "error.json"
+    path.write_text('{"message": {"mess')
+    before = path.stat().st_ino
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", "3")
+    # - Run
+    handler = worker._RankErrorHandler()
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        handler.record_exception(exc)
+    # - Check: a new file (renamed into place, not written through the old one), whole JSON, nothing left over
+    assert path.stat().st_ino != before
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "ValueError: boom" and data["fullshard"]["rank"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_an_unreadable_error_file_is_a_failure_without_a_message(tmp_path) -> None:
+    from torch.distributed.elastic.multiprocessing import api
+
+    half = tmp_path / "error.json"
+    half.write_text('{"message": {"message": "ValueError: cut sh')
+    with pytest.raises(json.JSONDecodeError):
+        api.ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(half))  # torch's agent, alone
+    with failures.readable_error_files():
+        failure = api.ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(half))
+    assert api.ProcessFailure.__name__ == "ProcessFailure"  # put back
+    assert failure.message == "Signal 9 (SIGKILL) received by PID 7"
+    outcome = failures.describe_failures({1: failure})
+    assert outcome.exit_code == 128 + signal.SIGKILL
+    assert outcome.message.splitlines() == [
+        "fullshard launch: rank 1 failed first (killed by SIGKILL); its output is above (pass --log_dir DIR to keep "
+        "each rank's output in a file)",
+        "  it failed without a message: its error file could not be read (JSONDecodeError: Unterminated string "
+        "starting at: line 1 column 25 (char 24))",
+    ]
+
+
+_ENDING = """
+import atexit, sys
+from fullshard.cli.shutdown import exit_without_teardown
+
+class Late:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+keep = Late()
+atexit.register(lambda: print("atexit ran"))
+print("unflushed ", end="")
+{end}(5)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit_without_teardown", "sys.exit"])
+def test_the_launcher_and_workers_end_without_the_interpreters_teardown(end: str) -> None:
+    # The launcher ends this way after its summary: the teardown of everything it imported took 2-4 s (see
+    # [Note: ending the launcher] in cli/shutdown.py). sys.exit is the control: there the teardown runs.
+    done = subprocess.run([sys.executable, "-c", _ENDING.format(end=end)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 5, done.stderr
+    assert done.stdout.startswith("unflushed atexit ran"), done.stdout  # atexit handlers ran, the streams flushed
+    assert ("teardown ran" in done.stdout) == (end == "sys.exit"), done.stdout
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["--help"], 0), (["verify", "/nonexistent/ckpt"], 2)])
+def test_the_fullshard_command_ends_without_teardown_with_its_exit_code(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], code: int
+) -> None:
+    ended: list[int] = []
+
+    class _Ended(Exception):
+        pass
+
+    def record(value: int) -> None:
+        ended.append(value)
+        raise _Ended
+
+    monkeypatch.setattr(cli_main, "exit_without_teardown", record)
+    monkeypatch.setattr(sys, "argv", ["fullshard", *argv])
+    with pytest.raises(_Ended):
+        cli_main.main()
+    assert ended == [code]

@@ -16,6 +16,20 @@ A save to ``dir`` (``save_state`` or ``save_sharded``: one protocol, [Note: whol
   (written near the end of such a save) and every sharded subfolder holding data files also holds
   ``.metadata`` (which torch writes last).
 
+[Note: one rule for every reader]
+A sharded subfolder of a ``save_state`` checkpoint (``ck/pytorch_model_fsdp_0``, ``ck/optimizer_0``) is read
+by ``load_state(ck)``, and alone by ``load_sharded``, ``merge_fsdp_weights`` and ``verify`` given the subfolder.
+Each of them runs :func:`check_part` on it first (the loads of ``ck`` through ``verify.check_parts``, a
+subfolder given alone through :func:`check_enclosing`), so the same folder is refused by all of them or by
+none: the subfolder is not a symbolic link (even when it is the folder named); with the checkpoint's manifest,
+every file the manifest lists under it is there with its recorded size, nothing else is, its marker has the
+CRC-32 the manifest records (the marker holds the checksums of everything else in the subfolder) and the
+manifest's save id. A checkpoint that fullshard wrote (a subfolder's marker carries a save id, which only a
+save that also writes the manifest records in a checkpoint) cannot be taken for an unchecked one by deleting
+records: without its manifest it is refused, naming the markers that show it. A sharded folder read alone counts
+as a part of a checkpoint when its parent holds a manifest or ``random_states_0.pkl`` (``save_state`` writes
+both); otherwise it is a folder of its own (``save_sharded``'s), whose marker is its only record.
+
 "This file has its recorded size" is one check too (:func:`size_problem`), run by the commit before it renames,
 by the loads and by ``verify``. One sharded folder loaded alone (``load_sharded``, ``merge_fsdp_weights``) is
 complete when it has ``.metadata`` and its marker's sizes hold (``reader.resolve_checkpoint_dir``, on top of
@@ -28,12 +42,17 @@ import enum
 import os
 from pathlib import Path
 
+from fullshard.checkpoint.boundary import entry_path
+from fullshard.checkpoint.checksum import file_checksum
 from fullshard.checkpoint.errors import CheckpointDamagedError
-from fullshard.checkpoint.manifest import FileRecord, read_manifest
+from fullshard.checkpoint.manifest import FileRecord, Manifest, read_folder_marker, read_manifest
 from fullshard.checkpoint.names import (
+    CHECKPOINT_MANIFEST,
     DCP_METADATA_FILE,
+    FOLDER_MARKER,
     PREVIOUS_SUFFIX,
     STAGING_SUFFIX,
+    is_load_state_part,
     is_staging_name,
     previous_folder,
     rng_state_file_name,
@@ -42,7 +61,9 @@ from fullshard.checkpoint.names import (
 
 __all__ = [
     "FolderState",
+    "check_enclosing",
     "check_output_dir",
+    "check_part",
     "check_sizes",
     "checkpoint_state",
     "folder_to_load",
@@ -167,3 +188,77 @@ def check_output_dir(output_dir: object, where: str) -> Path:
             "pick another name."
         )
     return out
+
+
+# --- the sharded subfolders of a save_state checkpoint: see [Note: one rule for every reader] ---------------------
+
+
+def _marked_parts(root: Path) -> list[str]:
+    """The subfolders of ``root`` that ``load_state`` reads and whose marker carries a save id."""
+    found = []
+    for sub in sorted(root.iterdir()):
+        if sub.is_dir() and not sub.is_symlink() and is_load_state_part(sub.name):
+            marker = read_folder_marker(sub)
+            if marker is not None and marker.save_id is not None:
+                found.append(sub.name)
+    return found
+
+
+def _missing_manifest(root: Path) -> CheckpointDamagedError:
+    parts = ", ".join(f"'{name}'" for name in _marked_parts(root))
+    return CheckpointDamagedError(
+        f"{root / CHECKPOINT_MANIFEST} is missing, but fullshard wrote this checkpoint ({parts} carry the save's "
+        "markers): without its manifest it cannot be checked, and it is not loaded unchecked. Load another "
+        "checkpoint, or re-save."
+    )
+
+
+def check_part(root: Path, name: str, manifest: Manifest | None) -> Path:
+    """The sharded subfolder ``name`` of the ``save_state`` checkpoint ``root``, checked as every reader checks it
+    before reading any of it (``manifest``: ``root``'s); returns its path. See [Note: one rule for every reader]."""
+    sub = entry_path(root, name)  # a subfolder that is a link is refused, not followed
+    if manifest is None:
+        if _marked_parts(root):
+            raise _missing_manifest(root)
+        return sub
+    prefix = f"{name}/"
+    listed = {key[len(prefix) :]: record for key, record in manifest.files.items() if key.startswith(prefix)}
+    marker = listed.get(FOLDER_MARKER)
+    if marker is None:
+        raise CheckpointDamagedError(
+            f"{sub} is not part of save {manifest.save_id} ({manifest.path} lists no {FOLDER_MARKER} for it): it "
+            "comes from another save. Remove it, or load another checkpoint."
+        )
+    own = read_folder_marker(sub)  # first: a folder copied in from another save is named as such
+    if own is not None and own.save_id != manifest.save_id:
+        raise CheckpointDamagedError(
+            f"{root}: its parts come from different saves: '{name}' is from save {own.save_id}, the checkpoint "
+            f"({CHECKPOINT_MANIFEST}) from save {manifest.save_id}. Load another checkpoint, or re-save."
+        )
+    check_sizes(sub, listed, f"{manifest.path.name} of {root}")
+    for path in sorted(sub.iterdir()):
+        if path.name not in listed:
+            raise CheckpointDamagedError(
+                f"{path} is not part of save {manifest.save_id} ({manifest.path} does not list it): it comes from "
+                "another save. Remove it, or load another checkpoint."
+            )
+    actual = file_checksum(sub / FOLDER_MARKER)  # small: it holds the checksums of everything else in the folder
+    if marker.crc32 is not None and actual.crc32 != marker.crc32:
+        raise CheckpointDamagedError(
+            f"{sub / FOLDER_MARKER} is corrupt: its CRC-32 is {actual.crc32:08x}, but {manifest.path} records "
+            f"{marker.crc32:08x}. Load another checkpoint, or re-save."
+        )
+    return sub
+
+
+def check_enclosing(folder: Path) -> None:
+    """A sharded folder read alone (``load_sharded``, ``merge``, ``verify`` of it): if it is a part of a
+    ``save_state`` checkpoint, the checks every load of that checkpoint runs on it (:func:`check_part`)."""
+    folder = Path(os.path.abspath(folder))
+    root = folder.parent
+    if not is_load_state_part(folder.name) or root == folder:
+        return
+    manifest = read_manifest(root)
+    if manifest is None and not (root / rng_state_file_name(0)).is_file():
+        return  # not inside a save_state checkpoint (which writes both): a folder of its own, e.g. save_sharded's
+    check_part(root, folder.name, manifest)

@@ -49,6 +49,7 @@ from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
     load_checked,
     read_checked_metadata,
+    read_error_line,
     resolve_checkpoint_dir,
     storage_files,
 )
@@ -107,7 +108,7 @@ class _ShardedSource:
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             raise RuntimeError(
                 f"merge_fsdp_weights: reading {sorted(state)[:3]} from {self._culprits(list(state))} failed; the "
-                f"file is corrupt or was not written completely ({_first_line(exc)}). Re-save the checkpoint."
+                f"file is corrupt or was not written completely ({read_error_line(exc)}). Re-save the checkpoint."
             ) from exc
 
     def _culprits(self, fqns: list[str]) -> list[str]:
@@ -141,17 +142,6 @@ class _ShardedSource:
         if state:
             self._load(state)
         return state
-
-
-def _first_line(exc: BaseException) -> str:
-    # CheckpointException carries per-rank failures whose text is a whole traceback; keep the root cause.
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))  # (exception, stack summary)
-        exc = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else exc
-    lines = str(exc).strip().splitlines()
-    # First sentence only: torch's unpickling errors go on to suggest weights_only=False, which we never want.
-    return f"{type(exc).__name__}: {lines[0].split('. ')[0] if lines else ''}"
 
 
 def _progress(show: bool, total_bytes: int, label: str) -> tuple[Callable[[TensorSpec], None] | None, Any]:

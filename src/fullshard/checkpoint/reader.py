@@ -61,7 +61,7 @@ from fullshard.checkpoint.direct_read import (
     read_item_into,
 )
 from fullshard.checkpoint.errors import CheckpointDamagedError
-from fullshard.checkpoint.folder import check_sizes, missing_hint, missing_message, staging_error
+from fullshard.checkpoint.folder import check_enclosing, check_sizes, missing_hint, missing_message, staging_error
 from fullshard.checkpoint.manifest import read_folder_marker
 from fullshard.checkpoint.names import (
     DCP_METADATA_FILE,
@@ -69,6 +69,7 @@ from fullshard.checkpoint.names import (
     FSDP_MODEL_NAME,
     PREVIOUS_SUFFIX,
     STAGING_SUFFIX,
+    dcp_shard_file_name,
     is_staging_name,
 )
 
@@ -83,6 +84,8 @@ __all__ = [
     "load_checked",
     "read_checked_metadata",
     "quiet_single_process_warning",
+    "read_error_line",
+    "read_every_item",
     "read_metadata",
     "resolve_checkpoint_dir",
     "storage_files",
@@ -458,6 +461,13 @@ def _check_marker(root: Path, metadata: Metadata) -> None:
     if marker is None:
         return
     check_sizes(root, marker.files, FOLDER_MARKER)
+    for rank in range(marker.world_size):  # every saving rank's data file is one of the folder's records
+        if dcp_shard_file_name(rank) not in marker.files:
+            raise CheckpointDamagedError(
+                f"{root / dcp_shard_file_name(rank)} is missing from {FOLDER_MARKER} (the save had "
+                f"{marker.world_size} ranks): the checkpoint is incomplete or its marker was altered. Load another "
+                "checkpoint."
+            )
     listed = {(rel, offset, length) for rel, record in marker.files.items() for offset, length, _ in record.items}
     if not listed:  # saved without per-item checksums (Accelerate, torch, older fullshard, no ISA-L)
         return
@@ -516,4 +526,38 @@ def resolve_checkpoint_dir(checkpoint_dir: str | os.PathLike[str], *, caller: st
             f"{where}: this folder is not a sharded checkpoint (it holds no {DCP_METADATA_FILE} and no .distcp "
             "files). Pass the folder save_state wrote for the model, e.g. ckpt/pytorch_model_fsdp_0."
         )
+    check_enclosing(root)  # a part of a save_state checkpoint: what a load of that checkpoint checks of it
     return root
+
+
+def read_every_item(checkpoint_dir: Path, metadata: Metadata, *, share: tuple[int, int] = (0, 1)) -> None:
+    """Read every stored value of a folder that :func:`read_checked_metadata` took, one at a time, as a load
+    reads it (:class:`SafeFileSystemReader`: checked reads, the safe planner), and drop it: what ``verify`` runs
+    so that it refuses what a load refuses. ``share=(rank, world)``: every ``world``-th value from ``rank``."""
+    reader = SafeFileSystemReader(checkpoint_dir, metadata)
+    rank, world = share
+    for i, (fqn, md) in enumerate(sorted(metadata.state_dict_metadata.items())):
+        if i % world != rank:
+            continue
+        tensor = isinstance(md, TensorStorageMetadata)
+        state = {fqn: torch.empty(tuple(md.size), dtype=md.properties.dtype) if tensor else None}
+        try:
+            load_checked(state, reader, no_dist=True)
+        except CheckpointDamagedError:
+            raise
+        except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise CheckpointDamagedError(
+                f"{checkpoint_dir}: the stored value of {fqn!r} cannot be read ({read_error_line(exc)}); the "
+                "checkpoint is damaged. Load another checkpoint."
+            ) from None
+
+
+def read_error_line(exc: BaseException) -> str:
+    """A failed read in one line: DCP's wrapper unwrapped to the first rank's error, its first sentence only (torch's
+    unpickling errors go on to suggest ``weights_only=False``, which fullshard never uses)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else exc
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0].split('. ')[0] if lines else ''}"

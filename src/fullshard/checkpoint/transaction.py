@@ -278,9 +278,11 @@ class SaveTransaction:
     def begin(self) -> None:
         """Claim the staging folder, clean up after killed saves (a collective). Raises
         :class:`CheckpointBusyError` on every rank when another job is saving to the same folder."""
-        found, _, failed = run_everywhere(self._prepare if self.rank == 0 else lambda: None, self.process_group)
-        if failed:
-            self._raise("preparing the staging folder", failed, cleanup=False)
+        found, error, failed = run_everywhere(self._prepare if self.rank == 0 else lambda: None, self.process_group)
+        if failed:  # every rank is here: the busy case keeps its documented class on every rank
+            busy = any(gather_from_ranks(isinstance(error, CheckpointBusyError), self.process_group))
+            self._raise("preparing the staging folder", failed, cleanup=False,
+                        error_type=CheckpointBusyError if busy else RuntimeError)  # fmt: skip
         ids: list[Any] = [found]
         if self.world > 1:
             dist.broadcast_object_list(ids, src=dist.get_global_rank(self.process_group, 0)
@@ -377,7 +379,9 @@ class SaveTransaction:
 
     # --- failure ------------------------------------------------------------------------------------
 
-    def _raise(self, what: str, failed: dict[int, str], *, cleanup: bool) -> None:
+    def _raise(
+        self, what: str, failed: dict[int, str], *, cleanup: bool, error_type: type[RuntimeError] = RuntimeError
+    ) -> None:
         removed = ""
         release_staging(self.save_id)
         if cleanup and self.rank == 0:
@@ -385,7 +389,7 @@ class SaveTransaction:
         if cleanup:
             removed = " The partial save was removed."
         reasons = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(failed.items()))
-        raise RuntimeError(
+        raise error_type(
             f"{self.where}: {what} failed on rank(s) {sorted(failed)} ({reasons}). The checkpoint at "
             f"'{self.target}' is unchanged.{removed}"
         )

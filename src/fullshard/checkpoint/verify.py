@@ -3,15 +3,29 @@
 Two levels:
 
 - :func:`check_parts` (cheap, run by every ``load_state``): with a manifest, every file it lists is present
-  with its recorded size, no part that ``load_state`` reads is missing from it, and every sharded subfolder's
-  marker carries the manifest's ``save_id`` (a folder copied in from another save is named). Without one
-  (Accelerate, older fullshard), the subfolders' markers, if any, must agree on their ``save_id``.
-- :func:`verify_checkpoint` (reads every byte): the above, plus every file's CRC-32 against the one recorded
-  when it was written, every sharded folder's ``.metadata`` against its data files (each file present and
-  long enough), and every saving rank's files present (``random_states_<r>.pkl``, ``__<r>_0.distcp``).
+  with its recorded size, no part that ``load_state`` reads is missing from it, every saving rank's random
+  states file is listed, and every sharded subfolder passes :func:`~fullshard.checkpoint.folder.check_part`
+  (not a link, its marker's CRC-32 and ``save_id`` those the manifest records: a folder copied in from another
+  save is named). Without one (Accelerate, older fullshard), the subfolders' markers, if any, must agree on
+  their ``save_id``, and a checkpoint whose markers show that fullshard wrote it is refused (its manifest was
+  removed). See [Note: one rule for every reader] in ``folder.py``.
+- :func:`verify_checkpoint` (reads every byte): what a load checks, in full, and what a load would read
+  (see [Note: verify is a load]).
 
 Both raise :class:`CheckpointDamagedError` naming the first bad file (in sorted order) and what is wrong,
 or :class:`NotACheckpointError` for a folder that holds no checkpoint at all.
+
+[Note: verify is a load]
+``verify`` answers "will a load of this work, and load what was saved?", so it refuses exactly what some load
+would refuse, for the same reason, and nothing a load takes: the cheap checks above (the ones ``load_state``
+runs, or for a sharded folder given alone those ``load_sharded`` and ``merge`` run: ``reader.
+resolve_checkpoint_dir``); each sharded folder's ``.metadata`` (against its marker's CRC-32) and data files;
+every stored value of every sharded folder read as a load reads it, item CRCs included
+(``reader.read_every_item``); every plain file a load reads whole checked against the manifest's CRC-32 and
+read by the same safe unpickler. Two checks go beyond a load, since a load cannot make them: a data file whose
+marker records a whole-file CRC-32 but no item checksums (no ISA-L when it was saved) is checked whole, and
+files with other hard links (``st_nlink > 1``: a write through another name changes this checkpoint) are
+named in the report (:attr:`VerifyReport.linked`), not refused.
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ from fullshard.checkpoint.checksum import file_checksum
 from fullshard.checkpoint.errors import CheckpointDamagedError, NotACheckpointError
 from fullshard.checkpoint.folder import (
     FolderState,
+    check_enclosing,
+    check_part,
     check_sizes,
     checkpoint_state,
     folder_to_load,
@@ -37,11 +53,12 @@ from fullshard.checkpoint.names import (
     CHECKPOINT_MANIFEST,
     DCP_METADATA_FILE,
     FOLDER_MARKER,
-    dcp_shard_file_name,
+    RNG_STATE_NAME,
     is_load_state_part,
     rng_state_file_name,
 )
-from fullshard.checkpoint.reader import check_data_files, read_metadata
+from fullshard.checkpoint.reader import check_data_files, read_every_item, read_metadata
+from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
 
 __all__ = ["CheckpointDamagedError", "NotACheckpointError", "VerifyReport", "check_parts", "verify_checkpoint"]
 
@@ -56,6 +73,7 @@ class VerifyReport:
     checksummed: bool  # False for checkpoints written without checksums (Accelerate, older fullshard)
     save_id: str | None
     note: str = ""  # what load_state would do differently (it falls back to ``<folder>.previous``)
+    linked: tuple[str, ...] = ()  # files with other hard links (st_nlink > 1), relative to ``folder``
 
 
 def _dcp_folders(root: Path) -> list[Path]:
@@ -122,7 +140,21 @@ def check_parts(folder: str | os.PathLike[str]) -> Manifest | None:
     if manifest is not None:
         _check_listed(root, manifest)
         _check_unlisted(root, manifest)
+        _check_rng_files(root, manifest)
+    for sub in _dcp_folders(root):
+        if is_load_state_part(sub.name):
+            check_part(root, sub.name, manifest)
     return manifest
+
+
+def _check_rng_files(root: Path, manifest: Manifest) -> None:
+    for rank in range(manifest.world_size):
+        name = rng_state_file_name(rank)
+        if name not in manifest.files:
+            raise CheckpointDamagedError(
+                f"{root / name} is missing (the save had {manifest.world_size} ranks; {manifest.path} lacks this "
+                "rank's file): the checkpoint is incomplete. Load another checkpoint."
+            )
 
 
 def check_file(path: Path, manifest: Manifest | None) -> None:
@@ -139,28 +171,50 @@ def check_file(path: Path, manifest: Manifest | None) -> None:
         )
 
 
-def _check_ranks(root: Path, manifest: Manifest, single: bool) -> None:
-    world = manifest.world_size
-    expected = [] if single else [rng_state_file_name(r) for r in range(world)]
-    folders = [root] if single else [p for p in _dcp_folders(root)]
-    for sub in folders:
-        prefix = "" if single else f"{sub.name}/"
-        expected += [f"{prefix}{dcp_shard_file_name(r)}" for r in range(world)]
-    for name in expected:
-        if name not in manifest.files:
-            raise CheckpointDamagedError(
-                f"{root / name} is missing (the save had {world} ranks; the manifest {manifest.path} lacks this "
-                "rank's file): the checkpoint is incomplete. Load another checkpoint."
-            )
-
-
-def _check_dcp(folder: Path) -> None:
+def _check_dcp(folder: Path, share: tuple[int, int]) -> None:
+    """A sharded folder as a load reads it, every value (see [Note: verify is a load])."""
     if not (folder / DCP_METADATA_FILE).is_file():
         raise CheckpointDamagedError(missing_message(folder / DCP_METADATA_FILE))
     try:
-        check_data_files(folder, read_metadata(folder))
+        metadata = read_metadata(folder)
+        check_data_files(folder, metadata)
     except (FileNotFoundError, RuntimeError) as exc:
         raise CheckpointDamagedError(str(exc)) from None
+    read_every_item(folder, metadata, share=share)
+    marker = read_folder_marker(folder)
+    if marker is None:
+        return
+    rank, world = share
+    unchecked = [name for name, record in sorted(marker.files.items()) if name.endswith(".distcp") and not record.items]
+    for i, name in enumerate(unchecked):  # no item checksums: the whole file's, which a load cannot check
+        if i % world == rank:
+            check_file(folder / name, marker)
+
+
+def _read_plain_files(root: Path, manifest: Manifest | None, share: tuple[int, int]) -> None:
+    """Every plain file a load reads whole: its CRC-32 against the manifest's (if any; ``check_parts`` refused
+    the files it does not list), then read by the same safe unpickler."""
+    rank, world = share
+    plain = [p.name for p in sorted(root.iterdir()) if is_load_state_part(p.name) and not p.is_dir()]
+    for i, name in enumerate(plain):
+        if i % world != rank:
+            continue
+        path = entry_path(root, name)
+        check_file(path, manifest)
+        try:
+            (load_rng_file if name.startswith(RNG_STATE_NAME) else load_small_file)(path)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise CheckpointDamagedError(str(exc)) from None
+
+
+def _hard_links(root: Path) -> tuple[str, ...]:
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath, name)
+            if not path.is_symlink() and path.stat().st_nlink > 1:
+                found.append(path.relative_to(root).as_posix())
+    return tuple(sorted(found))
 
 
 def _not_a_checkpoint(root: Path) -> NotACheckpointError:
@@ -198,21 +252,16 @@ def verify_checkpoint(folder: str | os.PathLike[str], *, share: tuple[int, int] 
     manifest, single = _describe(root)
     if manifest is None and not single and not (root / rng_state_file_name(0)).is_file() and not _dcp_folders(root):
         raise _not_a_checkpoint(root)
+    share = share or (0, 1)
     if single:
-        if manifest is not None:
-            _check_listed(root, manifest)
+        check_enclosing(root)  # a part of a save_state checkpoint: what its loads check of it
+        _check_dcp(root, share)
     else:
         check_parts(root)
-    if manifest is not None:
-        _check_ranks(root, manifest, single)
-        rank, world = share or (0, 1)
-        for i, (name, record) in enumerate(sorted(manifest.files.items())):
-            if i % world != rank or record.crc32 is None:
-                continue
-            check_file(root / name, manifest)
-    for sub in [root] if single else _dcp_folders(root):
-        _check_dcp(sub)
+        _read_plain_files(root, manifest, share)
+        for sub in _dcp_folders(root):
+            _check_dcp(sub, share)
     files = manifest.files if manifest is not None else {}
     checksummed = manifest is not None and all(r.crc32 is not None for r in files.values())
     return VerifyReport(root, len(files), sum(r.size for r in files.values()), checksummed,
-                        manifest.save_id if manifest else None)  # fmt: skip
+                        manifest.save_id if manifest else None, linked=_hard_links(root))  # fmt: skip

@@ -8,6 +8,14 @@ connection was lost counts as secondary, and the rest are ordered by the exact t
 (``worker.py``) recorded, else torch's timestamp (a killed worker leaves no file: torch stamps the time it
 noticed). The summary names that rank, how it ended (exit code or signal), its error, and where its output is.
 
+[Note: an unreadable error file]
+torch's agent reads a failed worker's error file when it notices the exit, and raises out of the launcher
+itself (``ProcessFailure.__post_init__``: ``json.decoder.JSONDecodeError``) when the file is not whole JSON,
+so the job neither restarts nor reports. The worker writes the file by a rename (``worker.write_whole``), but a
+script may write it another way; so while torch's launcher runs, :func:`readable_error_files` has the agent
+build its failures with :class:`_ReadableFailure`, which takes an unreadable file for no file (the worker
+"failed without a message", by its exit code or signal) and keeps why under ``"fullshard"`` for the summary.
+
 Exit codes follow the shell's convention: the first failure's exit code, or ``128 + signal`` when it was
 killed by a signal; after SIGTERM to the launcher, 0 if every worker stopped cleanly, else ``128 + signal``.
 """
@@ -17,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +39,7 @@ __all__ = [
     "exit_code_of",
     "read_identities",
     "read_statuses",
+    "readable_error_files",
     "write_identity",
     "write_status",
 ]
@@ -59,6 +68,38 @@ class Outcome:
 
     message: str
     exit_code: int
+
+
+@contextlib.contextmanager
+def readable_error_files() -> Iterator[None]:
+    """While open, torch's agent takes a worker's unreadable error file for none; see [Note: an unreadable error
+    file]."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    agent_class = api.ProcessFailure
+    api.ProcessFailure = _readable_failure_class(agent_class)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        api.ProcessFailure = agent_class  # type: ignore[misc]
+
+
+def _readable_failure_class(base: type) -> type:
+    class _ReadableFailure(base):  # type: ignore[misc,valid-type]
+        """torch's ``ProcessFailure``, built as if there were no error file when the file cannot be read."""
+
+        def __post_init__(self) -> None:
+            try:
+                super().__post_init__()
+            except Exception as exc:  # torch re-raises whatever reading the file raised
+                unreadable = self.error_file
+                self.error_file = os.devnull  # not a regular file: torch takes it for a missing one
+                super().__post_init__()
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.error_file_data = {**self.error_file_data, "fullshard": {"unreadable": reason}}
+                self.error_file = unreadable
+
+    return _ReadableFailure
 
 
 def exit_code_of(exitcode: int) -> int:
@@ -131,6 +172,8 @@ def describe_failures(
     lines = [f"fullshard launch: rank {first_rank} failed first ({_how(exitcode)}); {log}"]
     if text:
         lines.append(f"  error{f' (the same on {ranks})' if same else ''}: {text}")
+    elif unreadable := (getattr(first, "error_file_data", None) or {}).get("fullshard", {}).get("unreadable"):
+        lines.append(f"  it failed without a message: its error file could not be read ({unreadable})")
     if stack:
         lines += [f"  traceback of {ranks}:", *("    " + line for line in stack.rstrip().splitlines())]
     lines += _then([rank for rank in order[1:] if rank not in same], failures)

@@ -277,7 +277,8 @@ def run_launch(plan: LaunchPlan) -> int:
         variables[failures.LAUNCHER_PID_VAR] = str(os.getpid())  # the workers end with this process (worker.py)
         try:
             watch = shutdown.watching(status_dir, plan.local_world_size, plan.shutdown_timeout)
-            with env.patched(variables), _torch_logs(shown=plan.verbose), watch as stragglers:
+            agent = failures.readable_error_files()  # see [Note: an unreadable error file] in failures.py
+            with env.patched(variables), _torch_logs(shown=plan.verbose), agent, watch as stragglers:
                 torchrun.run(torchrun.parse_args(plan.argv))
         except ChildFailedError as exc:
             outcome = failures.describe_failures(exc.failures, plan.log_dir, stragglers.stragglers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from fullshard.cli.commands.config import config_command
@@ -10,6 +12,7 @@ from fullshard.cli.commands.estimate import estimate_command
 from fullshard.cli.commands.launch import launch_command
 from fullshard.cli.commands.merge import merge_command
 from fullshard.cli.commands.verify import verify_command
+from fullshard.cli.shutdown import exit_without_teardown
 
 __all__ = ["cli", "main"]
 
@@ -40,8 +43,18 @@ for _command in _COMMANDS:
 
 
 def main() -> None:
-    """Console entry point (``fullshard = "fullshard.cli.main:main"``)."""
-    cli(prog_name="fullshard")
+    """Console entry point (``fullshard = "fullshard.cli.main:main"``). The process is the command's: it ends
+    without the interpreter's teardown (see [Note: ending the launcher] in ``cli/shutdown.py``)."""
+    try:
+        cli(prog_name="fullshard")
+        code: int = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # as the interpreter does with a non-integer exit code
+            sys.stderr.write(f"{stop.code}\n")
+            code = 1
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":

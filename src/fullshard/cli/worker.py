@@ -3,7 +3,8 @@
 ``fullshard launch`` starts every worker through this module rather than the script itself, so that a
 failure is recorded the way torch's elastic agent reads it: an exception is written to the rank's error
 file (``TORCHELASTIC_ERROR_FILE``, torch's format, plus the exact time and the rank under ``"fullshard"``,
-which lets the launcher tell the first failure from the ones it caused), then printed once to stderr under a
+which lets the launcher tell the first failure from the ones it caused; written whole, by a rename, so that a
+worker killed while writing it leaves no file rather than half of one), then printed once to stderr under a
 line naming the rank, and the worker exits 1. ``sys.exit(code)`` keeps its code; a signal keeps its
 default action (the launcher reports it). The worker's state (``running``, then its exit code) goes to
 ``FULLSHARD_STATUS_DIR`` when the launcher sets it, the only way the launcher learns how workers ended after
@@ -29,12 +30,12 @@ is finalizing is ended by CPython mid-destructor, and the C++ runtime aborts the
 called without an active exception", SIGABRT) after the script has finished and reported success. It was
 seen about once in 60 runs of a 2-rank script ending in ``gather`` + ``end_training``. Without the
 teardown there is no finalizing interpreter to meet, whatever torch's threads still hold. What is given
-up: ``__del__`` of objects still alive at exit, which Python does not promise to run either.
+up: ``__del__`` of objects still alive at exit, which Python does not promise to run either. The launcher ends
+the same way (``shutdown.exit_without_teardown``), for another reason: see [Note: ending the launcher] there.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
@@ -42,15 +43,14 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import traceback
-from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from fullshard.cli import as_accelerate
 from fullshard.cli.failures import LAUNCHER_PID_VAR, STATUS_DIR_VAR, write_identity, write_status
+from fullshard.cli.shutdown import exit_without_teardown
 from fullshard.ranks import peer_lost
 
 __all__ = ["main"]
@@ -67,8 +67,17 @@ class _RankErrorHandler(ErrorHandler):
         message = {"message": f"{type(e).__name__}: {e}", "extraInfo": {"py_callstack": _script_traceback(e)}}
         message["extraInfo"]["timestamp"] = str(int(time.time()))
         data = {"message": message, "fullshard": {"time": time.time(), "rank": _rank()}}
-        with open(path, "w") as fp:
-            json.dump(data, fp)
+        write_whole(path, json.dumps(data))
+
+
+def write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees no file or the whole file, never a part: the launcher
+    reads the error file when it notices the worker ended, and the worker may be killed (SIGTERM from the
+    launcher stopping a failed job, SIGKILL) in the middle of writing it."""
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as fp:
+        fp.write(text)
+    os.replace(partial, path)
 
 
 def _script_traceback(exc: BaseException) -> str:
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     write_status("running")  # stays so if a signal ends the process: the launcher reads "killed"
     code = _run(target, as_module)
     write_status(str(code))
-    _exit_without_teardown(code)
+    exit_without_teardown(code)  # see [Note: ending a worker]
 
 
 def end_with_launcher() -> None:
@@ -157,20 +166,6 @@ def end_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
     if os.getppid() != int(launcher):  # it ended before the request: the kernel will not send the signal
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _exit_without_teardown(code: int) -> NoReturn:
-    """Exit with ``code`` after what ``sys.exit`` does while the interpreter is still whole; see
-    [Note: ending a worker]."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the interpreter runs at exit; no public name in the standard library
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing left to save
-            stream.flush()
-    os._exit(code)
 
 
 def _run(target: str, as_module: bool) -> int:

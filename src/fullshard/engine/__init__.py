@@ -44,6 +44,7 @@ from fullshard.engine.invariant import resolve as resolve_invariant_micro_batche
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.names import clean_key
 from fullshard.engine.optim_state import (
+    WHOLE_STATES_KEY,
     StateSpec,
     model_params,
     optim_state_dict,
@@ -51,7 +52,7 @@ from fullshard.engine.optim_state import (
     scatter_full_optim_state_dict,
     scatter_states,
 )
-from fullshard.engine.param import local_tensor, replacement_for, retired_data_ptr
+from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
 from fullshard.engine.state import gradient_sync, unit_state, unit_states_in
 from fullshard.engine.state_dict import expected_entries, mismatches, state_dict_type
 from fullshard.engine.summon import summon_full_params
@@ -126,12 +127,15 @@ __all__ = [
     "clean_key",
     "gradient_sync",
     "local_tensor",
+    "owner_label",
     "replacement_for",
     "retired_data_ptr",
     "unit_state",
     "unit_states_in",
     # state dicts, full parameters, gradients
     "StateSpec",
+    "WHOLE_STATES_KEY",
+    "add_step_check",
     "clip_grad_norm_",
     "expected_entries",
     "mismatches",

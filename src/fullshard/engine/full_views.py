@@ -24,6 +24,8 @@ class FullViewsPlan:
     ``numel``); ``pieces``: per parameter, its ``numel`` and the padding after it in its block (0 for none).
     ``padding_zeros`` holds, per ``(dtype, device)`` of ``flat_full``, one zeros piece per padded parameter (views of
     one zeros buffer as long as the largest padding), made at the first backward and only ever read.
+    ``received``: per parameter, whether a gradient reached its view since :meth:`take_received` (a parameter no
+    output used gets none, and its ``.grad`` stays ``None``, as without sharding).
     """
 
     def __init__(self, ordered: list[ShardedParam], world: int) -> None:
@@ -38,6 +40,12 @@ class FullViewsPlan:
             self.views.append((sp.gathered_shape, strides, world * sp.offset))
             self.pieces.append((lay.numel, world * lay.padded_shard_numel - lay.numel))
         self.padding_zeros: dict[tuple[torch.dtype, torch.device], list[torch.Tensor | None]] = {}
+        self.received = [False] * len(self.pieces)
+
+    def take_received(self) -> list[bool]:
+        """Which parameters got a gradient since the last call (layout order); starts afresh."""
+        received, self.received = self.received, [False] * len(self.pieces)
+        return received
 
     def zeros_for_padding(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | None]:
         key = (dtype, device)
@@ -59,7 +67,8 @@ class FullViews(torch.autograd.Function):
     gradients (flattened) and, for the padding of each block, kept zeros (:meth:`FullViewsPlan.zeros_for_padding`),
     where ``split``'s backward allocated and filled one zeros tensor per padded parameter at every backward. A
     parameter without a gradient (frozen, or unused in this forward) gets zeros, as under ``split``: the gradient is
-    the same tensor, bit for bit. The views cannot be modified in place (as ``split``'s could not).
+    the same tensor, bit for bit; the plan records which parameters did get one (``FullViewsPlan.received``). The
+    views cannot be modified in place (as ``split``'s could not).
     """
 
     @staticmethod
@@ -76,12 +85,15 @@ class FullViews(torch.autograd.Function):
         dtype, device = ctx.dtype_device
         padding_zeros = plan.zeros_for_padding(dtype, device)
         pieces = []
-        for grad, (numel, _), zeros, dim in zip(grads, plan.pieces, padding_zeros, plan.shard_dims):
+        received = plan.received
+        for i, (grad, (numel, _), zeros, dim) in enumerate(zip(grads, plan.pieces, padding_zeros, plan.shard_dims)):
             if grad is None:
                 pieces.append(torch.zeros(numel, dtype=dtype, device=device))
             elif dim:
+                received[i] = True
                 pieces.append(grad.movedim(dim, 0).reshape(-1))
             else:
+                received[i] = True
                 pieces.append(grad.view(-1) if grad.is_contiguous() else grad.reshape(-1))
             if zeros is not None:
                 pieces.append(zeros)

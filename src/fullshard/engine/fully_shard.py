@@ -228,7 +228,7 @@ class FSDPModule:
             state.group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
-            state.group.adopt_applied_params()
+            state.group.adopt_applied_params(state.config.casts)
         return result
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -283,7 +283,24 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    namespace = {"__module__": cls.__module__, "__new__": _constructs_original(cls)}
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+
+
+def _constructs_original(original: type) -> Callable[..., Any]:
+    """``__new__`` of a ``fully_shard`` class: constructing one (``model[1:3]`` of a sharded ``nn.Sequential`` calls
+    ``type(model)(...)``) builds a plain ``original``, which has no unit and so must not claim to be an ``FSDPModule``
+    (as torch's). ``cls.__new__(cls)`` without arguments (``copy`` and ``pickle``) still makes the subclass."""
+
+    def construct(cls: type, *args: Any, **kwargs: Any) -> Any:
+        new = original.__new__
+        if not args and not kwargs:
+            return new(cls)
+        module = new(original) if new is object.__new__ else new(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    return construct
 
 
 def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offload | None:
@@ -320,9 +337,17 @@ def _resolve_reshard(value: bool | int | None, shard_size: int) -> bool:
     return value != 1
 
 
-@functools.cache
+_DEFAULT_MESHES: dict[str, tuple[object, DeviceMesh]] = {}
+
+
 def _default_mesh(device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    """The 1-D mesh over the default process group, made once per group: a group created later (the process group
+    destroyed and initialised again, e.g. with another world size) gets a mesh of its own."""
+    world = dist.group.WORLD
+    cached = _DEFAULT_MESHES.get(device_type)
+    if cached is None or cached[0] is not world:
+        cached = _DEFAULT_MESHES[device_type] = (world, init_device_mesh(device_type, (dist.get_world_size(),)))
+    return cached[1]
 
 
 def fully_shard(

@@ -38,7 +38,6 @@ keeps one collective for all the small parameters (norms, biases), which would e
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import weakref
 from collections.abc import Callable
@@ -67,7 +66,7 @@ from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
 from fullshard.engine.mesh import ShardGroup, TPSpec, is_gloo
 from fullshard.engine.param import ShardedParam, local_tensor, retire, set_owner
-from fullshard.engine.precision import GroupPrecision
+from fullshard.engine.precision import Casts, GroupPrecision, group_precision
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
@@ -142,18 +141,11 @@ class ParamGroup:
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
         self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
-        # Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
-        self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
-        self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
-        self.grad_params = self.packed_grad_params + self.direct_grad_params  # in layout order
-        for sp, offset in zip(
-            self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
-        ):
-            sp.grad_offset = offset
+        self._plan_grads()
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
-        self.requires_grad = bool(self.grad_params)
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
+        self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.comm_options = CommOptions()  # FSDPModule's setters (see collectives.CommOptions)
         self._partial_reduce: torch.Tensor | None = None  # HSDP sums kept while requires_all_reduce is off
@@ -167,7 +159,7 @@ class ParamGroup:
         self._on_state_change: Callable[[ShardState, ShardState], None] | None = None  # see observe
         self._summoned = False  # full-precision copies registered by summon_full_params
         self._gather: tuple[list[dist.Work], torch.Tensor | None] | None = None
-        self._pending: list[PendingReduce] = []
+        self._pending: list[tuple[PendingReduce, list[bool]]] = []  # with which parameters got a gradient
         self._unsharded_version = -1
         self._full_version = 0  # flat_full's version counter when a direct gather was issued
         self.spare: SpareStorage | None = None  # shared by the units of one root (see spare.py)
@@ -177,6 +169,41 @@ class ParamGroup:
             sp.register_sharded()
 
     # --- construction -------------------------------------------------------------------------------
+
+    def _plan_grads(self) -> None:
+        """Which parameters get gradients (``sp.requires_grad``) and where their shards lie in a reduced gradient.
+
+        Gradients are reduced and stored for trainable parameters only: frozen ones cost no gradient memory.
+        """
+        self.packed_grad_params = [sp for sp in self.packed if sp.requires_grad]
+        self.direct_grad_params = [sp for sp in self.direct if sp.requires_grad]
+        self.grad_params = self.packed_grad_params + self.direct_grad_params  # in layout order
+        for sp, offset in zip(
+            self.grad_params, group_offsets([sp.layout.padded_shard_numel for sp in self.grad_params])
+        ):
+            sp.grad_offset = offset
+        self.requires_grad = bool(self.grad_params)
+
+    def follow_requires_grad(self) -> None:
+        """Take ``requires_grad_()`` calls on the sharded parameters since sharding (freezing or unfreezing after
+        ``fully_shard``, as fine-tuning does): from the next gather on, a frozen parameter's view is detached and
+        it gets no gradient, and a unit with no trainable parameter left reduces nothing (as torch's FSDP2)."""
+        changed = False
+        for sp in self.params:
+            wanted = sp.sharded_param.requires_grad  # type: ignore[union-attr]
+            if sp.requires_grad != wanted:
+                sp.requires_grad, changed = wanted, True
+        if not changed:
+            return
+        self._plan_grads()
+        self._track_grads(self.flat_full)
+
+    def _track_grads(self, full: torch.Tensor) -> None:
+        """``full`` (``flat_full``) requires grad iff a parameter does; it then carries the post-backward hook."""
+        full.requires_grad_(self.requires_grad)
+        if self.requires_grad and not self._grads_hooked:  # the unit's post-backward (see observe)
+            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+            self._grads_hooked = True
 
     def _new_flat_shard(self) -> torch.Tensor:
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
@@ -220,13 +247,12 @@ class ParamGroup:
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
-            full = self.flat_shard.detach().requires_grad_(self.requires_grad)
+            full = self.flat_shard.detach()
         else:
             full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
             full.untyped_storage().resize_(0)
-            full.requires_grad_(self.requires_grad)
-        if self.requires_grad:  # the unit's post-backward (see observe)
-            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+        self._grads_hooked = False
+        self._track_grads(full)
         return full
 
     def observe(
@@ -262,17 +288,6 @@ class ParamGroup:
         """The shards have no storage yet (built under ``torch.device("meta")``; see ``materialize.py``)."""
         return self.flat_shard.is_meta
 
-    def _change_dtype(self, dtype: torch.dtype) -> None:
-        """The unit's parameters now have ``dtype`` (``model.to(dtype)``): every dtype that followed the parameters'
-        (compute, reduction, gradients: those mixed precision did not set) follows the new one. Precondition: sharded;
-        the caller allocates the buffers of the new dtype."""
-        old = self.dtype
-        self.dtype = dtype
-        self.precision = GroupPrecision(*(dtype if d == old else d for d in dataclasses.astuple(self.precision)))
-        for sp in self.params:
-            sp.dtype = dtype
-        self.alias_full = self.world == 1 and self.precision.param_dtype == dtype and self.offload is None
-
     def new_shard_storage(self, device: torch.device) -> None:
         """Allocate a new, zero ``flat_shard`` on ``device`` (and ``flat_full`` to go with it).
 
@@ -285,7 +300,7 @@ class ParamGroup:
         self.flat_full = self._new_flat_full()
         self._unsharded_version = -1
 
-    def adopt_applied_params(self) -> None:
+    def adopt_applied_params(self, casts: Casts | None = None) -> None:
         """Make the sharded parameters views of ``flat_shard`` again after ``nn.Module._apply``.
 
         Nothing to do while they stay on ``meta`` or still share ``flat_shard``'s storage (``.to`` to where they
@@ -301,32 +316,56 @@ class ParamGroup:
                 sp.register_sharded()
         locals_ = [local_tensor(sp.sharded_param).detach() for sp in self.params]  # type: ignore[arg-type]
         storage = self.flat_shard.untyped_storage()
-        if all(t.is_meta for t in locals_):
-            return
-        if all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
-            return
         devices = {t.device for t in locals_}
         dtypes = {t.dtype for t in locals_}
-        if len(devices) == 1 and len(dtypes) == 1 and dtypes != {self.dtype} and next(iter(dtypes)).is_floating_point:
-            self._change_dtype(next(iter(dtypes)))  # model.to(dtype) after sharding, as torch's FSDP2 allows
-        if len(devices) != 1 or dtypes != {self.dtype}:
+        cast = (
+            len(dtypes) == 1 and dtypes != {self.dtype} and casts is not None and next(iter(dtypes)).is_floating_point
+        )
+        if not cast and all(t.is_meta for t in locals_):
+            return
+        if not cast and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
+            return
+        if len(devices) != 1 or (dtypes != {self.dtype} and not cast):
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
                 f"{sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))}, but a unit keeps its parameters "
-                f"in {self.dtype} on one device. "
-                "Move the whole model at once (model.to_empty(device=...) or model.to(device)), and cast dtypes before "
-                "sharding."
+                f"in one floating-point dtype on one device (now {self.dtype}). "
+                "Move and cast the whole model at once (model.to_empty(device=...), model.to(device), "
+                "model.to(torch.bfloat16))."
             )
+        if cast:  # model.to(dtype): the unit's shards, gathers and gradients follow (as torch's fully_shard)
+            self.dtype = dtypes.pop()
+            self.precision = group_precision(casts, self.dtype)  # type: ignore[arg-type]
+            self.alias_full = self.world == 1 and self.precision.param_dtype == self.dtype and self.offload is None
         self.new_shard_storage(devices.pop())
         with torch.no_grad():
             for sp, local in zip(self.params, locals_):
-                view = sp.local_view(self.flat_shard)
-                view.copy_(local)
-                if self.use_dtensor:
-                    sp.sharded_param._local_tensor = view  # type: ignore[union-attr]
-                else:
-                    sp.sharded_param.data = view  # type: ignore[union-attr]
-                set_owner(sp.sharded_param, self.label)  # type: ignore[arg-type]
+                sp.local_view(self.flat_shard).copy_(local)
+        self._rebind_sharded_params()
+
+    def materialize(self, device: torch.device) -> None:
+        """Give a unit built on ``meta`` zero storage on ``device``; its sharded parameters become views of it (for
+        ``load_state_dict(..., assign=True)`` onto a model sharded on ``meta``, which then fills it)."""
+        self.reshard()
+        self.new_shard_storage(device)
+        if not self.use_dtensor:
+            self._rebind_sharded_params()
+            return
+        for sp in self.params:  # a DTensor's own device is fixed: swap in one on ``device``, keeping the object
+            param = sp.sharded_param
+            real = nn.Parameter(self.dtensor_of(sp, sp.local_view(self.flat_shard)), param.requires_grad)  # type: ignore[union-attr]
+            torch.utils.swap_tensors(param, real)
+            set_owner(param, self.label)  # type: ignore[arg-type]
+
+    def _rebind_sharded_params(self) -> None:
+        """Make each sharded parameter (the same object) a view of this rank's rows in ``flat_shard`` again."""
+        for sp in self.params:
+            view = sp.local_view(self.flat_shard)
+            if self.use_dtensor:
+                sp.sharded_param._local_tensor = view  # type: ignore[union-attr]
+            else:
+                sp.sharded_param.data = view  # type: ignore[union-attr]
+            set_owner(sp.sharded_param, self.label)  # type: ignore[arg-type]
 
     def meta_parameter_names(self) -> list[str]:
         """The names of the parameters that still have no storage."""
@@ -441,6 +480,7 @@ class ParamGroup:
     def _register_full_views(self) -> None:
         # One autograd node for all of the group's views (see FullViews): its backward writes flat_full's whole
         # gradient at once.
+        self.follow_requires_grad()
         with torch.enable_grad():
             views = FullViews.apply(self.flat_full, self._full_views)
             for sp, view in zip(self.layout_order, views):
@@ -487,6 +527,7 @@ class ParamGroup:
         it); detaches it from ``flat_full`` so that the next backward starts from none."""
         grad = self.flat_full.grad
         self.flat_full.grad = None
+        self._full_views.take_received()
         rdtype = self.precision.reduce_dtype if dtype is None else dtype
         if grad is None:
             return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
@@ -503,15 +544,15 @@ class ParamGroup:
             if not self.requires_grad:
                 return
             self._restore_sharded_grads()
+            received = self._full_views.take_received()
             grad = self.take_unsharded_grad()
             packed, direct = self.packed_grad_params, self.direct_grad_params
-            self._pending.append(
-                foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook, self.comm_options)
-            )
+            pending = foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook, self.comm_options)
+            self._pending.append((pending, received))
 
     def drop_reductions(self) -> None:
         """Wait for started reductions and discard them, with the unreduced gradient (``reset_iter_state``)."""
-        for pending in self._pending:
+        for pending, _ in self._pending:
             for work in pending.works:
                 work.wait()
         self._pending.clear()
@@ -559,26 +600,37 @@ class ParamGroup:
     def finish_reduce(self) -> None:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
-            pending = self._pending.pop(0)
+            pending, received = self._pending.pop(0)
             partial, self._partial_reduce = self._partial_reduce, None
             output = finish_reduce(pending, self.shard_group, self.label, self.comm_options, partial)
             if output is None:  # requires_all_reduce off: keep the sum for a later backward
                 self._partial_reduce = pending.output
                 continue
             output = _to(output, self.storage_device, self.precision.grad_dtype, non_blocking=False)
-            self._accumulate_sharded_grads(output)
+            self._accumulate_sharded_grads(output, None if all(received) else self._unused(received))
 
     def accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
         """Add a reduced ``flat_grad`` (1D, G_t, the trainable parameters' shards, storage device and gradient dtype)
         into their ``.grad`` (world-size-invariant mode reduces on its own, see ``invariant.py``)."""
         self._accumulate_sharded_grads(flat_grad)
 
-    def _accumulate_sharded_grads(self, flat_grad: torch.Tensor) -> None:
+    def _unused(self, received: list[bool]) -> set[int]:
+        """``id`` of each trainable parameter that got no gradient on this rank (``received``: layout order)."""
+        return {id(sp) for sp, got in zip(self.layout_order, received) if not got and sp.requires_grad}
+
+    def _accumulate_sharded_grads(self, flat_grad: torch.Tensor, unused: set[int] | None = None) -> None:
         """Add ``flat_grad`` (1D, G_t, the trainable parameters' shards) into their ``.grad``.
 
         Runs for every parameter at every step, so each gradient costs one view op (``as_strided`` straight to its
         shape, as torch FSDP2 cuts its sharded gradients) and, under ``fully_shard``, a ``DTensor`` sharing the
         sharded parameter's spec (see :meth:`ShardGroup.dtensor_like`).
+
+        ``unused``: parameters no output used on this rank (by ``id``). One without a ``.grad`` keeps none, as
+        without sharding (an optimizer then leaves it alone), unless its reduced shard is not zero: another rank
+        used it, and this rank's shard of the average is its gradient. The reduction itself is the same on every
+        rank either way, so ranks that disagree never issue different collectives.
+        Then each parameter's post-accumulate-grad hooks run (``Tensor.register_post_accumulate_grad_hook`` on
+        the sharded parameter), as torch's FSDP2 runs them: once per reduction, with the sharded ``.grad`` in place.
         """
         flat_grad = flat_grad.contiguous()
         base = flat_grad.storage_offset()
@@ -587,9 +639,15 @@ class ParamGroup:
             local = sp.unmove(flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset))
             param = sp.sharded_param
             if param.grad is None:
+                if unused is not None and id(sp) in unused and not bool(local.any()):
+                    continue
                 param.grad = self.shard_group.dtensor_like(local, param) if self.use_dtensor else local
             else:
                 local_tensor(param.grad).add_(local)
+            hooks = param._post_accumulate_grad_hooks
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
 
     # --- full-precision copies (summon_full_params, state dicts) ------------------------------------
 

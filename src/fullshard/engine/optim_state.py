@@ -17,6 +17,11 @@ positive dimension of a sharded parameter is taken to be such a per-element stat
   as this rank's rows (fresh tensors), DTensors where the optimizer's parameter is one.
 
 Parameters outside any unit (ignored ones) are whole on every rank and pass through in every form.
+
+A matrix optimizer stepped through ``algorithms/whole_step.py`` also keeps states that are whole on every rank
+(Adafactor's row and column statistics, a preconditioner): each param group lists them per parameter under
+``WHOLE_STATES_KEY``, in ``params`` order, and they pass through every form like ``step`` (saved with the
+group, so a loaded dict says which of its states are whole).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
 from fullshard.ranks import gather_from_ranks, global_rank
 
 __all__ = [
+    "WHOLE_STATES_KEY",
     "flatten_sharded_optim_state_dict",
     "full_optim_state_dict",
     "optim_state_dict",
@@ -54,6 +60,7 @@ __all__ = [
 ]
 
 OsdT = dict[str, Any]
+WHOLE_STATES_KEY = "fullshard_whole_states"
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,22 @@ def _is_elementwise(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
+def _whole_names(groups: list[OsdT]) -> dict[str, set[str]]:
+    """FQN -> the names of its states that are whole on every rank (listed in FQN-keyed ``groups``)."""
+    out: dict[str, set[str]] = {}
+    for group in groups:
+        for fqn, names in zip(group["params"], group.get(WHOLE_STATES_KEY) or []):
+            if names:
+                out[fqn] = set(names)
+    return out
+
+
+def _whole_value(p: _Param, value: torch.Tensor) -> torch.Tensor:
+    """A whole state as this rank holds it: a fresh tensor on the parameter's device."""
+    whole = value.full_tensor() if isinstance(value, DTensor) else value
+    return whole.to(local_tensor(p.param).device, copy=True)
+
+
 def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, dict[str, Any]], list[OsdT]]:
     """``osd`` (``optim.state_dict()``: integer ids) as fqn -> state and param groups listing fqns."""
     groups = osd["param_groups"]
@@ -189,21 +212,30 @@ def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tu
     return list(units.values())
 
 
-def _elementwise_names(members: list[_Param], states: dict[str, dict[str, Any]]) -> list[str]:
+def _elementwise_names(
+    members: list[_Param], states: dict[str, dict[str, Any]], whole: dict[str, set[str]] | None = None
+) -> list[str]:
     names: dict[str, None] = {}
     for p in members:
-        names.update((n, None) for n, v in states[p.fqn].items() if _is_elementwise(v) or isinstance(v, StateSpec))
+        skip = (whole or {}).get(p.fqn, set())
+        names.update(
+            (n, None)
+            for n, v in states[p.fqn].items()
+            if (_is_elementwise(v) and n not in skip) or isinstance(v, StateSpec)
+        )
     return list(names)
 
 
 def _full_states(
-    params: list[_Param], states: dict[str, dict[str, Any]], keep: bool, offload: bool
+    params: list[_Param], states: dict[str, dict[str, Any]], keep: bool, offload: bool, whole: dict[str, set[str]]
 ) -> dict[str, dict[str, Any]]:
     """``states`` with per-element states of sharded parameters gathered in full (collective on every rank)."""
     out = {fqn: dict(state) for fqn, state in states.items()} if keep else {}
     for unit, members in _by_unit(params, states):
-        for name in _elementwise_names(members, states):
-            holders = [p for p in members if _is_elementwise(states[p.fqn].get(name))]
+        for name in _elementwise_names(members, states, whole):
+            holders = [
+                p for p in members if _is_elementwise(states[p.fqn].get(name)) and name not in whole.get(p.fqn, set())
+            ]
             fulls = _gather_unit_state(unit, holders, [states[p.fqn][name] for p in holders])
             for p, full in zip(holders, fulls):
                 if keep:
@@ -233,7 +265,7 @@ def full_optim_state_dict(
         )
     rows, states, groups = _named_state(model, optim, optim_state_dict, "full_optim_state_dict")
     keep = not rank0_only or dist.get_rank(group) == 0
-    full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu)
+    full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu, _whole_names(groups))
     return {"state": full, "param_groups": groups} if keep else {}
 
 
@@ -259,15 +291,16 @@ def sharded_optim_state_dict(
         )
     rows, states, groups = _named_state(model, optim, optim_state_dict, "sharded_optim_state_dict")
     params = {p.fqn: p for row in rows for p in row}
+    whole = _whole_names(groups)
 
-    def convert(p: _Param, value: Any) -> Any:
-        if p.unit is None or p.sp is None or not _is_elementwise(value):
+    def convert(p: _Param, name: str, value: Any) -> Any:
+        if p.unit is None or p.sp is None or not _is_elementwise(value) or name in whole.get(p.fqn, set()):
             return value
         local = local_tensor(value).detach()
         local = local.cpu() if offload_to_cpu else local
         return sharded_dtensor(p.unit, p.sp, local) if as_dtensor else local
 
-    state = {fqn: {n: convert(params[fqn], v) for n, v in s.items()} for fqn, s in states.items()}
+    state = {fqn: {n: convert(params[fqn], n, v) for n, v in s.items()} for fqn, s in states.items()}
     return {"state": state, "param_groups": groups}
 
 
@@ -337,6 +370,7 @@ def _loadable(
         _check_names({f: None for g in saved_groups for f in g["params"]}, params, caller)
         rows = [[params[f] for f in g["params"]] for g in saved_groups]
     group_of = {fqn: g for g in saved_groups for fqn in g["params"]}
+    whole = _whole_names(saved_groups)
     # A group with no parameters (transformers' Trainer leaves its weight-decay group empty when no parameter
     # takes weight decay) takes the saved empty groups in their order.
     empty_saved = [g for g in saved_groups if not g["params"]]
@@ -357,7 +391,11 @@ def _loadable(
         for p in row:
             key = p.fqn if named else next_id
             if p.fqn in states:
-                out_state[key] = {n: convert(p, n, v) for n, v in states[p.fqn].items()}
+                skip = whole.get(p.fqn, set())
+                out_state[key] = {
+                    n: _whole_value(p, v) if n in skip and isinstance(v, torch.Tensor) else convert(p, n, v)
+                    for n, v in states[p.fqn].items()
+                }
             ids.append(key)
             next_id += 1
         out_groups.append({**{k: v for k, v in source.items() if k != "params"}, "params": ids})
@@ -440,8 +478,12 @@ class StateSpec:
 def _skeleton_or_error(full: Any) -> OsdT | str:
     """``full`` with per-element states replaced by :class:`StateSpec`, or the error every rank raises."""
     if isinstance(full, dict) and isinstance(full.get("state"), dict) and "param_groups" in full:
+        whole = _whole_names(full["param_groups"])
         state = {
-            fqn: {n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) else v for n, v in s.items()}
+            fqn: {
+                n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) and n not in whole.get(fqn, set()) else v
+                for n, v in s.items()
+            }
             for fqn, s in full["state"].items()
         }
         return {"state": state, "param_groups": full["param_groups"]}
@@ -512,6 +554,8 @@ def scatter_states(
         column = [ranks[position[id(unit)]] for ranks in everyone]
         for name in _elementwise_names(members, specs):
             holders = [p for p in members if isinstance(specs[p.fqn].get(name), StateSpec)]
+            if not holders:  # whole on every rank (see the module note): rank 0 sent it with the structure
+                continue
             dtype = specs[holders[0].fqn][name].dtype
             flat = _scatter_unit(unit, holders, name, full_states, column, pg, src, dtype)
             for p in holders:

@@ -10,6 +10,7 @@ instead of silently stepping on nothing.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,16 @@ from torch.distributed.tensor import DTensor
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.mesh import TPSpec
 
-__all__ = ["ShardedParam", "local_tensor", "owner_label", "replacement_for", "retire", "retired_data_ptr", "set_owner"]
+__all__ = [
+    "ShardedParam",
+    "add_step_check",
+    "local_tensor",
+    "owner_label",
+    "replacement_for",
+    "retire",
+    "retired_data_ptr",
+    "set_owner",
+]
 
 
 @dataclass
@@ -181,6 +191,15 @@ def retired_data_ptr(original: torch.Tensor) -> int | None:
 
 
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# Checks other packages add (algorithms/whole_step.py: a matrix optimizer on shards without whole-parameter steps),
+# run with the retired-parameter check: at an optimizer's first step, and again when its parameters change.
+_STEP_CHECKS: list[Callable[[torch.optim.Optimizer], None]] = []
+
+
+def add_step_check(check: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Run ``check(optimizer)`` before the first ``step()`` of every optimizer (once sharding has begun)."""
+    if check not in _STEP_CHECKS:
+        _STEP_CHECKS.append(check)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -197,6 +216,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "model's parameters: model = FullyShardedDataParallel(model) (or fully_shard(model)), then "
             "optimizer = torch.optim.AdamW(model.parameters(), ...)."
         )
+    for check in _STEP_CHECKS:
+        check(optimizer)
     _CHECKED[optimizer] = len(params)
 
 

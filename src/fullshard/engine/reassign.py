@@ -1,10 +1,9 @@
 """Parameters assigned after sharding, taken back into their unit's shards.
 
-torch's FSDP2 lets a user replace a sharded parameter before the first forward (``module.w = nn.Parameter(full)``,
-re-read at lazy init) and load a state dict with ``assign=True`` onto a model sharded on ``meta``. Here the unit
-state's lazy init calls :func:`adopt_replaced_params` on every group, and the state dict pre-hook calls
-:func:`materialize_meta_shard` before it copies values into a ``meta`` group. Both end in
-:meth:`ParamGroup.adopt_applied_params` / :meth:`ParamGroup.new_shard_storage`, as ``_apply`` does.
+torch's FSDP2 lets a user replace a sharded parameter before the first forward (``module.w = nn.Parameter(full)``),
+re-read at lazy init. Here the unit state's lazy init calls :func:`adopt_replaced_params` on every group, which ends
+in :meth:`ParamGroup.adopt_applied_params`, as ``_apply`` does. (``load_state_dict(assign=True)`` onto a model
+sharded on ``meta`` is the state dict pre-hook's: ``state_dict._materialize_for``.)
 """
 
 from __future__ import annotations
@@ -14,24 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine.group import ParamGroup, ShardState
-from fullshard.engine.param import ShardedParam, local_tensor, set_owner
+from fullshard.engine.param import ShardedParam, local_tensor
 
-__all__ = ["adopt_replaced_params", "materialize_meta_shard"]
-
-
-def materialize_meta_shard(group: ParamGroup) -> None:
-    """Give a ``meta`` ``flat_shard`` real (zero) storage where the unit keeps its shards, with new sharded
-    parameters viewing it: ``load_state_dict(assign=True)`` onto a model sharded on ``meta`` then loads values
-    (torch's FSDP2 assigns the loaded tensors). Precondition: sharded, no optimizer built yet."""
-    if not group.flat_shard.is_meta:
-        return
-    group.new_shard_storage(torch.device("cpu") if group.offload is not None else group.device)
-    for sp in group.params:
-        sp.sharded_param = nn.Parameter(
-            _sharded(group, sp, sp.local_view(group.flat_shard)), requires_grad=sp.requires_grad
-        )
-        sp.register_sharded()
-        set_owner(sp.sharded_param, group.label)
+__all__ = ["adopt_replaced_params"]
 
 
 def adopt_replaced_params(group: ParamGroup) -> None:

@@ -64,7 +64,6 @@ from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
-from fullshard.engine.reassign import materialize_meta_shard
 from fullshard.engine.state import UnitState, unit_state, unit_states_in
 from fullshard.ranks import global_rank
 
@@ -378,6 +377,8 @@ def _pre_load(
         _load_local(group, state_dict.pop(flat_key), clean_key(flat_key))
         unit.consumed = {clean_key(prefix + k) for _, keys in unit.param_keys() for k in keys}
         return
+    if group.is_meta and local_metadata.get("assign_to_params_buffers", False):
+        _materialize_for(group, state_dict, prefix, unit)
     with torch.no_grad():
         for sp, keys in unit.param_keys():
             present = [prefix + k for k in keys if prefix + k in state_dict]
@@ -385,9 +386,20 @@ def _pre_load(
                 continue
             values = [state_dict.pop(k) for k in present]
             unit.consumed.update(clean_key(k) for k in present)
-            if group.flat_shard.is_meta and not values[0].is_meta:
-                materialize_meta_shard(group)  # a model sharded on meta, loaded with assign=True (or not)
             sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
+
+
+def _materialize_for(group: ParamGroup, state_dict: dict[str, Any], prefix: str, unit: _DictUnit) -> None:
+    """``load_state_dict(assign=True)`` onto a unit still on ``meta``: the parameters take the loaded values, so the
+    unit gets storage where they are (torch's ``fully_shard`` takes the assigned tensors as its sharded parameters)."""
+    devices = {
+        state_dict[prefix + k].device
+        for _, keys in unit.param_keys()
+        for k in keys
+        if isinstance(state_dict.get(prefix + k), torch.Tensor) and not state_dict[prefix + k].is_meta
+    }
+    if len(devices) == 1:
+        group.materialize(devices.pop())
 
 
 def _insert_segment(state_dict: dict[str, Any], prefix: str, segment: str) -> None:

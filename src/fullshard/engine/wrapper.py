@@ -1,9 +1,13 @@
-"""``FullyShardedDataParallel``: the module wrapper with the constructor of torch's FSDP (seed 004).
+"""``FullyShardedDataParallel``: the module wrapper with the constructor of torch's FSDP.
 
 The wrapper is a thin shell over the engine: it resolves its arguments once (strategy → reshard and
 process groups, prefetch, wrap policy), creates nested wrappers for the submodules the policy picks, and
 builds one unit for what remains. Parameters stay registered on the original modules under their
 original names; ``named_parameters()`` and ``named_buffers()`` drop the ``_fsdp_wrapped_module.`` prefix.
+``named_modules()`` keeps torch's names at the top of the call (``_fsdp_wrapped_module`` and what is below it),
+but a wrapper reached from a parent drops its own segment, so a module's names show at most the leading segment
+of the wrapper the call started at: the names of the user's model, which PEFT (that strips only a leading
+``_fsdp_wrapped_module.``) matches against state-dict keys when it saves an adapter.
 ``use_orig_params`` and ``limit_all_gathers`` are accepted for compatibility: the engine always exposes the
 original parameters, and never gathers more than the current unit and one prefetched unit ahead.
 """
@@ -169,6 +173,18 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ``.double()``), then take the moved or cast parameters back into
+        the unit's flat shard: left outside it, the optimizer would step tensors that no gather reads."""
+        unit: UnitState | None = self.__dict__.get("_unit")
+        group = None if unit is None else unit.group
+        if group is not None:
+            group.reshard()
+        result = super()._apply(fn, recurse)
+        if group is not None:
+            group.adopt_applied_params(unit.config.casts)  # type: ignore[union-attr]
+        return result
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._unit.pre_forward(args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
@@ -181,6 +197,19 @@ class FullyShardedDataParallel(nn.Module):
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buf in super().named_buffers(*args, **kwargs):
             yield clean_key(name), buf
+
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Module]]:
+        """torch's names when called on this wrapper; reached from a parent (``prefix`` set), the wrapped module
+        and everything below it are named without this wrapper's segment (see the module docstring)."""
+        names = super().named_modules(memo, prefix, remove_duplicate)
+        if not prefix:
+            yield from names
+            return
+        own = f"{prefix}.{WRAPPED_NAME}"
+        for name, module in names:
+            yield (prefix + name[len(own) :] if name == own or name.startswith(own + ".") else name), module
 
     # --- FSDP methods -------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ from fullshard.frontend.parallelism import (
     resolve_parallelism_config,
 )
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
-from fullshard.frontend.prepare import is_sharded, prepare_model, switch_optimizer_to_sharded
+from fullshard.frontend.prepare import is_sharded, prepare_model, prepare_whole_param_step, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.shared_state import AcceleratorState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
@@ -370,6 +370,7 @@ class Accelerator(runtime.ProcessView):
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, AcceleratedOptimizer):
             return obj
         switch_optimizer_to_sharded(obj)
+        prepare_whole_param_step(obj, self._objects.models, bool(self.fsdp_plugin.whole_param_step))
         wrapped = AcceleratedOptimizer(obj, self.gradient_state, self.scaler)
         self._objects.optimizers.append(wrapped)
         return wrapped

@@ -19,6 +19,7 @@ __all__ = [
     "is_mps_available",
     "is_musa_available",
     "is_npu_available",
+    "is_peft_available",
     "is_rich_available",
     "is_schedulefree_available",
     "is_sdaa_available",
@@ -106,3 +107,7 @@ def is_tensorboard_available() -> bool:
 
 def is_wandb_available() -> bool:
     return _package("wandb")
+
+
+def is_peft_available() -> bool:
+    return _package("peft")

@@ -260,10 +260,13 @@ FSDP_VARS: tuple[EnvVar, ...] = (
          "Recompute activations in backward instead of storing them (true/false)."),
     _var("ignored_modules", "FSDP_IGNORED_MODULES", "fsdp_ignored_modules", _parse_text,
          "Regular expression (full match) on module names to leave unsharded."),
-    # fullshard's own (not Accelerate's): world-size-invariant mode, issue 27 (docs/design.md).
+    # fullshard's own (not Accelerate's): world-size-invariant mode (docs/design.md).
     _var("invariant_micro_batches", "FSDP_INVARIANT_MICRO_BATCHES", "fsdp_invariant_micro_batches", _micro_batches,
          "World-size-invariant mode: G micro-batches per step, a power of two and a multiple of every world size "
          "(0: off)."),
+    _var("whole_param_step", "FSDP_WHOLE_PARAM_STEP", "fsdp_whole_param_step", parse_bool,
+         "Step matrix optimizers (Muon, Adafactor, registered classes) on whole parameters, one owning rank each "
+         "(true/false; default true)."),
 )  # fmt: skip
 
 LAUNCH_VARS: tuple[EnvVar, ...] = (

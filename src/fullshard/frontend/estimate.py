@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from fullshard.engine import ModuleWrapPolicy, ShardingStrategy, ShardLayout, plan_units
@@ -183,14 +182,6 @@ def estimate_memory(
         peak=baseline + max(at_backward_start, at_backward_end),
         peak_phase=phase,
     )
-
-
-def parameter_count(units: list[list[nn.Parameter]]) -> int:
-    return sum(p.numel() for unit in units for p in unit)
-
-
-def model_dtype_bytes(units: list[list[nn.Parameter]]) -> int:
-    return next((p.element_size() for unit in units for p in unit), torch.empty(()).element_size())
 
 
 # RSS of a rank before its model exists: the interpreter, torch, fullshard and a gloo process group, plus what

@@ -10,7 +10,9 @@ Accelerate's layout inside ``output_dir``, chosen by ``fsdp_plugin.state_dict_ty
   and written by rank 0 (written to a temporary name, then renamed).
 
 Every function is a collective: call it on every rank. ``adapter_only`` (which transformers always passes) is
-honoured as Accelerate does, by saving the whole model unless the model is a PEFT model, which is refused.
+honoured as Accelerate does: for a PEFT model the model files hold the entries PEFT saves for the active adapter
+(under the model's own keys, in the same layout), and loading puts them back leaving the frozen base as it is;
+any other model is saved whole.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fullshard.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, optimize
 from fullshard.checkpoint.safe_load import load_small_file
 from fullshard.engine import StateDictType
 from fullshard.frontend import model_state
+from fullshard.frontend.adapters import is_peft_model
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.training import extract_model_from_parallel
 
@@ -44,12 +47,21 @@ def _kind(plugin: FullyShardedDataParallelPlugin, where: str) -> StateDictType:
     return kind
 
 
-def _check_adapter_only(model: nn.Module, adapter_only: bool, where: str) -> None:
-    if adapter_only and hasattr(extract_model_from_parallel(model), "peft_config"):
-        raise NotImplementedError(
-            f"{where}(adapter_only=True) of a PEFT model: fullshard saves whole models only. Save with "
-            "adapter_only=False, or the adapter with model.save_pretrained on an unsharded copy."
-        )
+def _adapter_keys(model: nn.Module, adapter_only: bool, plugin: FullyShardedDataParallelPlugin) -> set[str] | None:
+    """With ``adapter_only`` and a PEFT model: the state-dict keys of its active adapter; else ``None`` (whole)."""
+    if not (adapter_only and is_peft_model(model)):
+        return None
+    from peft import get_peft_model_state_dict
+
+    state = model_state.sharded_model_state_dict(model, plugin)
+    peft_model = extract_model_from_parallel(model)
+    chosen = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=peft_model.active_adapter)
+    ids = {id(value) for value in chosen.values()}
+    return {key for key, value in state.items() if id(value) in ids}
+
+
+def _only(state: dict[str, Any], keys: set[str] | None) -> dict[str, Any]:
+    return state if keys is None else {k: v for k, v in state.items() if k in keys}
 
 
 def _model_bin(index: int) -> str:
@@ -80,14 +92,14 @@ def save_fsdp_model(
 ) -> None:
     """Write ``model`` into ``output_dir`` as the plugin's ``state_dict_type`` says (see the module docstring)."""
     del accelerator
-    where = "save_fsdp_model"
-    _check_adapter_only(model, adapter_only, where)
+    kind = _kind(fsdp_plugin, "save_fsdp_model")
+    keys = _adapter_keys(model, adapter_only, fsdp_plugin)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if _kind(fsdp_plugin, where) is StateDictType.FULL_STATE_DICT:
-        _save_on_rank0(model_state.full_model_state_dict(model), out / _model_bin(model_index))
+    if kind is StateDictType.FULL_STATE_DICT:
+        _save_on_rank0(_only(model_state.full_model_state_dict(model), keys), out / _model_bin(model_index))
     else:
-        state = {"model": model_state.sharded_model_state_dict(model, fsdp_plugin)}
+        state = {"model": _only(model_state.sharded_model_state_dict(model, fsdp_plugin), keys)}
         save_sharded(state, out / f"{FSDP_MODEL_NAME}_{model_index}")
 
 
@@ -99,19 +111,25 @@ def load_fsdp_model(
     model_index: int = 0,
     adapter_only: bool = False,
 ) -> None:
-    """Load what :func:`save_fsdp_model` wrote into the sharded ``model`` (checked before anything changes)."""
+    """Load what :func:`save_fsdp_model` wrote into the sharded ``model`` (checked before anything changes).
+
+    An adapter-only file is laid over the model's current entries, so the frozen base keeps its weights.
+    """
     del accelerator
-    where = "load_fsdp_model"
-    _check_adapter_only(model, adapter_only, where)
-    if _kind(fsdp_plugin, where) is StateDictType.FULL_STATE_DICT:
+    kind = _kind(fsdp_plugin, "load_fsdp_model")
+    keys = _adapter_keys(model, adapter_only, fsdp_plugin)
+    if kind is StateDictType.FULL_STATE_DICT:
         path = Path(input_dir)
         path = path if path.is_file() else path / _model_bin(model_index)
         sd = load_small_file(path) if dist.get_rank() == 0 else None
+        if keys is not None:  # the current weights, with the adapter's entries from the file
+            current = model_state.full_model_state_dict(model)
+            sd = {**current, **_only(sd, keys)} if sd is not None else None
         model_state.load_full_model_state_dict(model, sd)
         return
-    state = {"model": model_state.sharded_model_state_dict(model, fsdp_plugin)}
-    load_sharded(state, _folder(input_dir, FSDP_MODEL_NAME, model_index))
-    model_state.finish_model_load(model, fsdp_plugin, state["model"])
+    state = model_state.sharded_model_state_dict(model, fsdp_plugin)
+    load_sharded({"model": _only(state, keys)}, _folder(input_dir, FSDP_MODEL_NAME, model_index))
+    model_state.finish_model_load(model, fsdp_plugin, state)
 
 
 def save_fsdp_optimizer(
@@ -145,8 +163,7 @@ def load_fsdp_optimizer(
     adapter_only: bool = False,
 ) -> None:
     """Load what :func:`save_fsdp_optimizer` wrote into ``optimizer``."""
-    del accelerator
-    _check_adapter_only(model, adapter_only, "load_fsdp_optimizer")
+    del accelerator, adapter_only  # the optimizer holds the trainable parameters only, adapters or not
     if _kind(fsdp_plugin, "load_fsdp_optimizer") is StateDictType.FULL_STATE_DICT:
         path = Path(input_dir)
         path = path if path.is_file() else path / optimizer_file_name(optimizer_index)

@@ -1,4 +1,4 @@
-"""World-size-invariant training through the ``Accelerator`` (issue 27 §1): the front end's part.
+"""World-size-invariant training through the ``Accelerator``: the front end's part (the engine's: ``engine/invariant``).
 
 [Note: invariant training through the Accelerator]
 The engine makes the reduction and the clipping norm independent of the number of ranks ``N`` (see

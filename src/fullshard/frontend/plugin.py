@@ -1,6 +1,6 @@
 """``FullyShardedDataParallelPlugin``: the FSDP settings of a training run, as Accelerate's plugin takes them.
 
-Every field of Accelerate's plugin (seed 003) is here with its default and meaning. A field left ``None`` is
+Every field of Accelerate's plugin is here with its default and meaning. A field left ``None`` is
 filled from the ``FSDP_*`` environment that ``fullshard launch`` (or ``accelerate launch``) set, through the
 table in :mod:`fullshard.frontend.env`; an explicit argument always wins over the environment. After
 construction every field holds a typed value (enums and config objects, never strings):
@@ -61,7 +61,7 @@ from fullshard.engine import (
 from fullshard.frontend import env
 from fullshard.frontend import plugin_values as values
 
-__all__ = ["FullyShardedDataParallelPlugin"]
+__all__ = ["FullyShardedDataParallelPlugin", "get_module_class_from_name"]
 
 _PLUGIN = values.PLUGIN
 # state_dict_type → (model config class, optim config class, default model config, default optim config)
@@ -92,6 +92,7 @@ _BOOL_FIELDS = (
     "forward_prefetch",
     "activation_checkpointing",
     "cpu_ram_efficient_loading",
+    "whole_param_step",
 )
 
 
@@ -154,6 +155,12 @@ class FullyShardedDataParallelPlugin:
     number of ranks. ``None`` (the default) or 0: off. Read from ``FSDP_INVARIANT_MICRO_BATCHES``, else the
     engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. The Accelerator then deals micro-batches, accumulates
     ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariance.py``)."""
+    whole_param_step: bool | None = None
+    """fullshard's addition: ``prepare`` steps a matrix optimizer (``torch.optim.Muon``, ``torch.optim.Adafactor``,
+    a class given to ``fullshard.register_matrix_optimizer``) on whole parameters, each on one owning rank, so its
+    weights are the unsharded optimizer's (``fullshard.whole_param_step``; docs/design.md, "Matrix optimizers").
+    Default ``True``; ``False`` leaves it off, and such an optimizer then refuses to step on shards. Read from
+    ``FSDP_WHOLE_PARAM_STEP``."""
 
     def __post_init__(self) -> None:
         given = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -441,7 +448,7 @@ def _parse_fields(plugin: FullyShardedDataParallelPlugin) -> None:
     plugin.transformer_cls_names_to_wrap = values.parse_names(plugin.transformer_cls_names_to_wrap)
     plugin.min_num_params = values.parse_min_num_params(plugin.min_num_params)
     for name in _BOOL_FIELDS:
-        _parse_bool_field(plugin, name, default=name == "limit_all_gathers")
+        _parse_bool_field(plugin, name, default=name in ("limit_all_gathers", "whole_param_step"))
     if plugin.param_init_fn is not None and not callable(plugin.param_init_fn):
         raise values.error(
             "param_init_fn", plugin.param_init_fn, "not callable", "Pass a function (module) -> None.", TypeError
@@ -563,3 +570,15 @@ def _env_value(plugin: FullyShardedDataParallelPlugin, name: str) -> Any:
     if name == "ignored_modules":
         return value if isinstance(value, str) else None
     return value
+
+
+def get_module_class_from_name(module: nn.Module, name: str) -> type[nn.Module] | None:
+    """The class named ``name`` of ``module`` or of the first module below it (depth first) that has it, else
+    ``None``: Accelerate's lookup, which PEFT's ``fsdp_auto_wrap_policy`` imports."""
+    if type(module).__name__ == name:
+        return type(module)
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None

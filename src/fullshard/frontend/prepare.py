@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -31,12 +32,15 @@ from torch import nn
 
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
+from fullshard.algorithms.whole_step import is_matrix_optimizer, whole_param_step
 from fullshard.engine import InitOptions, replacement_for, retired_data_ptr, unit_state
 from fullshard.frontend import env
+from fullshard.frontend.adapters import save_adapters_whole
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.ranks import first_difference, require_agreement
 
 __all__ = [
+    "get_parameters_from_modules",
     "disable_fsdp_ram_efficient_loading",
     "enable_fsdp_ram_efficient_loading",
     "fsdp2_load_full_state_dict",
@@ -45,6 +49,7 @@ __all__ = [
     "fsdp2_switch_optimizer_parameters",
     "is_sharded",
     "prepare_model",
+    "prepare_whole_param_step",
     "switch_optimizer_to_sharded",
 ]
 
@@ -116,6 +121,19 @@ def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, devic
     )
 
 
+def get_parameters_from_modules(
+    modules: Iterable[nn.Module] | str | None, model: nn.Module, device: torch.device | str | None
+) -> set[nn.Parameter]:
+    """The parameters of ``modules`` (``None``: none; a string: the modules of ``model`` whose names match it in
+    full, moved to ``device`` as Accelerate does), as a set."""
+    if modules is None:
+        return set()
+    if isinstance(modules, str):
+        pattern = re.compile(modules)
+        modules = [m.to(device) for name, m in model.named_modules() if pattern.fullmatch(name)]
+    return {p for module in modules for p in module.parameters()}
+
+
 def fsdp2_prepare_model(accelerator: Any, model: nn.Module) -> nn.Module:
     """``fully_shard`` every block the plugin's policy selects, then the root; returns ``model`` (changed in place).
 
@@ -145,7 +163,9 @@ def _apply(model: nn.Module, plan: ShardingPlan) -> nn.Module:
     """Check the whole model across ranks before any unit broadcasts (``sync_module_states``), then shard it."""
     if plan.init.sync_module_states and dist.get_world_size() > 1:
         _check_before_sync(model, plan.init.param_init_fn)
-    return apply_plan(model, plan)
+    sharded = apply_plan(model, plan)
+    save_adapters_whole(sharded)  # a PEFT model's save_pretrained: [Note: saving a sharded adapter] in adapters.py
+    return sharded
 
 
 def _check_before_sync(model: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
@@ -285,6 +305,19 @@ def switch_optimizer_to_sharded(optimizer: torch.optim.Optimizer) -> int:
             "parameters (it has stepped), which cannot be resharded. Prepare it before the first step."
         )
     return len(mapping)
+
+
+def prepare_whole_param_step(optimizer: torch.optim.Optimizer, models: list[nn.Module], on: bool) -> bool:
+    """Turn on whole-parameter steps for a matrix optimizer (``algorithms/whole_step.py``) over one of ``models``
+    when the plugin's ``whole_param_step`` is ``on``; return whether it did. Off, such an optimizer refuses to step."""
+    if not on or not is_matrix_optimizer(optimizer):
+        return False
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in reversed(models):  # the latest prepared model that holds the optimizer's parameters
+        if ids & {id(p) for p in model.parameters()}:
+            whole_param_step(model, optimizer)
+            return True
+    return False
 
 
 def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:

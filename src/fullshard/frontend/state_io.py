@@ -1,4 +1,4 @@
-"""``save_state`` / ``load_state``: the training checkpoint folder of seed 001.
+"""``save_state`` / ``load_state``: the training checkpoint folder, laid out as Accelerate's.
 
 With ``SHARDED_STATE_DICT`` (the default of ``fsdp_version=2``)::
 
@@ -56,6 +56,7 @@ from fullshard.checkpoint.collective import run_everywhere
 from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
 from fullshard.checkpoint.folder import FolderState, check_output_dir, checkpoint_state, staging_error
 from fullshard.checkpoint.names import (
+    CHECKPOINT_MANIFEST,
     FSDP_MODEL_NAME,
     custom_checkpoint_file_name,
     optimizer_file_name,
@@ -372,6 +373,7 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     Returns the ranks that have no random states file (the checkpoint was saved by fewer processes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     problem: str | None = None
+    manifest = None
     try:
         manifest = check_parts(folder)
         own = [folder / rng_state_file_name(rank), folder / step_in_progress_file_name(rank)]
@@ -391,6 +393,12 @@ def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, ve
     first = next((p for p, _ in everyone if p), None)
     if first:
         raise (FileNotFoundError if " is missing" in first else CheckpointDamagedError)(first)
+    if manifest is None and rank == 0:  # check_parts refused a fullshard checkpoint without one: not fullshard's
+        warnings.warn(
+            f"{where}: this checkpoint has no {CHECKPOINT_MANIFEST} (written by Accelerate or a fullshard before "
+            "2026-11-23), so it records no checksums: it loads with its DCP metadata checked, its bytes unchecked.",
+            stacklevel=4,
+        )
     return [r for r, (_, has) in enumerate(everyone) if not has]
 
 

@@ -14,6 +14,7 @@ from fullshard.checkpoint import (
 )
 from fullshard.checkpoint.rotation import latest_checkpoint
 from fullshard.cli.basic_config import write_basic_config
+from fullshard.frontend.adapters import is_peft_model
 from fullshard.frontend.availability import (
     is_bf16_available,
     is_cuda_available,
@@ -23,6 +24,7 @@ from fullshard.frontend.availability import (
     is_mps_available,
     is_musa_available,
     is_npu_available,
+    is_peft_available,
     is_rich_available,
     is_schedulefree_available,
     is_sdaa_available,
@@ -41,7 +43,7 @@ from fullshard.frontend.bigmodel.sizes import (
     get_max_memory,
     infer_auto_device_map,
 )
-from fullshard.frontend.bigmodel.tensors import set_module_tensor_to_device
+from fullshard.frontend.bigmodel.tensors import named_module_tensors, set_module_tensor_to_device
 from fullshard.frontend.bigmodel.tied import (
     check_tied_parameters_on_same_device,
     find_tied_parameters,
@@ -170,6 +172,8 @@ __all__ = [
     "is_mps_available",
     "is_musa_available",
     "is_npu_available",
+    "is_peft_available",
+    "is_peft_model",
     "is_rich_available",
     "is_schedulefree_available",
     "is_sdaa_available",
@@ -180,6 +184,7 @@ __all__ = [
     "is_wandb_available",
     "is_xpu_available",
     "listify",
+    "named_module_tensors",
     "load_checkpoint_in_model",
     "load_offloaded_weights",
     "load_state_dict",

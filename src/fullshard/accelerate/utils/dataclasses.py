@@ -1,5 +1,6 @@
 """``accelerate.utils.dataclasses``: fullshard's plugins and kwargs handlers; DeepSpeed's classes are refused."""
 
+from fullshard.frontend.plugin import get_module_class_from_name
 from fullshard.frontend.refused import refused_class
 from fullshard.utils import (
     ComputeEnvironment,
@@ -47,4 +48,5 @@ __all__ = [
     "RNGType",
     "TorchDynamoPlugin",
     "TorchTensorParallelConfig",
+    "get_module_class_from_name",
 ]

@@ -6,6 +6,7 @@ from fullshard.frontend.fsdp_checkpoints import (
     save_fsdp_model,
     save_fsdp_optimizer,
 )
+from fullshard.frontend.prepare import get_parameters_from_modules
 from fullshard.utils import (
     disable_fsdp_ram_efficient_loading,
     enable_fsdp_ram_efficient_loading,
@@ -23,6 +24,7 @@ __all__ = [
     "fsdp2_prepare_auto_wrap_policy",
     "fsdp2_prepare_model",
     "fsdp2_switch_optimizer_parameters",
+    "get_parameters_from_modules",
     "load_fsdp_model",
     "load_fsdp_optimizer",
     "merge_fsdp_weights",

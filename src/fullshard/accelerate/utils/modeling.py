@@ -8,8 +8,10 @@ from fullshard.utils import (
     get_max_layer_size,
     get_max_memory,
     infer_auto_device_map,
+    is_peft_model,
     load_checkpoint_in_model,
     load_state_dict,
+    named_module_tensors,
     set_module_tensor_to_device,
 )
 
@@ -25,7 +27,9 @@ __all__ = [
     "get_max_layer_size",
     "get_max_memory",
     "infer_auto_device_map",
+    "is_peft_model",
     "load_checkpoint_in_model",
     "load_state_dict",
+    "named_module_tensors",
     "set_module_tensor_to_device",
 ]

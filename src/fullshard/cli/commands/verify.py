@@ -23,8 +23,10 @@ __all__ = ["verify_command"]
 @click.argument("checkpoint", type=click.Path())
 def verify_command(checkpoint: str) -> None:
     """Check CHECKPOINT: a folder that save_state wrote (such as runs/x/checkpoints/checkpoint_3) or one
-    sharded folder in it (such as checkpoint_3/pytorch_model_fsdp_0). Every file must be present with the size
-    and CRC-32 recorded at save, every rank's files present, the sharded folders' metadata whole.
+    sharded folder in it (such as checkpoint_3/pytorch_model_fsdp_0). It checks what a load checks: every file
+    present with the size and CRC-32 recorded at save (each stored item's, in sharded folders), every rank's
+    files present, the sharded folders' metadata whole, every value readable; files with other hard links are
+    named.
 
     Given a folder that holds checkpoints (a project folder or its checkpoints/), it lists them. Exit code: 0
     when the checkpoint is whole, 2 otherwise (one line naming the first bad file, or the folders to pass).
@@ -38,6 +40,12 @@ def verify_command(checkpoint: str) -> None:
         report = verify_checkpoint(checkpoint)
     if report.note:
         click.echo(f"{report.note}.")
+    if report.linked:
+        shown = ", ".join(report.linked[:5]) + (f" and {len(report.linked) - 5} more" if len(report.linked) > 5 else "")
+        click.echo(
+            f"note: {len(report.linked)} file(s) have other hard links ({shown}): a write through another name "
+            "changes this checkpoint too. Copy the checkpoint (cp without -l) to give it files of its own."
+        )
     if report.checksummed:
         click.echo(
             f"{report.folder}: OK, {report.files} files ({report.bytes / 1e6:.1f} MB) present with the recorded "

@@ -6,7 +6,8 @@ planning where the layers of an inference model go, offloading weights to disk.
 
 - ``sizes.py``: ``get_max_layer_size``, ``get_max_memory``, ``get_balanced_memory``, ``infer_auto_device_map``.
 - ``tied.py``: ``find_tied_parameters``, ``check_tied_parameters_on_same_device``, ``retie_parameters``.
-- ``tensors.py``: ``set_module_tensor_to_device``.
+- ``tensors.py``: ``set_module_tensor_to_device``, ``named_module_tensors``.
+- ``hooks.py``: ``remove_hook_from_module``, ``remove_hook_from_submodules`` (PEFT calls them; nothing here adds hooks).
 - ``loading.py``: ``load_state_dict``, ``load_checkpoint_in_model``, ``shard_checkpoint``.
 - ``offload.py``: ``offload_state_dict``, ``load_offloaded_weights`` (Accelerate's folder format).
 """

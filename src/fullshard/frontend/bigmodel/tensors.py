@@ -1,4 +1,5 @@
-"""``set_module_tensor_to_device``: replace one parameter or buffer of a module, by its full name.
+"""``set_module_tensor_to_device``: replace one parameter or buffer of a module, by its full name;
+``named_module_tensors``: a module's parameters, then its buffers.
 
 ``param.to(device)`` returns a new tensor that the module does not hold; this sets the module's entry itself.
 A parameter stays an ``nn.Parameter`` of the same class with the same ``requires_grad``. With ``value`` the
@@ -9,12 +10,13 @@ theirs when ``dtype`` is given, as in Accelerate).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["set_module_tensor_to_device"]
+__all__ = ["named_module_tensors", "set_module_tensor_to_device"]
 
 
 def _device(device: Any) -> torch.device:
@@ -71,3 +73,20 @@ def set_module_tensor_to_device(
     else:
         param_cls = type(old) if isinstance(old, nn.Parameter) else nn.Parameter
         owner._parameters[leaf] = param_cls(new, requires_grad=old.requires_grad)
+
+
+def named_module_tensors(
+    module: nn.Module, include_buffers: bool = True, recurse: bool = False, remove_non_persistent: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for ``module``'s parameters, then (``include_buffers``) its buffers, direct ones only
+    unless ``recurse``; ``remove_non_persistent`` leaves out buffers that its state dict leaves out."""
+    yield from module.named_parameters(recurse=recurse)
+    if not include_buffers:
+        return
+    skipped: set[str] = set()
+    if remove_non_persistent:
+        owners = module.named_modules() if recurse else [("", module)]
+        skipped = {f"{prefix}.{b}" if prefix else b for prefix, m in owners for b in m._non_persistent_buffers_set}
+    for name, buffer in module.named_buffers(recurse=recurse):
+        if name not in skipped:
+            yield name, buffer

@@ -1,0 +1,513 @@
+"""Optimizer steps on whole parameters (Muon, Adafactor, a user's Shampoo) while everything stays sharded at rest.
+
+[Note: whole-parameter steps]
+A matrix optimizer computes on each parameter as a whole: Muon orthogonalises the momentum of the full matrix,
+Adafactor keeps row and column statistics and scales by the parameter's norm. Run on a rank's rows only, it
+computes something else (Muon) or fails (Adafactor on DTensors). :func:`whole_param_step` hooks one optimizer
+so that each of its sharded parameters is stepped whole, by one rank:
+
+- **Owners.** Each sharded parameter gets one owner among its shard group's ranks, largest parameters first,
+  each to the rank with the fewest elements so far (the same answer on every rank: it depends on shapes only).
+- **Before the step** (a step pre-hook), one ``all_to_all_single`` per shard group sends every owner the rows
+  the other ranks hold of its parameters: the parameter, its gradient and its per-element states. The owner
+  puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter`` with its whole
+  gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's place; other
+  ranks take the parameter out of their groups for this step.
+- **The step** is the optimizer's own, unchanged, on whole tensors: the same kernels on the same inputs as the
+  unsharded run, so its results are bitwise the unsharded run's whenever the gradients are (by construction,
+  on any CPU; the gradients are bitwise equal in world-size-invariant mode).
+- **After the step** (a post-hook), a second ``all_to_all_single`` sends each rank its rows of the updated
+  parameter and per-element states, and every rank the owner's other state (0-dim ``step`` counters,
+  Adafactor's row and column statistics, a preconditioner): at rest a per-element state is a shard, like
+  AdamW's, and every other state is whole and equal on every rank. Which state names are whole is recorded in
+  the param group (``fullshard_whole_states``: a list per parameter, in ``params`` order), so it is saved
+  with the optimizer's state dict and read back by ``engine/optim_state.py`` in every form; state dicts,
+  checkpoints and resharding to another world size work as for AdamW.
+- The first time a parameter's state appears (or whenever it holds non-tensor values) its owner sends the
+  names, shapes and dtypes with one ``all_gather_object``; afterwards the layout is known on every rank.
+
+Memory: parameters, gradients and state stay sharded between steps; during the step an owner holds its own
+parameters whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are
+balanced). Traffic per step: about the parameter, gradient and per-element state bytes gathered and the
+parameter and state bytes scattered, once each. Parameters outside every unit are whole on every rank and
+stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+
+Limits: every rank must have a gradient for the same parameters (sharded gradients are, after any backward);
+tensor parallel parameters and ``step(closure)`` are refused; an optimizer whose state changes names or shapes
+after the first step is refused by the owner (the others then wait in the collective until its timeout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard.engine import WHOLE_STATES_KEY, add_step_check, local_tensor, model_params, owner_label
+
+__all__ = [
+    "MATRIX_OPTIMIZERS",
+    "WHOLE_STATES_KEY",
+    "WholeParamStep",
+    "is_matrix_optimizer",
+    "register_matrix_optimizer",
+    "whole_param_step",
+]
+
+# Optimizers known to need each parameter whole; register_matrix_optimizer adds a user's own.
+MATRIX_OPTIMIZERS: list[type[torch.optim.Optimizer]] = [
+    cls for cls in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None)) if cls is not None
+]
+# The hook of an optimizer is an attribute of it: a table keyed by the optimizer would keep it alive (its value
+# refers to the optimizer), an attribute makes a cycle the garbage collector frees with the optimizer.
+_ATTR = "_fullshard_whole_param_step"
+
+
+def register_matrix_optimizer(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """Declare that ``cls`` needs whole parameters (usable as a class decorator); the Accelerator then turns on
+    :func:`whole_param_step` for it, and a sharded model refuses to step it without."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"register_matrix_optimizer(cls={cls!r}): expected a subclass of torch.optim.Optimizer. Pass the class "
+            "itself, e.g. register_matrix_optimizer(MyShampoo)."
+        )
+    if cls not in MATRIX_OPTIMIZERS:
+        MATRIX_OPTIMIZERS.append(cls)
+    return cls
+
+
+def is_matrix_optimizer(optimizer: object) -> bool:
+    """Whether ``optimizer`` is of a class that needs whole parameters (known to fullshard or registered)."""
+    return isinstance(optimizer, tuple(MATRIX_OPTIMIZERS))
+
+
+# kinds of one state value: ("rows", dtype) per-element; ("whole", dtype, shape) the same on every rank;
+# ("value", object) a non-tensor value
+_Kind = tuple[Any, ...]
+
+
+@dataclass
+class _Entry:
+    """A sharded parameter of the optimizer, stepped whole on ``owner`` (a rank of its shard group)."""
+
+    param: nn.Parameter
+    fqn: str
+    sp: Any  # the engine's ShardedParam: its layout, rows_of
+    owner: int = 0
+    whole: nn.Parameter | None = None  # on the owner, during the step
+
+
+@dataclass
+class _Bucket:
+    """The entries of one shard group."""
+
+    pg: dist.ProcessGroup | None
+    world: int
+    rank: int
+    entries: list[_Entry] = field(default_factory=list)
+    stepping: list[_Entry] = field(default_factory=list)  # those with a gradient, in this step
+
+
+class WholeParamStep:
+    """Steps ``optimizer``'s sharded parameters whole, one owning rank each; see [Note: whole-parameter steps].
+
+    Built by :func:`whole_param_step`; ``owners`` maps each sharded parameter's name to its owner's shard rank;
+    :meth:`remove` takes the hooks off.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._model = model
+        self._groups: list[list[Any]] | None = None  # the param groups' lists, while swapped
+        self._specs: dict[int, list[tuple[str, _Kind]]] = {}  # id(param) -> its state's kinds, as every rank has them
+        self._known: set[int] = set()  # parameters whose state's kinds the owner has sent
+        self._build()
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        setattr(optimizer, _ATTR, self)
+
+    def _build(self) -> None:
+        """Entries and owners for the optimizer's parameters as they are now (again after ``add_param_group``:
+        owners may change at any step, since nothing lives on an owner between steps)."""
+        optimizer = self.optimizer
+        by_id = {id(p.param): p for p in model_params(self._model)}
+        buckets: dict[int, _Bucket] = {}
+        self._position: dict[int, tuple[int, int]] = {}  # id(param) -> (its param group, its place there)
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                self._position[id(param)] = (g, i)
+                info = by_id.get(id(param))
+                if info is None:
+                    raise ValueError(
+                        f"whole_param_step(model, optimizer={type(optimizer).__name__}): the optimizer holds a "
+                        f"parameter of shape {tuple(param.shape)} that is not a parameter of `model`. Pass the "
+                        "sharded model the optimizer was built from, after creating the optimizer from its parameters."
+                    )
+                if info.sp is None:
+                    continue  # outside every unit: whole on every rank, stepped by every rank
+                if info.sp.tp is not None:
+                    raise ValueError(
+                        f"whole_param_step: parameter {info.fqn!r} is tensor parallel; whole-parameter steps "
+                        "support data-parallel sharding only (1-D meshes, HSDP). Keep tensor parallel parameters "
+                        "in an element-wise optimizer (AdamW)."
+                    )
+                shard = info.unit.shard_group
+                bucket = buckets.setdefault(
+                    id(shard.shard_pg), _Bucket(shard.shard_pg, shard.shard_size, shard.shard_rank)
+                )
+                bucket.entries.append(_Entry(param, info.fqn, info.sp))
+        self._buckets = list(buckets.values())
+        for bucket in self._buckets:
+            _assign_owners(bucket)
+        self.owners = {e.fqn: e.owner for b in self._buckets for e in b.entries}
+        self._param_ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
+
+    def remove(self) -> None:
+        """Take the hooks off: the optimizer steps on its shards again."""
+        for handle in self._handles:
+            handle.remove()
+        if getattr(self.optimizer, _ATTR, None) is self:
+            delattr(self.optimizer, _ATTR)
+
+    # --- before the step: gather to the owners --------------------------------------------------------
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0] is the optimizer
+            raise ValueError(
+                f"{type(optimizer).__name__}.step(closure=...) with whole-parameter steps: a closure would "
+                "recompute gradients after they were gathered. Call loss.backward() first, then step() without one."
+            )
+        self._restore_groups()  # a step that raised left its groups swapped
+        if [id(p) for group in optimizer.param_groups for p in group["params"]] != self._param_ids:
+            self._build()  # add_param_group
+        stepping: set[int] = set()
+        for bucket in self._buckets:
+            stepping.update(self._gather(bucket))
+        self._swap_groups(stepping)
+
+    def _gather(self, bucket: _Bucket) -> list[int]:
+        bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
+        for e in bucket.stepping:
+            self._specs[id(e.param)] = self._rest_spec(e)
+        # to each owner, in entry order: this rank's rows of the parameter, gradient, per-element states
+        send = [
+            [_as_bytes(t) for e in bucket.stepping if e.owner == o for t in self._local_pieces(e)]
+            for o in range(bucket.world)
+        ]
+        mine = [e for e in bucket.stepping if e.owner == bucket.rank]
+        sizes = {
+            (i, r): [_nbytes(e, r, d) for d in self._piece_dtypes(e)]
+            for i, e in enumerate(mine)
+            for r in range(bucket.world)
+        }
+        out_splits = [sum(sum(sizes[(i, r)]) for i in range(len(mine))) for r in range(bucket.world)]
+        in_splits = [sum(t.numel() for t in pieces) for pieces in send]
+        received = _all_to_all([t for pieces in send for t in pieces], out_splits, in_splits, bucket)
+        chunks: dict[tuple[int, int], list[torch.Tensor]] = {}
+        offset = 0
+        for r in range(bucket.world):  # rank-major, then entry, then piece
+            for i in range(len(mine)):
+                for k, n in enumerate(sizes[(i, r)]):
+                    chunks.setdefault((i, k), []).append(received.narrow(0, offset, n))
+                    offset += n
+        for i, e in enumerate(mine):
+            # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
+            wholes = [torch.cat(chunks[(i, k)]).view(d).view(e.sp.shape) for k, d in enumerate(self._piece_dtypes(e))]
+            self._own_whole(e, wholes)
+        return [id(e.param) for e in bucket.stepping]
+
+    def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
+        """The kinds of ``e``'s state at rest, the same on every rank (the whole names are in its param group)."""
+        state = self.optimizer.state.get(e.param, {})
+        whole_names = set(_whole_names_of(self.optimizer, self._position[id(e.param)]))
+        spec: list[tuple[str, _Kind]] = []
+        for name in sorted(state):
+            value = state[name]
+            if not isinstance(value, torch.Tensor):
+                spec.append((name, ("value", value)))
+            elif value.dim() > 0 and name not in whole_names:
+                spec.append((name, ("rows", value.dtype)))
+            else:
+                spec.append((name, ("whole", value.dtype, tuple(value.shape))))
+        return spec
+
+    def _piece_dtypes(self, e: _Entry) -> list[torch.dtype]:
+        grad = e.param.grad
+        if grad is None:
+            raise AssertionError(f"whole_param_step: {e.fqn!r} is stepping without a gradient")
+        rows = [kind[1] for _, kind in self._specs[id(e.param)] if kind[0] == "rows"]
+        return [e.param.dtype, grad.dtype, *rows]
+
+    def _local_pieces(self, e: _Entry) -> list[torch.Tensor]:
+        state = self.optimizer.state.get(e.param, {})
+        rows = [state[name] for name, kind in self._specs[id(e.param)] if kind[0] == "rows"]
+        return [local_tensor(t).detach() for t in (e.param, e.param.grad, *rows)]
+
+    def _own_whole(self, e: _Entry, wholes: list[torch.Tensor]) -> None:
+        """On the owner: a whole parameter with ``wholes`` (parameter, gradient, per-element states), its state."""
+        whole = nn.Parameter(wholes[0], requires_grad=e.param.requires_grad)
+        whole.grad = wholes[1]
+        rows = iter(wholes[2:])
+        state = self.optimizer.state.pop(e.param, {})
+        new: dict[str, Any] = {}
+        for name, kind in self._specs[id(e.param)]:
+            new[name] = next(rows) if kind[0] == "rows" else state[name]
+        if new:
+            self.optimizer.state[whole] = new
+        e.whole = whole
+
+    def _swap_groups(self, stepping: set[int]) -> None:
+        entries = {id(e.param): e for b in self._buckets for e in b.entries}
+        self._groups = [group["params"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                e = entries.get(id(p))
+                if e is None:
+                    params.append(p)
+                elif id(p) in stepping and e.whole is not None:
+                    params.append(e.whole)
+            group["params"] = params
+
+    def _restore_groups(self) -> None:
+        if self._groups is None:
+            return
+        for group, params in zip(self.optimizer.param_groups, self._groups, strict=True):
+            group["params"] = params
+        self._groups = None
+        for bucket in self._buckets:  # the owner keeps its rows of what it had gathered
+            for e in bucket.entries:
+                if e.whole is not None:
+                    state = self.optimizer.state.pop(e.whole, {})
+                    spec = dict(self._specs.get(id(e.param), []))
+                    for name, kind in spec.items():
+                        if kind[0] == "rows" and name in state:
+                            state[name] = _rows_like(e.param, e.sp.rows_of(state[name]).clone(), None)
+                    if state:
+                        self.optimizer.state[e.param] = state
+                    e.whole = None
+            bucket.stepping = []
+
+    # --- after the step: scatter from the owners ------------------------------------------------------
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._groups is None:
+            return
+        wholes = {id(e.param): e.whole for b in self._buckets for e in b.entries if e.whole is not None}
+        states = {key: optimizer.state.pop(w, {}) for key, w in wholes.items() if w is not None}
+        for group, params in zip(optimizer.param_groups, self._groups, strict=True):
+            group["params"] = params
+        self._groups = None
+        for bucket in self._buckets:
+            self._scatter(bucket, states)
+        for bucket in self._buckets:
+            for e in bucket.entries:
+                e.whole = None
+
+    def _scatter(self, bucket: _Bucket, states: dict[int, dict[str, Any]]) -> None:
+        entries = bucket.stepping
+        self._exchange_specs(bucket, entries, states)
+        send = []
+        for r in range(bucket.world):
+            for e in entries:
+                if e.owner == bucket.rank and e.whole is not None:
+                    state = states[id(e.param)]
+                    send.append(_as_bytes(e.sp.rows_of(e.whole.detach(), r)))
+                    for name, kind in self._specs[id(e.param)]:
+                        if kind[0] == "rows":
+                            send.append(_as_bytes(e.sp.rows_of(state[name], r)))
+                        elif kind[0] == "whole":
+                            send.append(_as_bytes(state[name]))
+        dtypes = {id(e.param): self._scatter_dtypes(e) for e in entries}
+        me = bucket.rank
+        in_splits = [
+            sum(_nbytes(e, r, d, kind) for e in entries if e.owner == me for d, kind in dtypes[id(e.param)])
+            for r in range(bucket.world)
+        ]
+        out_splits = [
+            sum(_nbytes(e, me, d, kind) for e in entries if e.owner == o for d, kind in dtypes[id(e.param)])
+            for o in range(bucket.world)
+        ]
+        received = _all_to_all(send, out_splits, in_splits, bucket)
+        offset = 0
+        for o in range(bucket.world):
+            for e in entries:
+                if e.owner != o:
+                    continue
+                pieces = []
+                for d, kind in dtypes[id(e.param)]:
+                    n = _nbytes(e, me, d, kind)
+                    pieces.append(received.narrow(0, offset, n).clone().view(d))
+                    offset += n
+                self._take_pieces(e, pieces)
+        bucket.stepping = []
+
+    def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
+        """Owners tell every rank the kinds of new state (first step, or non-tensor values)."""
+        changing = [e for e in entries if id(e.param) not in self._known or _may_change(self._specs[id(e.param)])]
+        if not changing:
+            for e in entries:
+                if e.owner == bucket.rank and _whole_spec(e, states[id(e.param)]) != self._specs[id(e.param)]:
+                    raise RuntimeError(
+                        f"[rank {dist.get_rank() if dist.is_initialized() else 0}] whole_param_step: the optimizer "
+                        f"changed the state names of {e.fqn!r} after its first step; whole-parameter steps need a "
+                        "state that keeps its names and shapes once created. Create every state at the first step."
+                    )
+            return
+        mine = {e.fqn: _whole_spec(e, states[id(e.param)]) for e in changing if e.owner == bucket.rank}
+        if bucket.world > 1:
+            gathered: list[Any] = [None] * bucket.world
+            dist.all_gather_object(gathered, mine, group=bucket.pg)
+        else:
+            gathered = [mine]
+        merged = {fqn: spec for part in gathered for fqn, spec in part.items()}
+        for e in changing:
+            self._known.add(id(e.param))
+            self._specs[id(e.param)] = merged[e.fqn]
+            _set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
+
+    def _scatter_dtypes(self, e: _Entry) -> list[tuple[torch.dtype, _Kind]]:
+        spec = self._specs[id(e.param)]
+        pieces: list[tuple[torch.dtype, _Kind]] = [(e.param.dtype, ("rows", e.param.dtype))]
+        pieces += [(kind[1], kind) for _, kind in spec if kind[0] in ("rows", "whole")]
+        return pieces
+
+    def _take_pieces(self, e: _Entry, pieces: list[torch.Tensor]) -> None:
+        """This rank's rows of the stepped parameter and its state, from the owner."""
+        local = local_tensor(e.param)
+        with torch.no_grad():
+            local.copy_(pieces[0].view(local.shape))
+        old = self.optimizer.state.get(e.param, {})
+        state: dict[str, Any] = {}
+        it = iter(pieces[1:])
+        for name, kind in self._specs[id(e.param)]:
+            if kind[0] == "value":
+                state[name] = kind[1]
+            elif kind[0] == "whole":
+                state[name] = next(it).view(kind[2])
+            else:
+                state[name] = _rows_like(e.param, next(it).view(local.shape), old.get(name))
+        if state:
+            self.optimizer.state[e.param] = state
+
+
+def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> WholeParamStep:
+    """Step ``optimizer``'s sharded parameters whole; see [Note: whole-parameter steps].
+
+    Call once, after creating the optimizer from the sharded ``model``'s parameters (``fully_shard`` or
+    ``FullyShardedDataParallel``, any ``use_orig_params``). Collective at each step (every rank of the model's
+    shard groups steps). Returns the handle (``remove()``; ``owners``); calling it again returns the same one.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"whole_param_step(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer (pass the "
+            "optimizer itself, e.g. accelerated_optimizer.optimizer)."
+        )
+    installed = getattr(optimizer, _ATTR, None)
+    return installed if installed is not None else WholeParamStep(model, optimizer)
+
+
+def _assign_owners(bucket: _Bucket) -> None:
+    """Largest parameters first, each to the rank with the fewest elements so far (ties: lowest rank)."""
+    load = [0] * bucket.world
+    order = sorted(range(len(bucket.entries)), key=lambda i: (-bucket.entries[i].sp.layout.numel, i))
+    for i in order:
+        rank = min(range(bucket.world), key=lambda r: (load[r], r))
+        bucket.entries[i].owner = rank
+        load[rank] += bucket.entries[i].sp.layout.numel
+
+
+def _whole_spec(e: _Entry, state: dict[str, Any]) -> list[tuple[str, _Kind]]:
+    """The kinds of the owner's whole state: a tensor shaped like the parameter is per-element, others whole."""
+    spec: list[tuple[str, _Kind]] = []
+    for name in sorted(state):
+        value = state[name]
+        if not isinstance(value, torch.Tensor):
+            spec.append((name, ("value", value)))
+        elif value.dim() > 0 and tuple(value.shape) == tuple(e.sp.shape):
+            spec.append((name, ("rows", value.dtype)))
+        else:
+            spec.append((name, ("whole", value.dtype, tuple(value.shape))))
+    return spec
+
+
+def _may_change(spec: list[tuple[str, _Kind]]) -> bool:
+    """Whether the owner's step may give state of other kinds than ``spec`` (the same answer on every rank)."""
+    return not spec or any(kind[0] == "value" for _, kind in spec)
+
+
+def _whole_names_of(optimizer: torch.optim.Optimizer, position: tuple[int, int]) -> list[str]:
+    group, i = optimizer.param_groups[position[0]], position[1]
+    lists = group.get(WHOLE_STATES_KEY)
+    return list(lists[i]) if lists and i < len(lists) else []
+
+
+def _set_whole_names(
+    optimizer: torch.optim.Optimizer, position: tuple[int, int], spec: list[tuple[str, _Kind]]
+) -> None:
+    group, i = optimizer.param_groups[position[0]], position[1]
+    lists = group.setdefault(WHOLE_STATES_KEY, [])
+    lists.extend([] for _ in range(len(group["params"]) - len(lists)))
+    lists[i] = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
+
+
+def _rows_like(param: torch.Tensor, rows: torch.Tensor, old: Any) -> torch.Tensor:
+    """``rows`` as the optimizer holds a per-element state of ``param`` (into the old tensor where it fits)."""
+    if isinstance(old, torch.Tensor) and local_tensor(old).shape == rows.shape and old.dtype == rows.dtype:
+        local_tensor(old).copy_(rows)
+        return old
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return rows
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -> int:
+    if kind[0] == "whole":
+        numel = 1
+        for d in kind[2]:
+            numel *= d
+        return numel * dtype.itemsize
+    return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
+
+
+def _all_to_all(
+    send: Iterable[torch.Tensor], out_splits: list[int], in_splits: list[int], bucket: _Bucket
+) -> torch.Tensor:
+    pieces = list(send)
+    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    if bucket.world == 1:
+        return inp
+    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=inp.device)
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
+    return out
+
+
+def _refuse_on_shards(optimizer: torch.optim.Optimizer) -> None:
+    """A known matrix optimizer over sharded parameters, without whole-parameter steps: refuse (every rank)."""
+    if getattr(optimizer, _ATTR, None) is not None or not is_matrix_optimizer(optimizer):
+        return
+    sharded = [p for g in optimizer.param_groups for p in g["params"] if owner_label(p) is not None]
+    if sharded:
+        name = type(optimizer).__name__
+        raise RuntimeError(
+            f"{name}.step() over {len(sharded)} sharded parameters: {name} computes on each parameter whole, so on "
+            "a rank's shard it would give another update than the unsharded run (or fail). Turn on whole-parameter "
+            f"steps after creating it: fullshard.whole_param_step(model, optimizer); with the Accelerator, "
+            "accelerator.prepare(model, optimizer) does it (plugin whole_param_step, on by default)."
+        )
+
+
+add_step_check(_refuse_on_shards)
