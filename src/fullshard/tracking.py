@@ -7,13 +7,16 @@ from fullshard.frontend.tracking import (
     TensorBoardTracker,
     on_main_process,
 )
+from fullshard.frontend.tracking.selection import LOGGER_TYPE_TO_CLASS, register_tracker_class
 from fullshard.frontend.tracking.selection import available_trackers as get_available_trackers
 
 __all__ = [
+    "LOGGER_TYPE_TO_CLASS",
     "GeneralTracker",
     "JSONLinesTracker",
     "LoggerType",
     "TensorBoardTracker",
     "get_available_trackers",
     "on_main_process",
+    "register_tracker_class",
 ]

@@ -195,7 +195,7 @@ def test_set_seed_is_reproducible() -> None:
     assert torch.equal(first, torch.rand(2))
 
 
-def test_find_executable_batch_size_halves_on_oom() -> None:
+def test_find_executable_batch_size_shrinks_by_tenths_on_oom() -> None:
     tried = []
 
     @find_executable_batch_size(starting_batch_size=16)
@@ -205,7 +205,7 @@ def test_find_executable_batch_size_halves_on_oom() -> None:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
         return batch_size * scale
 
-    assert step(10) == 40 and tried == [16, 8, 4]
+    assert step(10) == 40 and tried == [16, 14, 12, 10, 9, 8, 7, 6, 5, 4]  # int(size * 0.9), as Accelerate 1.15
     with pytest.raises(TypeError, match=re.escape("find_executable_batch_size: call step(scale) without the batch")):
         step(1, 2)
 

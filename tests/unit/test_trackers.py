@@ -93,7 +93,9 @@ def test_custom_tracker_and_all(tmp_path: Path, accelerator_factory) -> None:
 def test_log_with_refusals(tmp_path: Path, accelerator_factory) -> None:
     with pytest.raises(ValueError, match=re.escape("Accelerator(log_with='tensorbored'): not a tracker. Use one of")):
         accelerator_factory(log_with="tensorbored", project_dir=tmp_path)
-    with pytest.raises(ValueError, match=re.escape("the 'jsonl' tracker writes files and needs a directory")):
+    with pytest.raises(
+        ValueError, match=re.escape("Logging with `jsonl` requires a `logging_dir`: the tracker writes files")
+    ):
         accelerator_factory(log_with="jsonl")
     with pytest.warns(UserWarning, match=re.escape("fullshard has no tracker of that name")):
         accelerator = accelerator_factory(log_with=["wandb", "jsonl"], project_dir=tmp_path)

@@ -37,13 +37,13 @@ from fullshard.accelerate.big_modeling import (
 from fullshard.accelerate.parallelism_config import ParallelismConfig
 from fullshard.accelerate.state import AcceleratorState, GradientState, PartialState
 from fullshard.accelerate.utils import DeepSpeedPlugin, is_rich_available
+from fullshard.frontend.launch_helpers import debug_launcher
 from fullshard.frontend.refused import refused_function
 
 # The version libraries read (transformers accepts >= 1.1; some features ask for >= 1.12): Accelerate's API as
 # of the release fullshard follows.
 __version__ = "1.15.0"
 
-debug_launcher = refused_function("debug_launcher", "start processes with fullshard launch")
 notebook_launcher = refused_function("notebook_launcher", "start processes with fullshard launch")
 
 __all__ = [

@@ -1,6 +1,8 @@
-"""``accelerate.big_modeling``: empty-weight initialisation; device maps and offload hooks are refused."""
+"""``accelerate.big_modeling``: empty-weight initialisation, ``cpu_offload_with_hook``; device maps and Accelerate's
+dispatch and offload hooks are refused."""
 
 from fullshard import init_empty_weights, load_checkpoint_in_model
+from fullshard.frontend.bigmodel.cpu_hook import cpu_offload_with_hook
 from fullshard.frontend.refused import refused_function
 
 _WHY = "fullshard shards models across processes instead of dispatching them over devices"
@@ -12,6 +14,7 @@ load_checkpoint_and_dispatch = refused_function("load_checkpoint_and_dispatch", 
 
 __all__ = [
     "cpu_offload",
+    "cpu_offload_with_hook",
     "disk_offload",
     "dispatch_model",
     "init_empty_weights",

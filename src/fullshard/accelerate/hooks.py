@@ -8,11 +8,14 @@ _WHY = "fullshard shards models across processes instead of dispatching them ove
 ModelHook = refused_class("ModelHook", _WHY)
 AlignDevicesHook = refused_class("AlignDevicesHook", _WHY)
 add_hook_to_module = refused_function("add_hook_to_module", _WHY)
+attach_align_device_hook = refused_function("attach_align_device_hook", _WHY)
 
 __all__ = [
     "AlignDevicesHook",
     "ModelHook",
     "add_hook_to_module",
+    "attach_align_device_hook",
     "remove_hook_from_module",
     "remove_hook_from_submodules",
 ]
+

@@ -4,13 +4,21 @@ Names, members and fields follow torch's ``torch.distributed.fsdp`` so that code
 after changing its imports. Every enum argument the engine takes also accepts the member's name as a
 string and torch's enum of the same name (see :func:`fullshard.engine.coerce.coerce_enum`).
 
+[Note: equal to torch's]
+A plugin or a config holds these objects, and code written for torch compares them with torch's
+(``plugin.sharding_strategy == torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``). So an enum member here equals
+the member of the same name of a foreign enum of the same class name, and a config equals a foreign dataclass of
+the same class name whose common fields are equal; both ways round, since torch's classes leave ``==`` with
+another class to us. Nothing here imports torch's FSDP: the comparison is by names.
+
 This module imports nothing from the rest of the engine.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +51,34 @@ class PlacementError(ValueError, AssertionError):
     as torch's ``fully_shard`` raises for the same input (so ``except`` clauses written for either catch it)."""
 
 
-class ShardingStrategy(enum.Enum):
+class _PeerEnum(enum.Enum):
+    """An enum whose members equal same-named members of a same-named foreign enum; see [Note: equal to torch's]."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and type(other) is not type(self):
+            return type(other).__name__ == type(self).__name__ and other.name == self.name
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def _peer_equal(cls: type) -> type:
+    """Let dataclass ``cls`` equal a foreign dataclass of the same class name with equal common fields (the same
+    class compares all fields, as before); see [Note: equal to torch's]."""
+    own_eq = cls.__eq__
+
+    def __eq__(self: Any, other: object) -> Any:  # noqa: N807
+        if type(other) is type(self) or not is_dataclass(other) or type(other).__name__ != cls.__name__:
+            return own_eq(self, other)
+        common = {f.name for f in fields(self)} & {f.name for f in fields(other)}
+        return all(getattr(self, name) == getattr(other, name) for name in common)
+
+    cls.__eq__ = __eq__  # type: ignore[method-assign]
+    return cls
+
+
+class ShardingStrategy(_PeerEnum):
     """How parameters, gradients and optimizer states are split across data-parallel ranks.
 
     - ``FULL_SHARD``: parameters, gradients and optimizer states are sharded; parameters are gathered
@@ -62,7 +97,7 @@ class ShardingStrategy(enum.Enum):
     _HYBRID_SHARD_ZERO2 = 5
 
 
-class BackwardPrefetch(enum.Enum):
+class BackwardPrefetch(_PeerEnum):
     """When the next unit's all-gather is issued during backward.
 
     - ``BACKWARD_PRE``: before the current unit computes its gradients (most overlap, one more unit of
@@ -74,7 +109,7 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = 2
 
 
-class StateDictType(enum.Enum):
+class StateDictType(_PeerEnum):
     """Which kind of state dict ``state_dict()`` returns on a sharded module."""
 
     FULL_STATE_DICT = 1
@@ -82,7 +117,7 @@ class StateDictType(enum.Enum):
     SHARDED_STATE_DICT = 3
 
 
-class OptimStateKeyType(enum.Enum):
+class OptimStateKeyType(_PeerEnum):
     """How the keys of an optimizer state dict's ``state`` are given: parameter names or ids."""
 
     PARAM_NAME = 1
@@ -93,6 +128,7 @@ def _default_mp_ignored_classes() -> tuple[type[nn.Module], ...]:
     return (nn.modules.batchnorm._BatchNorm,)
 
 
+@_peer_equal
 @dataclass(frozen=True)
 class MixedPrecision:
     """Mixed precision for :class:`FullyShardedDataParallel`.
@@ -118,6 +154,7 @@ class MixedPrecision:
     _module_classes_to_ignore: tuple[type[nn.Module], ...] = field(default_factory=_default_mp_ignored_classes)
 
 
+@_peer_equal
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Mixed precision for :func:`fully_shard`.
@@ -134,6 +171,7 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
+@_peer_equal
 @dataclass(frozen=True)
 class CPUOffload:
     """``offload_params=True`` keeps sharded parameters and their gradients on the CPU; the optimizer
@@ -142,11 +180,13 @@ class CPUOffload:
     offload_params: bool = False
 
 
+@_peer_equal
 @dataclass(frozen=True)
 class OffloadPolicy:
     """No offloading: the base of the offload policies of :func:`fully_shard`."""
 
 
+@_peer_equal
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """Offload sharded parameters and gradients to the CPU; ``pin_memory`` pins them for faster,

@@ -40,7 +40,16 @@ from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
-from fullshard.frontend.handlers import ProfileKwargs, collect_handlers, ddp, grad, process_group_kwargs, profiling
+from fullshard.frontend.handlers import (
+    AutocastKwargs,
+    ProfileKwargs,
+    collect_handlers,
+    ddp,
+    grad,
+    process_group_kwargs,
+    profiling,
+)
+from fullshard.frontend.loader_parts import dealt_as_accelerate, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,
@@ -51,7 +60,7 @@ from fullshard.frontend.parallelism import (
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import is_sharded, prepare_model, prepare_whole_param_step, switch_optimizer_to_sharded
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
-from fullshard.frontend.shared_state import AcceleratorState
+from fullshard.frontend.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 
 __all__ = ["Accelerator"]
@@ -167,6 +176,7 @@ class Accelerator(runtime.ProcessView):
             adjust_scheduler=accumulation.adjust_scheduler,
         )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
+        PartialState._adopt(self._process, cpu)  # PartialState() now answers for this process, as in Accelerate
         self.torch_device_mesh = None
         if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
             self.parallelism_config._validate_accelerator(self)
@@ -200,6 +210,17 @@ class Accelerator(runtime.ProcessView):
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str) -> None:
+        """Accelerate's tests and some scripts write ``accelerator.state.distributed_type = DistributedType.FSDP``:
+        accepted, as it is what fullshard always does; any other type is refused, naming it."""
+        name = getattr(value, "value", value)
+        if name != DistributedType.FSDP.value:
+            raise ValueError(
+                f"accelerator.distributed_type = {value!r}: fullshard always shards (DistributedType.FSDP); it has "
+                "no other distributed type. Leave it as it is, or use the real Accelerate for another one."
+            )
 
     @property
     def is_fsdp2(self) -> bool:
@@ -243,6 +264,11 @@ class Accelerator(runtime.ProcessView):
         """The prepared models (Accelerate's private list, which transformers' Trainer reads)."""
         return self._objects.models
 
+    _optimizers = property(lambda self: self._objects.optimizers, doc="The prepared optimizers, in order.")
+    _schedulers = property(lambda self: self._objects.schedulers, doc="The prepared schedulers, in order.")
+    _dataloaders = property(lambda self: self._objects.dataloaders, doc="The prepared dataloaders, in order.")
+    _custom_objects = property(lambda self: self._objects.custom, doc="register_for_checkpointing's objects.")
+
     @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
@@ -266,9 +292,25 @@ class Accelerator(runtime.ProcessView):
         """Whether this step reduces gradients and steps the optimizer (``False`` on accumulation steps)."""
         return self.gradient_state.sync_gradients
 
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state._set_sync_gradients(value)
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Change the accumulation length (Accelerate's setter); not in world-size-invariant mode, where the
+        plugin's micro-batch count decides it."""
+        _check_args(steps, self.fsdp_plugin)
+        if self._invariant is not None:
+            raise ValueError(
+                f"accelerator.gradient_accumulation_steps = {steps}: in world-size-invariant mode the steps per rank "
+                f"follow from the plugin's invariant_micro_batches ({self._invariant.micro_batches}); change that."
+            )
+        self.gradient_state.num_steps = steps
 
     @property
     def scaler(self) -> ShardedGradScaler | None:
@@ -307,6 +349,9 @@ class Accelerator(runtime.ProcessView):
         result = list(args)
         for passes in (self._prepare_first, self._prepare_optimizer, self._prepare_scheduler):
             result = [passes(obj) for obj in result]
+        for before, after in zip(args, result, strict=True):
+            if after is not before or isinstance(after, nn.Module):  # Accelerate marks what it prepared
+                after._is_accelerate_prepared = True
         return result[0] if len(result) == 1 else tuple(result)
 
     def _prepare_first(self, obj: Any) -> Any:
@@ -320,11 +365,15 @@ class Accelerator(runtime.ProcessView):
         """Shard ``model`` as the plugin says (see ``prepare.py``), compile it if the dynamo plugin says so (see
         ``compile.py``), and remember it for checkpoints."""
         _check_device_placement(device_placement, "Accelerator.prepare_model")
+        if any(model is known for known in self._objects.models):  # prepared here already: as it is, listed once
+            return model
         prepared = prepare_model(model, self.fsdp_plugin, self.device, **self._mesh_options(model))
         ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
         precision = PrecisionType(self.mixed_precision)
         autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
-        training.wrap_forward_for_precision(prepared, precision, self.device, autocast=autocast)
+        training.wrap_forward_for_precision(
+            prepared, precision, self.device, autocast=autocast, handler=self._handlers.autocast
+        )
         compile_model(prepared, self.dynamo_plugin)
         self._objects.models.append(prepared)
         return prepared
@@ -344,6 +393,14 @@ class Accelerator(runtime.ProcessView):
         config = self.dataloader_config
         # Under a ParallelismConfig the ranks of one tp group share a batch (see parallelism.py).
         index, count = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)
+        if self._invariant is None and dealt_as_accelerate(data_loader):  # a stream, or batches of any size
+            prepared = shard_loader(
+                data_loader, num_processes=count, process_index=index, device=self.device,
+                split_batches=config.split_batches, even_batches=config.even_batches,
+                non_blocking=config.non_blocking, rng_types=self.rng_types,
+            )  # fmt: skip
+            self._objects.dataloaders.append(prepared)
+            return prepared
         prepared = prepare_data_loader(
             data_loader,
             num_processes=count,
@@ -450,8 +507,11 @@ class Accelerator(runtime.ProcessView):
         self.unscale_gradients()
         return training.clip_grad_norm(self._objects.models, parameters, max_norm, norm_type)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return training.autocast_context(PrecisionType(self.mixed_precision), self.device)
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` in the run's mixed precision; ``autocast_handler`` (else the Accelerator's
+        ``AutocastKwargs``) sets its ``enabled`` and ``cache_enabled``."""
+        handler = autocast_handler if autocast_handler is not None else self._handlers.autocast
+        return training.autocast_context(PrecisionType(self.mixed_precision), self.device, handler)
 
     # --- data across processes ----------------------------------------------------------------------
 
@@ -474,10 +534,14 @@ class Accelerator(runtime.ProcessView):
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and restore ``objects`` (with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``."""
-        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        bad = [
+            f"Item at index {i} ({type(o).__name__})"
+            for i, o in enumerate(objects)
+            if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
+        ]
         if bad:
-            raise TypeError(
-                f"Accelerator.register_for_checkpointing({', '.join(bad)}): these objects lack state_dict() and "
+            raise ValueError(
+                f"Accelerator.register_for_checkpointing(...): {', '.join(bad)} lack state_dict() and "
                 "load_state_dict(). Register objects that have both (or wrap yours in a class that does)."
             )
         self._objects.custom.extend(objects)
@@ -560,6 +624,8 @@ class Accelerator(runtime.ProcessView):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""
         del unwrap  # names are always the original module's
+        if not model_state.has_units(model):  # never prepared: its own state dict, as Accelerate returns it
+            return model.state_dict()
         return model_state.full_model_state_dict(model)
 
     def save_model(

@@ -15,15 +15,26 @@ for the others; every other leaf child is compiled on its own, as Accelerate doe
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from fullshard.frontend.enums import DynamoBackend
 from fullshard.frontend.env import DYNAMO_MODES, read_dynamo_env
 
-__all__ = ["TorchDynamoPlugin", "compile_model", "resolve_dynamo_plugin"]
+__all__ = [
+    "TorchDynamoPlugin",
+    "compile_model",
+    "compile_regions",
+    "compile_regions_fsdp2",
+    "has_compiled_regions",
+    "is_compiled_module",
+    "resolve_dynamo_plugin",
+]
 
 
 @dataclasses.dataclass
@@ -72,7 +83,9 @@ class TorchDynamoPlugin:
 
     def to_kwargs(self) -> dict[str, Any]:
         """The ``torch.compile`` keyword arguments (``use_regional_compilation`` is ours, not torch's)."""
-        kwargs = {"backend": self.backend.value.lower(), "mode": self.mode, "fullgraph": self.fullgraph}
+        kwargs = {"backend": self.backend.value.lower(), "mode": self.mode}
+        if self.fullgraph:  # torch.compile's default is False: written only when asked for, as Accelerate does
+            kwargs["fullgraph"] = True
         kwargs.update({k: v for k, v in (("dynamic", self.dynamic), ("options", self.options)) if v is not None})
         if self.disable:
             kwargs["disable"] = True
@@ -112,6 +125,48 @@ def compile_model(model: nn.Module, plugin: TorchDynamoPlugin) -> nn.Module:
 
 def _is_repeated_blocks(module: nn.Module) -> bool:
     return isinstance(module, nn.ModuleList) and len(module) > 0 and all(type(m) is type(module[0]) for m in module)
+
+
+def is_compiled_module(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (an ``OptimizedModule``). A model compiled in
+    place (``module.compile()``, as the Accelerator compiles) is not: it is its own class, with a compiled call."""
+    dynamo = getattr(torch, "_dynamo", None)
+    return dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule)
+
+
+def has_compiled_regions(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` is an ``OptimizedModule`` (``torch.compile`` applied to a part)."""
+    return bool(module._modules) and any(is_compiled_module(m) for m in module.modules())
+
+
+def compile_regions(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """A copy of ``module``'s tree whose regions are ``torch.compile`` d: each block of a run of repeated blocks, and
+    every leaf child outside such runs (Accelerate's ``compile_regions``). Parameters, buffers and the original
+    modules are shared, not copied; the result keeps ``module`` as ``_orig_mod``."""
+    compiled = _compiled_copy(module, compile_kwargs)
+    compiled.__dict__.setdefault("_orig_mod", module)
+    return compiled
+
+
+def _compiled_copy(module: nn.Module, kwargs: dict[str, Any]) -> nn.Module:
+    if _is_repeated_blocks(module):
+        return nn.ModuleList(torch.compile(block, **kwargs) for block in module)
+    if not any(_is_repeated_blocks(m) for m in module.modules()):
+        return torch.compile(module, **kwargs)
+    shell = copy.copy(module)  # the same parameters, buffers and hooks; its own children below
+    for name, value in list(shell.__dict__.items()):  # methods bound to the original bind to the copy
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            shell.__dict__[name] = types.MethodType(value.__func__, shell)
+    shell._modules = {name: _compiled_copy(child, kwargs) for name, child in module.named_children()}
+    return shell
+
+
+def compile_regions_fsdp2(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
+    """Compile ``module`` in place by regions (Accelerate's name for it): each block of a run of repeated blocks
+    on its own (dynamo reuses the first block's code), every other leaf child whole; returns ``module``, whose
+    hooks, sharded or not, keep running (``module.compile()`` keeps ``nn.Module.__call__``)."""
+    _compile_regions(module, compile_kwargs)
+    return module
 
 
 def _compile_regions(module: nn.Module, kwargs: dict[str, Any]) -> None:

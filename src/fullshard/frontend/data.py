@@ -38,8 +38,7 @@ step's partial gradient sums, which ``save_state`` writes beside it; see ``state
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -65,9 +64,14 @@ _INHERITED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init
               "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")  # fmt: skip
 
 
-@dataclass
 class GradientState:
-    """What the prepared objects share about the current step (Accelerate's ``GradientState``).
+    """What the prepared objects share about the current step (Accelerate's ``GradientState``), one per process.
+
+    Like Accelerate's, every instance shares one state: ``GradientState()`` with no argument is the state the
+    Accelerator and its loaders use (``accelerator.gradient_accumulation_steps = 4`` shows as ``num_steps`` there),
+    and ``_reset_state()`` forgets it. Given fields (as the ``Accelerator`` gives them when it is built), the shared
+    state starts over from the defaults plus those fields; ``gradient_accumulation_plugin=`` sets the step count and
+    the switches from a ``GradientAccumulationPlugin``, as in Accelerate.
 
     - ``sync_gradients``: this step reduces gradients and the optimizer steps (not an accumulation step).
     - ``end_of_dataloader``: the batch being processed is the last of the active prepared loader.
@@ -80,16 +84,50 @@ class GradientState:
       [Note: the Trainer in invariant mode] in ``invariance.py``); ``None`` in the default mode.
     """
 
-    num_steps: int = 1
-    sync_gradients: bool = True
-    end_of_dataloader: bool = False
-    remainder: int = -1
-    metric_rows: tuple[int, ...] | None = None
-    step: int = 0
-    sync_with_dataloader: bool = True
-    sync_each_batch: bool = False
-    adjust_scheduler: bool = True
-    caller_steps: CallerSteps | None = None
+    _shared_state: ClassVar[dict[str, Any]] = {}
+    _DEFAULTS: ClassVar[dict[str, Any]] = {
+        "num_steps": 1, "sync_gradients": True, "end_of_dataloader": False, "remainder": -1, "metric_rows": None,
+        "step": 0, "sync_with_dataloader": True, "sync_each_batch": False, "adjust_scheduler": True,
+        "caller_steps": None,
+    }  # fmt: skip
+
+    num_steps: int
+    sync_gradients: bool
+    end_of_dataloader: bool
+    remainder: int
+    metric_rows: tuple[int, ...] | None
+    step: int
+    sync_with_dataloader: bool
+    sync_each_batch: bool
+    adjust_scheduler: bool
+    caller_steps: CallerSteps | None
+
+    def __init__(self, gradient_accumulation_plugin: Any = None, **fields: Any) -> None:
+        unknown = sorted(set(fields) - set(self._DEFAULTS))
+        if unknown:
+            raise TypeError(f"GradientState({unknown[0]}=...): not a field; the fields are {sorted(self._DEFAULTS)}.")
+        self.__dict__ = GradientState._shared_state
+        if fields or not self.__dict__:
+            self.__dict__.clear()
+            self.__dict__.update(self._DEFAULTS, **fields)
+        if gradient_accumulation_plugin is not None:
+            plugin = gradient_accumulation_plugin
+            self.num_steps = plugin.num_steps
+            for name in ("sync_with_dataloader", "sync_each_batch", "adjust_scheduler"):
+                setattr(self, name, getattr(plugin, name))
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forget the shared state: the next ``GradientState()`` starts from the defaults."""
+        GradientState._shared_state.clear()
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.__dict__)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={self.__dict__.get(k)!r}" for k in self._DEFAULTS)
+        return f"GradientState({fields})"
 
     def _set_sync_gradients(self, sync_gradients: bool) -> None:
         """Accelerate's setter, which transformers' Trainer calls before each micro-batch (it accumulates gradients
@@ -97,6 +135,12 @@ class GradientState:
         if self.caller_steps is not None:
             self.caller_steps.announce(sync_gradients)
         self.sync_gradients = sync_gradients
+
+    def _set_end_of_dataloader(self, end_of_dataloader: bool) -> None:
+        self.end_of_dataloader = end_of_dataloader
+
+    def _set_remainder(self, remainder: int) -> None:
+        self.remainder = remainder
 
     @property
     def plugin_kwargs(self) -> dict[str, bool]:
@@ -528,6 +572,8 @@ def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
     """
     if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
         raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): expected an int >= 0.")
+    if callable(getattr(loader, "_skipping", None)):  # Accelerate's DataLoaderShard / DataLoaderDispatcher
+        return loader._skipping(num_batches)
     if isinstance(loader, ShardedDataLoader):
         return ShardedDataLoader(
             loader.dataset,

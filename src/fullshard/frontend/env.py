@@ -414,11 +414,12 @@ def write_field(field: str, value: object, environ: MutableMapping[str, str] | N
     """Set the variable of one plugin field in ``environ`` (default ``os.environ``).
 
     The plugin uses it for ``cpu_ram_efficient_loading``, which ``transformers``' ``from_pretrained`` reads
-    from ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (as Accelerate does).
+    from ``FSDP_CPU_RAM_EFFICIENT_LOADING`` (as Accelerate does). A bool is written as Accelerate's Python side
+    writes it, ``True``/``False`` (the launcher writes ``true``/``false``; both parse the same).
     """
     environ = os.environ if environ is None else environ
     var = by_field(field)
-    environ[var.env] = var.format(value)
+    environ[var.env] = str(value) if isinstance(value, bool) else var.format(value)
 
 
 def set_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:

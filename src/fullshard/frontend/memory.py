@@ -38,10 +38,13 @@ def _is_oom(exc: BaseException) -> bool:
 def find_executable_batch_size(
     function: Callable[..., Any] | None = None, starting_batch_size: int = 128, reduce_batch_size_fn: Any = None
 ) -> Any:
-    """Decorator: call ``function(batch_size, ...)`` and halve ``batch_size`` after each out-of-memory error.
+    """Decorator: call ``function(batch_size, ...)`` and shrink ``batch_size`` after each out-of-memory error.
 
-    The decorated function must take the batch size as its first argument and is called without it.
-    Raises ``RuntimeError`` when the batch size reaches 0.
+    As in Accelerate 1.15, the default shrink multiplies by 0.9 (``int(size * 0.9)``: 128, 115, 103, ...), and the
+    size reached is kept for the next call of the decorated function. ``reduce_batch_size_fn`` replaces it: called
+    with no argument (Accelerate's form) it returns the next size; a function of one argument gets the current
+    size. The decorated function takes the batch size as its first argument and is called without it. Raises
+    ``RuntimeError`` when the batch size reaches 0.
     """
     if function is None:
         return functools.partial(
@@ -49,33 +52,45 @@ def find_executable_batch_size(
             starting_batch_size=starting_batch_size,
             reduce_batch_size_fn=reduce_batch_size_fn,
         )
-    shrink = reduce_batch_size_fn or (lambda size: size // 2)
+    shrink = _shrink_function(reduce_batch_size_fn)
     params = list(inspect.signature(function).parameters)
+    batch_size = starting_batch_size
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal batch_size
         if len(params) < len(args) + 1:
             raise TypeError(
                 f"find_executable_batch_size: call {function.__name__}({', '.join(params[1:])}) without the batch "
                 f"size (its first argument, {params[0] if params else '?'}, is supplied); got {len(args)} arguments."
             )
-        batch_size = starting_batch_size
+        clear_device_cache(garbage_collection=True)
         while batch_size > 0:
             try:
                 return function(batch_size, *args, **kwargs)
             except Exception as exc:
-                if not _is_oom(exc):
+                if not should_reduce_batch_size(exc):
                     raise
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                clear_device_cache(garbage_collection=True)
                 batch_size = shrink(batch_size)
         raise RuntimeError(
-            f"find_executable_batch_size({function.__name__}): out of memory down to batch size 1. Reduce the "
-            "model or sequence size, or shard over more processes."
+            f"find_executable_batch_size({function.__name__}): No executable batch size found, reached zero (out of "
+            f"memory from batch size {starting_batch_size} down). Reduce the model or sequence size, or shard over "
+            "more processes."
         )
 
     return run
+
+
+def _shrink_function(reduce_batch_size_fn: Any) -> Callable[[int], int]:
+    """``size -> next size``: ``int(size * 0.9)`` by default, else the user's function of zero or one argument."""
+    if reduce_batch_size_fn is None:
+        return lambda size: int(size * 0.9)
+    try:
+        takes_size = len(inspect.signature(reduce_batch_size_fn).parameters) >= 1
+    except (TypeError, ValueError):
+        takes_size = False
+    return reduce_batch_size_fn if takes_size else (lambda size: reduce_batch_size_fn())
 
 
 def clear_device_cache(garbage_collection: bool = False) -> None:

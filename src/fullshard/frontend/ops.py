@@ -8,8 +8,11 @@ Every rank must call a collective with the same structure, in the same order.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import random
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,7 +22,12 @@ import torch.distributed as dist
 from fullshard.ranks import gather_from_ranks, global_rank, rank_and_world
 
 __all__ = [
+    "CannotPadNestedTensorWarning",
     "broadcast",
+    "convert_outputs_to_fp32",
+    "find_device",
+    "is_namedtuple",
+    "pad_input_tensors",
     "convert_to_fp32",
     "listify",
     "slice_tensors",
@@ -175,6 +183,10 @@ def _pad(t: torch.Tensor, dim: int, size: int, pad_index: Any, pad_first: bool) 
     return out
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """:func:`pad_across_processes` met a nested tensor and left it as it is."""
+
+
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pad every tensor with ``pad_index`` on ``dim`` to the largest size any rank holds, so it can be gathered.
 
@@ -183,6 +195,14 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     """
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if getattr(t, "is_nested", False):
+            warnings.warn(
+                "pad_across_processes: a nested tensor has no single size on a dimension to pad to; it is returned "
+                "as it is. Pad its components before nesting them.",
+                CannotPadNestedTensorWarning,
+                stacklevel=4,
+            )
+            return t
         if dim >= t.ndim or dim < -t.ndim:
             return t
         d = dim % t.ndim
@@ -199,6 +219,8 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     if not isinstance(data, (list, tuple)) or not data:
         raise ValueError(f"concatenate(data={type(data).__name__}): expected a non-empty list of nested tensors.")
     first = data[0]
+    if len(data) == 1:  # nothing to join: the one element as it is (Accelerate's answer, of any type)
+        return first
     if isinstance(first, (tuple, list)):
         items = [concatenate([d[i] for d in data], dim=dim) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
@@ -248,9 +270,33 @@ def save(
     if safe_serialization:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in _without_shared(obj).items()}, str(f), metadata={"format": "pt"})
     else:
         torch.save(obj, f)
+
+
+def _without_shared(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with one name per storage (safetensors refuses tensors that share memory, e.g. tied weights):
+    the first name in sorted order stays; the others are dropped with one warning naming them."""
+    kept: dict[Any, str] = {}
+    dropped = []
+    for name in sorted(state):
+        value = state[name]
+        key = (
+            (value.untyped_storage().data_ptr(), value.storage_offset(), value.shape)
+            if torch.is_tensor(value)
+            else None
+        )
+        if key is not None and key[0] != 0 and key in kept:
+            dropped.append(name)
+        elif key is not None:
+            kept[key] = name
+    if dropped:
+        logging.getLogger(__name__).warning(
+            f"save(safe_serialization=True): Removed shared tensor {dropped} while saving (they share memory with "
+            "tensors that are saved); retie them after loading (e.g. model.tie_weights())."
+        )
+    return {k: v for k, v in state.items() if k not in dropped}
 
 
 # --- per-tensor transforms (no communication) -------------------------------------------------------
@@ -279,3 +325,46 @@ def slice_tensors(data: Any, tensor_slice: Any, process_index: int | None = None
     """``t[tensor_slice]`` for every tensor in ``data`` (``process_index`` / ``num_processes`` are unused, as in
     Accelerate, where they serve its TPU path)."""
     return recursively_apply(lambda t: t[tensor_slice], data)
+
+
+def is_namedtuple(data: Any) -> bool:
+    """Whether ``data`` is a named tuple (a tuple with ``_fields`` and ``_asdict``), subclasses included."""
+    return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in ``data`` (nested lists, tuples, mappings), ``None`` without one."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    items = data.values() if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else ()
+    for item in items:
+        device = find_device(item)
+        if device is not None:
+            return device
+    return None
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Every tensor of ``tensor`` (``batch_size`` rows on dim 0) zero-padded on dim 0 to the next multiple of
+    ``num_processes`` rows (at least ``num_processes``), so that each process gets as many rows."""
+    rows = max(-(-batch_size // num_processes), 1) * num_processes
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[0] >= rows:
+            return t
+        out = t.new_zeros((rows, *t.shape[1:]))
+        out[: t.shape[0]] = t
+        return out
+
+    return recursively_apply(one, tensor, error_on_other_type=True)
+
+
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``model_forward`` whose float16/bfloat16 outputs come back as float32; ``__wrapped__`` is the original, so
+    ``extract_model_from_parallel(model, keep_fp32_wrapper=False)`` takes it off again."""
+
+    @functools.wraps(model_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(model_forward(*args, **kwargs))
+
+    return forward

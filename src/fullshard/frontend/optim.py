@@ -38,7 +38,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.gradient_state = gradient_state
         self.scaler = scaler
-        self._step_was_skipped = False
+        self._is_overflow = False
+
+    def __getstate__(self) -> dict[str, Any]:  # torch's Optimizer pickles only its own three fields
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -59,7 +65,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` call did nothing: an accumulation step, or an fp16 overflow."""
-        return self._step_was_skipped
+        return self._is_overflow
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -75,8 +81,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        self._step_was_skipped = not self.gradient_state.sync_gradients
-        if self._step_was_skipped:
+        self._is_overflow = not self.gradient_state.sync_gradients
+        if self._is_overflow:
             return None
         if self.scaler is None:
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -88,7 +94,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         scale = scaler.get_scale()
         result = scaler.step(self.optimizer, closure) if closure is not None else scaler.step(self.optimizer)
         scaler.update()
-        self._step_was_skipped = scaler.get_scale() < scale
+        self._is_overflow = scaler.get_scale() < scale
         return result
 
     def __repr__(self) -> str:

@@ -56,7 +56,7 @@ __all__ = [
 
 def enable_fsdp_ram_efficient_loading() -> None:
     """Tell ``transformers``' ``from_pretrained`` (through the environment) to load weights on rank 0 only."""
-    os.environ.setdefault(env.by_field("use_fsdp", env.LAUNCH_VARS).env, "true")
+    os.environ.setdefault(env.by_field("use_fsdp", env.LAUNCH_VARS).env, "True")
     env.write_field("cpu_ram_efficient_loading", True)
 
 

@@ -56,6 +56,12 @@ class PartialState(runtime.ProcessView):
         """Forget the shared state (the process group stays; the next instance adopts it)."""
         PartialState._shared_state.clear()
 
+    @staticmethod
+    def _adopt(process: runtime.ProcessState, cpu: bool) -> None:
+        """An ``Accelerator`` was built: its process state is the shared one, unless one exists already."""
+        PartialState._shared_state.setdefault("_process", process)
+        PartialState._shared_state.setdefault("_cpu", cpu)
+
     backend: str = property(lambda self: self._process.backend)  # type: ignore[assignment]
     use_distributed: bool = property(lambda self: self.num_processes > 1)  # type: ignore[assignment]
     is_last_process: bool = property(lambda self: self.process_index == self.num_processes - 1)  # type: ignore[assignment]

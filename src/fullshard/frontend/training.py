@@ -86,11 +86,15 @@ def clip_grad_norm(
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
 
-def autocast_context(precision: PrecisionType, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """``torch.autocast`` in the run's precision (a no-op context for full precision)."""
+def autocast_context(
+    precision: PrecisionType, device: torch.device, handler: Any = None
+) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` in the run's precision (a no-op context for full precision), with an ``AutocastKwargs``'
+    ``enabled`` / ``cache_enabled`` when one is given."""
     if precision is PrecisionType.NO:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision])
+    options = handler.to_kwargs() if handler is not None else {}
+    return torch.autocast(device_type=device.type, dtype=_AUTOCAST_DTYPES[precision], **options)
 
 
 def needs_autocast(precision: PrecisionType, policy: object) -> bool:
@@ -107,7 +111,7 @@ def needs_autocast(precision: PrecisionType, policy: object) -> bool:
 
 
 def wrap_forward_for_precision(
-    model: nn.Module, precision: PrecisionType, device: torch.device, *, autocast: bool
+    model: nn.Module, precision: PrecisionType, device: torch.device, *, autocast: bool, handler: Any = None
 ) -> None:
     """Return float32 outputs from ``model``'s forward (Accelerate's mixed precision), under autocast if asked.
 
@@ -121,7 +125,7 @@ def wrap_forward_for_precision(
 
     @functools.wraps(forward)
     def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
-        with context(precision, device):
+        with context(precision, device, handler):
             output = forward(*args, **kwargs)
         return ops.convert_to_fp32(output)
 

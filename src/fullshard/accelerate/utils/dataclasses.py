@@ -1,6 +1,7 @@
 """``accelerate.utils.dataclasses``: fullshard's plugins and kwargs handlers; DeepSpeed's classes are refused."""
 
 from fullshard.frontend.plugin import get_module_class_from_name
+from fullshard.frontend.handlers import AutocastKwargs
 from fullshard.frontend.refused import refused_class
 from fullshard.utils import (
     ComputeEnvironment,
@@ -26,6 +27,11 @@ from fullshard.utils import (
 _WHY = "fullshard is FSDP only (no DeepSpeed)"
 DeepSpeedPlugin = refused_class("DeepSpeedPlugin", _WHY)
 DeepSpeedSchedulerWrapper = refused_class("DeepSpeedSchedulerWrapper", _WHY)
+DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig", _WHY)
+FP8RecipeKwargs = refused_class("FP8RecipeKwargs", 'fullshard refuses mixed_precision="fp8"; use "bf16" or "fp16"')
+TorchContextParallelConfig = refused_class(
+    "TorchContextParallelConfig", "fullshard has no context parallelism (its ParallelismConfig has dp and tp)"
+)
 
 __all__ = [
     "ComputeEnvironment",
@@ -49,4 +55,8 @@ __all__ = [
     "TorchDynamoPlugin",
     "TorchTensorParallelConfig",
     "get_module_class_from_name",
+    "AutocastKwargs",
+    "DeepSpeedSequenceParallelConfig",
+    "FP8RecipeKwargs",
+    "TorchContextParallelConfig",
 ]

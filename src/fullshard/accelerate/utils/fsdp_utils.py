@@ -1,5 +1,6 @@
 """``accelerate.utils.fsdp_utils``: per-object FSDP checkpoints, FSDP2 preparation helpers, the weight merge."""
 
+from fullshard.frontend.compile import compile_regions_fsdp2, is_compiled_module
 from fullshard.frontend.fsdp_checkpoints import (
     load_fsdp_model,
     load_fsdp_optimizer,
@@ -18,6 +19,7 @@ from fullshard.utils import (
 )
 
 __all__ = [
+    "compile_regions_fsdp2",
     "disable_fsdp_ram_efficient_loading",
     "enable_fsdp_ram_efficient_loading",
     "fsdp2_load_full_state_dict",
@@ -25,6 +27,7 @@ __all__ = [
     "fsdp2_prepare_model",
     "fsdp2_switch_optimizer_parameters",
     "get_parameters_from_modules",
+    "is_compiled_module",
     "load_fsdp_model",
     "load_fsdp_optimizer",
     "merge_fsdp_weights",

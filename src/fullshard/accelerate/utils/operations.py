@@ -1,5 +1,12 @@
 """``accelerate.utils.operations``: collectives and nested-structure helpers."""
 
+from fullshard.frontend.ops import (
+    CannotPadNestedTensorWarning,
+    convert_outputs_to_fp32,
+    find_device,
+    is_namedtuple,
+    pad_input_tensors,
+)
 from fullshard.utils import (
     broadcast,
     broadcast_object_list,
@@ -28,4 +35,9 @@ __all__ = [
     "reduce",
     "send_to_device",
     "slice_tensors",
+    "CannotPadNestedTensorWarning",
+    "convert_outputs_to_fp32",
+    "find_device",
+    "is_namedtuple",
+    "pad_input_tensors",
 ]

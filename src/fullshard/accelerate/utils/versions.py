@@ -1,5 +1,5 @@
-"""``accelerate.utils.versions``."""
+"""``accelerate.utils.versions``: version comparisons."""
 
-from fullshard.utils import compare_versions, is_torch_version
+from fullshard.frontend.versions import compare_versions, is_torch_version
 
 __all__ = ["compare_versions", "is_torch_version"]

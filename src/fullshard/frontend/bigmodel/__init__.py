@@ -9,5 +9,6 @@ planning where the layers of an inference model go, offloading weights to disk.
 - ``tensors.py``: ``set_module_tensor_to_device``, ``named_module_tensors``.
 - ``hooks.py``: ``remove_hook_from_module``, ``remove_hook_from_submodules`` (PEFT calls them; nothing here adds hooks).
 - ``loading.py``: ``load_state_dict``, ``load_checkpoint_in_model``, ``shard_checkpoint``.
+- ``cpu_hook.py``: ``cpu_offload_with_hook`` (a model moved to its device when it runs).
 - ``offload.py``: ``offload_state_dict``, ``load_offloaded_weights`` (Accelerate's folder format).
 """

@@ -5,6 +5,7 @@
 - ``ddp.py``: :class:`DistributedDataParallelKwargs`, and what of it applies to a
   sharded model (the communication hook, under ``NO_SHARD``).
 - ``profiling.py``: :class:`ProfileKwargs` and the ``Accelerator.profile`` context.
+- ``autocast.py``: :class:`AutocastKwargs` (``torch.autocast``'s switches for the run's mixed precision).
 - ``process_group.py``: :class:`InitProcessGroupKwargs`, and the answer for every handler not taken here.
 
 :func:`collect_handlers` sorts the ``kwargs_handlers`` list by type. It only knows the types above; the
@@ -16,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fullshard.frontend.handlers.autocast import AutocastKwargs
 from fullshard.frontend.handlers.ddp import DDPCommunicationHookType, DistributedDataParallelKwargs
 from fullshard.frontend.handlers.grad import GradientAccumulationPlugin, GradScalerKwargs
 from fullshard.frontend.handlers.process_group import InitProcessGroupKwargs, process_group_kwargs
 from fullshard.frontend.handlers.profiling import ProfileKwargs
 
 __all__ = [
+    "AutocastKwargs",
     "DDPCommunicationHookType",
     "DistributedDataParallelKwargs",
     "GradScalerKwargs",
@@ -41,9 +44,15 @@ class Handlers:
     scaler: GradScalerKwargs | None = None
     ddp: DistributedDataParallelKwargs | None = None
     profile: ProfileKwargs | None = None
+    autocast: AutocastKwargs | None = None
 
 
-_SLOTS = {GradScalerKwargs: "scaler", DistributedDataParallelKwargs: "ddp", ProfileKwargs: "profile"}
+_SLOTS = {
+    GradScalerKwargs: "scaler",
+    DistributedDataParallelKwargs: "ddp",
+    ProfileKwargs: "profile",
+    AutocastKwargs: "autocast",
+}
 
 
 def collect_handlers(kwargs_handlers: Any) -> tuple[Handlers, list[Any]]:

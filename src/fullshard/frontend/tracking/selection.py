@@ -23,9 +23,39 @@ from typing import Any
 from fullshard.frontend.availability import is_tensorboard_available
 from fullshard.frontend.tracking.trackers import GeneralTracker, JSONLinesTracker, LoggerType, TensorBoardTracker
 
-__all__ = ["TrackerSet", "available_trackers", "resolve_log_with"]
+__all__ = ["LOGGER_TYPE_TO_CLASS", "TrackerSet", "available_trackers", "register_tracker_class", "resolve_log_with"]
 
 BUILTIN: dict[str, type[GeneralTracker]] = {"jsonl": JSONLinesTracker, "tensorboard": TensorBoardTracker}
+# Accelerate's name for the registry of trackers by name: the built-in ones and those register_tracker_class adds.
+LOGGER_TYPE_TO_CLASS = BUILTIN
+
+
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
+    """Make ``log_with=tracker_class.name`` build ``tracker_class`` (as Accelerate's ``register_tracker_class``).
+
+    The class must subclass :class:`GeneralTracker` and say ``name`` and ``requires_logging_directory``; it is built
+    as ``tracker_class(project_name, logging_dir, **init_kwargs)`` when it needs the directory, else without it.
+    Registering a name again replaces the class, with a warning.
+    """
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(f"register_tracker_class({tracker_class!r}): expected a subclass of GeneralTracker.")
+    name = getattr(tracker_class, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"register_tracker_class({tracker_class.__name__}): the class needs a non-empty `name` attribute (the "
+            "string passed as log_with)."
+        )
+    if not hasattr(tracker_class, "requires_logging_directory"):
+        raise ValueError(
+            f"register_tracker_class({tracker_class.__name__}): set the class attribute requires_logging_directory "
+            "(True if the tracker writes under the project's logging directory, else False)."
+        )
+    if name in BUILTIN and BUILTIN[name] is not tracker_class:
+        warnings.warn(
+            f"register_tracker_class({tracker_class.__name__}): replaces {BUILTIN[name].__name__} as tracker {name!r}.",
+            stacklevel=2,
+        )
+    BUILTIN[name] = tracker_class
 
 
 def available_trackers() -> list[str]:
@@ -51,7 +81,7 @@ def resolve_log_with(
             resolved.append(entry)
             continue
         name = str(getattr(entry, "value", entry))
-        if name not in LoggerType:
+        if name not in LoggerType and name not in BUILTIN:
             raise ValueError(
                 f"Accelerator(log_with={entry!r}): not a tracker. Use one of {LoggerType.list()}, or an instance of "
                 "a GeneralTracker subclass (from fullshard.tracking import GeneralTracker)."
@@ -68,8 +98,9 @@ def resolve_log_with(
         needing = [str(e) for e in resolved if isinstance(e, str) and BUILTIN[e].requires_logging_directory]
         if needing:
             raise ValueError(
-                f"Accelerator(log_with={log_with!r}): the {needing[0]!r} tracker writes files and needs a directory. "
-                "Pass project_dir='runs' (or project_config=ProjectConfiguration(logging_dir=...))."
+                f"Accelerator(log_with={log_with!r}): Logging with `{needing[0]}` requires a `logging_dir`: the "
+                "tracker writes files. Pass project_dir='runs' (or "
+                "project_config=ProjectConfiguration(logging_dir=...))."
             )
     return resolved
 
@@ -93,7 +124,9 @@ class TrackerSet:
             if isinstance(entry, GeneralTracker):
                 self.trackers.append(entry)
             else:
-                self.trackers.append(BUILTIN[entry](project_name, self.logging_dir, **init_kwargs.get(entry, {})))
+                cls, kwargs = BUILTIN[entry], init_kwargs.get(entry, {})
+                where = (self.logging_dir,) if cls.requires_logging_directory else ()
+                self.trackers.append(cls(project_name, *where, **kwargs))
         for tracker in self.trackers:
             tracker.start()
         if config is not None:
