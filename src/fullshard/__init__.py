@@ -28,7 +28,10 @@ from fullshard.engine import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    UnshardHandle,
     fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.bigmodel.empty import init_empty_weights
@@ -89,6 +92,9 @@ __all__ = [
     "checkpoint_module",
     "find_executable_batch_size",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "UnshardHandle",
     "infer_auto_device_map",
     "init_empty_weights",
     "load_checkpoint_in_model",

@@ -54,9 +54,9 @@ def test_no_process_group_says_how_to_launch(entry: str) -> None:
     assert "torchrun --nproc_per_node 2" in str(info.value)
 
 
-def test_reshard_after_forward_must_be_bool() -> None:
-    with pytest.raises(ValueError, match=re.escape("fully_shard(reshard_after_forward=2): pass True")):
-        fully_shard(nn.Linear(2, 2), reshard_after_forward=2)  # type: ignore[arg-type]
+def test_reshard_after_forward_must_be_bool_int_or_none() -> None:
+    with pytest.raises(ValueError, match=re.escape("fully_shard(reshard_after_forward='yes'): pass True")):
+        fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")  # type: ignore[arg-type]
 
 
 # --- on ranks -----------------------------------------------------------------------------------------

@@ -30,7 +30,13 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
-from fullshard.engine.fully_shard import FSDPModule, fully_shard
+from fullshard.engine.fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from fullshard.engine.grad_norm import clip_grad_norm_
 from fullshard.engine.invariant import ENV as INVARIANT_ENV
 from fullshard.engine.invariant import pending_micro_batches, restore_step_in_progress, step_in_progress
@@ -76,7 +82,10 @@ __all__ = [
     "FSDP",
     "FSDPModule",
     "FullyShardedDataParallel",
+    "UnshardHandle",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "CustomPolicy",
     "ModuleWrapPolicy",
     "always_wrap_policy",

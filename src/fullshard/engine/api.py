@@ -46,6 +46,11 @@ __all__ = [
 ]
 
 
+class PlacementError(ValueError, AssertionError):
+    """A ``shard_placement_fn`` result that cannot shard its parameter: a ``ValueError``, and an ``AssertionError``
+    as torch's ``fully_shard`` raises for the same input (so ``except`` clauses written for either catch it)."""
+
+
 class _PeerEnum(enum.Enum):
     """An enum whose members equal same-named members of a same-named foreign enum; see [Note: equal to torch's]."""
 

@@ -31,6 +31,7 @@ from fullshard.engine.param import ShardedParam
 
 __all__ = [
     "COMM_STATS",
+    "CommOptions",
     "CommStats",
     "PendingReduce",
     "all_gather_flat",
@@ -223,6 +224,7 @@ def foreach_all_gather(
     flat_full: torch.Tensor,
     world: int,
     pg: dist.ProcessGroup | None,
+    custom: Any = None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
     """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
     in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
@@ -230,17 +232,27 @@ def foreach_all_gather(
     preserved, see :func:`copy_out`)."""
     works = []
     out = None
+    gather = all_gather_flat if custom is None else _custom_gather(custom)
     if packed:
         numel = _numel(packed)
         out = torch.empty(world * numel, dtype=send.dtype, device=flat_full.device)
         shard = send if numel == send.numel() else send.narrow(0, 0, numel)  # no direct ones: all of it
-        works.append(all_gather_flat(out, shard, pg, async_op=True))
+        works.append(gather(out, shard, pg, async_op=True))
     if direct:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
             for sp, block in zip(direct, direct_blocks):
                 shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
-                works.append(all_gather_flat(block, shard, pg, async_op=True))
-    return works, out
+                works.append(gather(block, shard, pg, async_op=True))
+    return [w for w in works if w is not None], out
+
+
+def _custom_gather(comm: Any) -> Callable[..., Any]:
+    """A user's ``AllGather`` (``set_custom_all_gather``) in :func:`all_gather_flat`'s signature."""
+
+    def gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool) -> Any:
+        return comm(output, shard, pg, async_op=async_op)
+
+    return gather
 
 
 def copy_out(gathered: torch.Tensor, blocks: list[torch.Tensor], sizes: list[int], flat_full: torch.Tensor) -> None:
@@ -285,13 +297,37 @@ def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int) -> to
 
 
 @dataclass
+class CommOptions:
+    """What ``FSDPModule``'s setters change about one group's collectives (torch FSDP2's names), all numerics:
+
+    - ``divide_factor`` (``set_gradient_divide_factor``): the reduced gradient is the sum over data parallel ranks
+      divided by this, instead of by their number.
+    - ``force_sum`` (``set_force_sum_reduction_for_comms``): sums are always reduced here (gloo has no average);
+      it decides only what ``all_reduce_hook`` sees: the undivided sum (on), or the average (off, as torch's ``AVG``).
+    - ``all_reduce_hook`` (``set_all_reduce_hook``): called with the reduced shard after the reduce-scatter (and after
+      the all-reduce across replicas under HSDP); it may change it in place.
+    - ``requires_all_reduce`` (``set_requires_all_reduce``, HSDP): off, the reduce-scatter outputs are summed locally
+      and the all-reduce across replicas (and ``.grad``) waits for the next backward that has it on.
+    - ``reduce_scatter`` / ``all_gather`` (``set_custom_reduce_scatter`` / ``set_custom_all_gather``): objects with
+      torch's ``ReduceScatter`` / ``AllGather`` call signatures, used for the unit's collectives over its shard group.
+    """
+
+    divide_factor: float | None = None
+    force_sum: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    requires_all_reduce: bool = True
+    reduce_scatter: Any = None
+    all_gather: Any = None
+
+
+@dataclass
 class PendingReduce:
     """A started reduction of one group's gradients, for :func:`finish_reduce`."""
 
     works: list[dist.Work]
     output: torch.Tensor  # 1D, the trainable parameters' padded shards, reduce dtype
     keep_alive: object  # the reduce-scatter inputs, until the works complete
-    divide_after: int  # what is left of the average (see gradient_divide_factors); hooks average themselves
+    divide_after: float  # what is left of the average (see gradient_divide_factors); hooks average themselves
     hooked: bool = False
 
 
@@ -301,6 +337,7 @@ def foreach_reduce(
     direct: list[ShardedParam],
     shard_group: ShardGroup,
     comm_hook: tuple[object, Callable[..., Any]] | None,
+    options: CommOptions | None = None,
 ) -> PendingReduce:
     """Start reducing ``grad`` (the flat unsharded gradient, reduce dtype, ours to overwrite) to this rank's
     shard of the trainable parameters ``packed + direct`` (layout order).
@@ -321,16 +358,24 @@ def foreach_reduce(
             output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
             hook(state, ordered.view(-1), output)
         return PendingReduce([], output, None, 1, hooked=True)
+    options = options or CommOptions()
     before, after = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype)
+    if options.divide_factor is not None:
+        before, after = 1, options.divide_factor
     if before > 1:
         grad.div_(before)
     if world == 1:
         output = rank_major(grad, params, world).view(-1)
         work = all_reduce_flat(output, shard_group.replicate_pg, async_op=True)
         return PendingReduce([work] if work is not None else [], output, None, after)
+    pg, works = shard_group.shard_pg, []
+    if options.reduce_scatter is not None:  # one call of the user's reduce-scatter for the whole group
+        ordered = rank_major(grad, params, world)
+        output = options.reduce_scatter.allocate((numel,), dtype=grad.dtype, device=grad.device)
+        work = options.reduce_scatter(output, ordered.view(-1), pg, dist.ReduceOp.SUM, async_op=False)
+        return PendingReduce([work] if work is not None else [], output, (ordered, grad), after)
     ordered = rank_major(grad, packed, world)  # (N, packed G)
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
-    pg, works = shard_group.shard_pg, []
     packed_numel = _numel(packed)
     # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
     # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
@@ -344,14 +389,34 @@ def foreach_reduce(
     return PendingReduce(works, output, (ordered, grad), after)
 
 
-def finish_reduce(pending: PendingReduce, shard_group: ShardGroup, label: str) -> torch.Tensor:
-    """Wait for ``pending``, all-reduce across replicas (hybrid sharding) and average: the reduced output."""
+def finish_reduce(
+    pending: PendingReduce,
+    shard_group: ShardGroup,
+    label: str,
+    options: CommOptions | None = None,
+    partial: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Wait for ``pending``, all-reduce across replicas (hybrid sharding), run the all-reduce hook and average:
+    the reduced output. ``partial``: reduce-scatter sums kept from backwards that skipped the all-reduce, added
+    first. Returns ``None`` when ``options.requires_all_reduce`` is off under HSDP: the caller keeps
+    ``pending.output`` (undivided) as its partial sum."""
+    options = options or CommOptions()
     wait_all(pending.works, "reduce_scatter", label, shard_group.shard_pg, trace.REDUCE_WAIT)
     output = pending.output
     replicate_pg = shard_group.replicate_pg
     if shard_group.shard_size > 1 and replicate_pg is not None and not pending.hooked:
+        if partial is not None:
+            output.add_(partial)
+        if not options.requires_all_reduce:
+            return None
         with trace.phase(trace.REDUCE_WAIT), collective_check.collective("all_reduce", label, replicate_pg):
             all_reduce_flat(output, replicate_pg, async_op=False)
-    if pending.divide_after > 1:
+    hook = None if pending.hooked else options.all_reduce_hook
+    if hook is not None and options.force_sum:
+        hook(output)  # sees the sum, as torch's SUM reductions show it
+        hook = None
+    if pending.divide_after != 1:
         output.div_(pending.divide_after)
+    if hook is not None:
+        hook(output)  # sees the average, as torch's AVG reductions show it
     return output

@@ -31,10 +31,13 @@ class FullViewsPlan:
     def __init__(self, ordered: list[ShardedParam], world: int) -> None:
         self.views: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
         self.pieces: list[tuple[int, int]] = []
+        self.shard_dims = [sp.shard_dim for sp in ordered]  # Shard(d) parameters: permuted views of their blocks
         for sp in ordered:
             lay = sp.layout
-            shape = sp.gathered_shape
-            self.views.append((shape, contiguous_strides(shape), world * sp.offset))
+            # the block holds the parameter with its shard dim first (see [Note: Shard(d)] in param.py): its view in
+            # the parameter's dim order has the moved shape's contiguous strides, permuted the same way
+            strides = sp.unmove_shape(contiguous_strides(lay.shape))
+            self.views.append((sp.gathered_shape, strides, world * sp.offset))
             self.pieces.append((lay.numel, world * lay.padded_shard_numel - lay.numel))
         self.padding_zeros: dict[tuple[torch.dtype, torch.device], list[torch.Tensor | None]] = {}
         self.received = [False] * len(self.pieces)
@@ -83,9 +86,12 @@ class FullViews(torch.autograd.Function):
         padding_zeros = plan.zeros_for_padding(dtype, device)
         pieces = []
         received = plan.received
-        for i, (grad, (numel, _), zeros) in enumerate(zip(grads, plan.pieces, padding_zeros)):
+        for i, (grad, (numel, _), zeros, dim) in enumerate(zip(grads, plan.pieces, padding_zeros, plan.shard_dims)):
             if grad is None:
                 pieces.append(torch.zeros(numel, dtype=dtype, device=device))
+            elif dim:
+                received[i] = True
+                pieces.append(grad.movedim(dim, 0).reshape(-1))
             else:
                 received[i] = True
                 pieces.append(grad.view(-1) if grad.is_contiguous() else grad.reshape(-1))

@@ -18,17 +18,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 from fullshard.engine import grad_norm, invariant
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, Offload, OffloadPolicy, StateDictType
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
-from fullshard.engine.state import UnitConfig, UnitState, set_gradient_sync, unit_state, unit_states_in
+from fullshard.engine.state import (
+    UnitConfig,
+    UnitState,
+    reset_iteration,
+    set_gradient_sync,
+    unit_state,
+    unit_states_in,
+)
 from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
 from fullshard.ranks import warn_rank0
 
-__all__ = ["FSDPModule", "fully_shard"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -36,19 +44,41 @@ M = TypeVar("M", bound=nn.Module)
 class FSDPModule:
     """Methods gained by a module passed to :func:`fully_shard`."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A new instance of a sharded module's class built with arguments (``nn.Sequential`` slicing builds one with
+        ``type(self)(...)``) is a plain instance of the original class: it has no unit, so it is no FSDPModule.
+        Without arguments (``copy.copy``, unpickling) the class is kept, as the copy carries the unit's state."""
+        if not args and not kwargs:
+            return super().__new__(cls)
+        original = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        instance = original.__new__(original)
+        instance.__init__(*args, **kwargs)
+        return instance
+
     def _fullshard_state(self) -> UnitState:
         state = unit_state(self)  # type: ignore[arg-type]
         if state is None:
             raise AssertionError(f"{type(self).__name__} is an FSDPModule without unit state")
         return state
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this module's parameters now (to overlap with other work when ``async_op``)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather this module's parameters now. With ``async_op``, return an :class:`UnshardHandle` whose ``wait()``
+        finishes the gather (the module's next forward waits for it too); otherwise wait here and return None."""
         group = self._fullshard_state().group
         if group is not None:
             group.unshard()
-            if not async_op:
-                group.wait_for_unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise AssertionError(
+            f"copy.deepcopy({type(self).__name__}): FSDP does not support deepcopy of a sharded module (its "
+            "parameters are shards bound to process groups and to the unit's buffers). Deep-copy the model before "
+            "fully_shard, or build a fresh model and load this one's state_dict() into it."
+        )
 
     def reshard(self) -> None:
         """Free this module's gathered parameters; the sharded ones are registered again."""
@@ -62,9 +92,103 @@ class FSDPModule:
         set_gradient_sync(states, requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        states = unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
-        for state in states:
-            state.config = replace(state.config, reshard_after_forward=bool(reshard_after_forward))
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False (an int is accepted only "
+                "by fully_shard(reshard_after_forward=...))."
+            )
+        for state in self._states(recurse):
+            state.config = replace(state.config, reshard_after_forward=reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted for torch's API. fullshard always frees gathered parameters at the end of backward (the next
+        forward gathers again, as torch does after an optimizer step); gradients and values are the same."""
+        self._states(recurse)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's API: every backward here waits for its reductions before it returns, which is what
+        torch does on the backward marked last."""
+        self._fullshard_state()
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: off, backward reduce-scatters and sums locally; the all-reduce across replicas (and the
+        gradients' update) waits for the next backward with it on (gradient accumulation with less traffic)."""
+        self._set_comm(recurse, requires_all_reduce=bool(requires_all_reduce))
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Accepted for torch's API: backward prefetches the unit that ran before this one in forward (the usual
+        list); the order changes when collectives start, never the results."""
+        _check_modules("set_modules_to_backward_prefetch", modules)
+        self._fullshard_state()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted for torch's API: fullshard gathers a unit in backward whenever autograd reaches it."""
+        self._fullshard_state()
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for torch's API: with no streams on CPU, the next forward's gathers already follow the
+        optimizer step."""
+        self._fullshard_state()
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Call ``hook(output)`` on every reduced gradient shard of this module's own unit (not recursive, as in
+        torch), after the reduce-scatter
+        (and after the all-reduce across replicas under HSDP), before ``.grad`` is written: it may change ``output``
+        in place (e.g. all-reduce it over a group of your own)."""
+        if stream is not None and any(
+            s.group.shard_group.replicate_pg is not None
+            for s in unit_states_in(self)
+            if s.group  # type: ignore[arg-type]
+        ):
+            raise ValueError("stream cannot be set when using native HSDP")
+        self._set_comm(False, all_reduce_hook=hook)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the number of data parallel ranks (this
+        module's own unit, not recursive, as in torch: call it on each module ``fully_shard`` was applied to)."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor({factor!r}): pass a positive number.")
+        self._set_comm(False, divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in torch)."""
+        warn_rank0("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor.", stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with sums and divide apart (this module's own unit). fullshard always does (gloo has no average);
+        on, the all-reduce hook sees the undivided sum, as with torch's sum reductions."""
+        self._set_comm(False, force_sum=bool(enable))
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Gather this unit's parameters with ``comm`` (torch's ``AllGather`` interface: ``comm(output_tensor,
+        input_tensor, group, async_op=...)``) instead of the built-in all-gather."""
+        self._set_comm(False, all_gather=comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce this unit's gradients with ``comm`` (torch's ``ReduceScatter`` interface: ``allocate(size, dtype=,
+        device=)`` and ``comm(output_tensor, input_tensor, group, op, async_op=...)``; ``op`` is a sum, the average
+        is taken after it)."""
+        self._set_comm(False, reduce_scatter=comm)
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: free every gathered unit, drop reductions in flight
+        and the iteration's bookkeeping, so that the next iteration starts clean (call on the root)."""
+        state = self._fullshard_state()
+        if state.ctx is not None and state.ctx.root is not state:
+            raise RuntimeError(
+                f"reset_iter_state() on {type(self).__name__}, which is not the root: call it on the module "
+                "fully_shard was applied to last (the one whose forward you call)."
+            )
+        reset_iteration(state)
+
+    def _states(self, recurse: bool) -> list[UnitState]:
+        return unit_states_in(self) if recurse else [self._fullshard_state()]  # type: ignore[arg-type]
+
+    def _set_comm(self, recurse: bool, **changes: Any) -> None:
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.comm_options = replace(state.group.comm_options, **changes)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Prefetch in forward: with a non-empty list, this unit starts gathering the unit that ran after it
@@ -112,6 +236,49 @@ class FSDPModule:
         return sd.load_checked(self, state_dict, strict, assign, super().load_state_dict)  # type: ignore[arg-type,misc]
 
 
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` finishes the gather (idempotent)."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def _check_modules(where: str, modules: Any) -> None:
+    bad = [type(m).__name__ for m in modules if not isinstance(m, FSDPModule)]
+    if bad:
+        raise ValueError(f"{where}: every module must have had fully_shard applied; these have not: {bad}.")
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather and free parameters as ``module(...)`` does (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method({type(module).__name__}, {method_name!r}): the module must have had "
+            "fully_shard applied first."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}.")
+    state = module._fullshard_state()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(args, kwargs)
+        return state.post_forward(method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for torch's API (sharing CUDA streams between roots): on CPU there are no streams to share."""
+    _check_modules("share_comm_ctx", modules)
+
+
 @functools.cache
 def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
@@ -153,6 +320,23 @@ def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offl
     return Offload(pin_memory=bool(policy.pin_memory))
 
 
+def _resolve_reshard(value: bool | int | None, shard_size: int) -> bool:
+    """``reshard_after_forward`` as the engine takes it. ``None`` (torch's default): True, and the root keeps its
+    parameters anyway. An int ``k`` (torch: reshard to groups of ``k`` ranks after forward, to gather within them in
+    backward) must divide the shard group's size; 1 means False, any other divisor frees everything as True does
+    (the same values; fullshard has no intermediate resharding, see docs/design.md)."""
+    if value is None:
+        return True
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or shard_size % value:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={value!r}): pass True, False, None (the default), or an int that "
+            f"divides the shard group's size {shard_size}."
+        )
+    return value != 1
+
+
 _DEFAULT_MESHES: dict[str, tuple[object, DeviceMesh]] = {}
 
 
@@ -170,7 +354,8 @@ def fully_shard(
     module: M,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -180,6 +365,8 @@ def fully_shard(
     invariant_micro_batches: int | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
+
+    ``module`` may be a list of modules (each becomes a unit; see [Note: a list of modules]).
 
     A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
     and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
@@ -201,15 +388,42 @@ def fully_shard(
     float32 or bfloat16 parameters and ``param_dtype`` (float16 is refused) and sums gradients in float32 whatever
     ``reduce_dtype`` says. See [Note: world-size invariance] in ``invariant.py``.
     """
+    if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        # [Note: a list of modules] torch makes the listed modules one unit (one collective for all); fullshard
+        # makes each its own unit, bottom-up in the order given: the same values, a collective per module. Tied
+        # parameters across the listed modules are refused by the second unit, naming the fix (a common parent).
+        for m in module:
+            fully_shard(
+                m,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=shard_placement_fn,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                ignored_params=ignored_params,
+                param_init_fn=param_init_fn,
+                sync_module_states=sync_module_states,
+                tp_mesh=tp_mesh,
+                invariant_micro_batches=invariant_micro_batches,
+            )
+        return module  # type: ignore[return-value]
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard(module=...) takes an nn.Module, got {type(module).__name__}.")
-    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got {type(module).__name__}."
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):  # bool is an int
         raise ValueError(
-            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): pass True (free parameters after "
-            "forward, gather again in backward) or False (keep them until backward ends)."
+            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): pass True, False, None (the default), or "
+            "an int that divides the shard group's size."
         )
     if unit_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        # The opening words are torch fully_shard's, which users' code matches on.
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: got a {type(module).__name__}. "
+            "Apply fully_shard to each module in it, or to the module whose forward calls them."
+        )
     require_process_group("fully_shard")
     device = resolve_device(None, module)
     mesh = mesh if mesh is not None else _default_mesh(device.type)
@@ -217,8 +431,13 @@ def fully_shard(
     if tp_mesh is not None:
         shard_group = replace(shard_group, tp_mesh=tp_mesh)
     micro_batches = invariant.resolve(invariant_micro_batches, "fully_shard")
+    if micro_batches is not None and shard_placement_fn is not None:
+        raise ValueError(
+            "fully_shard(shard_placement_fn=..., invariant_micro_batches=...): world-size-invariant mode shards on "
+            "dim 0 only. Drop shard_placement_fn, or turn invariant mode off."
+        )
     config = UnitConfig(
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=_resolve_reshard(reshard_after_forward, shard_group.shard_size),
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
         casts=casts_from_policy(mp_policy),
@@ -237,6 +456,7 @@ def fully_shard(
         guard_unit_module=False,
         offload=offload,
         init=init,
+        shard_placement_fn=shard_placement_fn,
     )
     where = f"fully_shard({type(module).__name__})"
     if micro_batches is not None and state.group is not None:
@@ -254,3 +474,11 @@ def fully_shard(
         ),
     )
     return module
+
+
+def _state_of(module: nn.Module) -> UnitState | None:
+    """``fully_shard.state(module)``: the unit state ``fully_shard`` attached to ``module`` (None if none)."""
+    return unit_state(module)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]

@@ -46,11 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from fullshard.engine import collective_check, trace
 from fullshard.engine.api import Offload
 from fullshard.engine.collectives import (
+    CommOptions,
     PendingReduce,
     all_gather_flat,
     copy_out,
@@ -92,8 +93,10 @@ class ParamGroup:
         *,
         use_dtensor: bool = False,
         offload: Offload | None = None,
+        shard_dims: list[int] | None = None,
     ) -> None:
-        """Shard ``entries`` (name, registrations, original parameter); the originals are retired."""
+        """Shard ``entries`` (name, registrations, original parameter); the originals are retired. ``shard_dims``:
+        per entry, the dim its shards split (default 0; see [Note: Shard(d)] in ``param.py``)."""
         self.label = label
         self.shard_group = shard_group
         self.device = shard_group.device  # where forward and backward compute
@@ -110,16 +113,18 @@ class ParamGroup:
         self.precision = precision or GroupPrecision(self.dtype, self.dtype, self.dtype)
         world, rank = shard_group.shard_size, shard_group.shard_rank
         self.use_dtensor = use_dtensor
+        dims = shard_dims or [0] * len(entries)
         self.params = [
             ShardedParam(
                 name,
                 regs,
-                ShardLayout(tuple(local_tensor(p).shape), world, rank),
+                ShardLayout(tuple(local_tensor(p).movedim(d, 0).shape), world, rank),
                 p.dtype,
                 p.requires_grad,
                 tp=self._tp_spec(name, p),
+                shard_dim=d,
             )
-            for name, regs, p in entries
+            for (name, regs, p), d in zip(entries, dims)
         ]
         self.world = world
         # See [Note: packed and direct parameters]: small parameters first, gathered as one flat buffer.
@@ -142,6 +147,8 @@ class ParamGroup:
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
         self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
+        self.comm_options = CommOptions()  # FSDPModule's setters (see collectives.CommOptions)
+        self._partial_reduce: torch.Tensor | None = None  # HSDP sums kept while requires_all_reduce is off
         self._on_grads_ready: Callable[[], None] | None = None  # see observe
         self.flat_full = self._new_flat_full()
         self._full_blocks: tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None  # full_blocks
@@ -229,7 +236,14 @@ class ParamGroup:
     def dtensor_of(self, sp: ShardedParam, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's real rows of ``sp``, no copy) as a DTensor of ``sp``'s full shape, laid out as
         the sharded parameter is (the unit's mesh, or the dp and tp mesh for a tensor parallel parameter)."""
-        return self.shard_group.dtensor(local, sp.shape, sp.tp)
+        return self.shard_group.dtensor(local, sp.shape, sp.tp, self.placements_of(sp))
+
+    def placements_of(self, sp: ShardedParam) -> tuple[Placement, ...]:
+        """How ``sp``'s sharded parameter lies on the unit's mesh (``Shard(sp.shard_dim)`` where it is sharded)."""
+        placements = self.shard_group.placements()
+        if sp.shard_dim == 0:
+            return placements
+        return tuple(Shard(sp.shard_dim) if isinstance(pl, Shard) else pl for pl in placements)
 
     def _new_flat_full(self) -> torch.Tensor:
         if self.alias_full:
@@ -398,7 +412,14 @@ class ParamGroup:
                 pg = self.shard_group.shard_pg
                 with collective_check.collective("all_gather", self.label, pg):
                     self._gather = foreach_all_gather(
-                        send, self.packed, self.direct, direct_blocks, self.flat_full, self.world, pg
+                        send,
+                        self.packed,
+                        self.direct,
+                        direct_blocks,
+                        self.flat_full,
+                        self.world,
+                        pg,
+                        self.comm_options.all_gather,
                     )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
@@ -526,8 +547,18 @@ class ParamGroup:
             received = self._full_views.take_received()
             grad = self.take_unsharded_grad()
             packed, direct = self.packed_grad_params, self.direct_grad_params
-            pending = foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook)
+            pending = foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook, self.comm_options)
             self._pending.append((pending, received))
+
+    def drop_reductions(self) -> None:
+        """Wait for started reductions and discard them, with the unreduced gradient (``reset_iter_state``)."""
+        for pending, _ in self._pending:
+            for work in pending.works:
+                work.wait()
+        self._pending.clear()
+        self._partial_reduce = None
+        if self.flat_full.grad is not None:
+            self.flat_full.grad = None
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
@@ -542,7 +573,7 @@ class ParamGroup:
         if self._stashed_grads is None:
             self._stashed_grads = [sp.sharded_param.grad for sp in self.grad_params]
         for sp in self.grad_params:
-            view = full_block(grad, sp, self.world).narrow(0, 0, sp.layout.numel).view(sp.gathered_shape)
+            view = sp.unmove(full_block(grad, sp, self.world).narrow(0, 0, sp.layout.numel).view(sp.layout.shape))
             param = sp.sharded_param
             if (view.shape, view.dtype, view.device) == (param.shape, param.dtype, param.device):
                 param.grad = view
@@ -570,7 +601,11 @@ class ParamGroup:
         """Wait for started reductions and accumulate them into the sharded parameters' ``.grad``."""
         while self._pending:
             pending, received = self._pending.pop(0)
-            output = finish_reduce(pending, self.shard_group, self.label)
+            partial, self._partial_reduce = self._partial_reduce, None
+            output = finish_reduce(pending, self.shard_group, self.label, self.comm_options, partial)
+            if output is None:  # requires_all_reduce off: keep the sum for a later backward
+                self._partial_reduce = pending.output
+                continue
             output = _to(output, self.storage_device, self.precision.grad_dtype, non_blocking=False)
             self._accumulate_sharded_grads(output, None if all(received) else self._unused(received))
 
@@ -601,7 +636,7 @@ class ParamGroup:
         base = flat_grad.storage_offset()
         for sp in self.grad_params:
             lay = sp.layout
-            local = flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset)
+            local = sp.unmove(flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset))
             param = sp.sharded_param
             if param.grad is None:
                 if unused is not None and id(sp) in unused and not bool(local.any()):

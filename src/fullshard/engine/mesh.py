@@ -112,7 +112,13 @@ class ShardGroup:
             return (Replicate(),)
         return (Shard(0),)
 
-    def dtensor(self, local: torch.Tensor, shape: tuple[int, ...], tp: TPSpec | None = None) -> DTensor:
+    def dtensor(
+        self,
+        local: torch.Tensor,
+        shape: tuple[int, ...],
+        tp: TPSpec | None = None,
+        placements: tuple[Placement, ...] | None = None,
+    ) -> DTensor:
         """``local`` (this rank's part, no copy) as a contiguous ``DTensor`` of global ``shape``; over
         ``tp.spmd_mesh`` for a tensor parallel parameter."""
         if tp is not None:
@@ -120,9 +126,9 @@ class ShardGroup:
                 local, tp.spmd_mesh, tp.spmd_placements, run_check=False, shape=torch.Size(tp.shape), stride=tp.stride
             )
         stride = torch.empty(shape, device="meta").stride()  # contiguous strides; allocates nothing
-        return DTensor.from_local(
-            local, self.get_mesh(), self.placements(), run_check=False, shape=torch.Size(shape), stride=stride
-        )
+        placements = placements if placements is not None else self.placements()
+        mesh = self.get_mesh()
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
     @staticmethod
     def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
@@ -375,7 +381,12 @@ def shard_group_from_mesh(mesh: DeviceMesh, device: torch.device, *, hybrid: boo
         return ShardGroup(mesh.get_group(0), None, device, mesh)
     if mesh.ndim == 2:
         return ShardGroup(mesh.get_group(1), mesh.get_group(0), device, mesh)
-    raise ValueError(f"device_mesh has {mesh.ndim} dimensions; fullshard takes a 1-D or a 2-D mesh.")
+    # The opening words are torch fully_shard's, which users' code matches on.
+    raise ValueError(
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: it has {mesh.ndim} dimensions. Pass a 1-D mesh "
+        "(shard) or a 2-D one (replicate, shard), e.g. a slice of a larger mesh: mesh['dp'] or mesh['dp_replicate', "
+        "'dp_shard']."
+    )
 
 
 def _mesh_for(group: ShardGroup) -> DeviceMesh:

@@ -189,11 +189,11 @@ def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[tor
     flat = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
     for p, value in zip(holders, values):
         local = local_tensor(value)
-        if p.sp is None or tuple(local.shape) != p.sp.layout.local_shape:
+        if p.sp is None or tuple(local.shape) != p.sp.local_shape:
             raise ValueError(
                 f"[rank {global_rank()}] full_optim_state_dict: optimizer state of {p.fqn!r} has shape "
                 f"{tuple(local.shape)}, but this rank's shard of the parameter has shape "
-                f"{None if p.sp is None else p.sp.layout.local_shape}. Pass the state dict of this optimizer "
+                f"{None if p.sp is None else p.sp.local_shape}. Pass the state dict of this optimizer "
                 "(optim.state_dict(), or None), built after wrapping and stepped on the sharded parameters."
             )
         p.sp.local_view(flat).copy_(local)
@@ -324,9 +324,8 @@ def _to_local_state(p: _Param, name: str, value: Any, copy: bool = True) -> Any:
     if p.unit is None or p.sp is None or not _is_elementwise(value):
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         return whole.clone()
-    lay = p.sp.layout
     shape = tuple(value.shape)
-    if not isinstance(value, DTensor) and shape == lay.local_shape and shape != p.sp.shape:
+    if not isinstance(value, DTensor) and shape == p.sp.local_shape and shape != p.sp.shape:
         rows = value  # already this rank's rows (a local optimizer state dict)
     else:
         rows = sd.rows_of(p.unit, p.sp, value, f"optimizer state {name!r} of {p.fqn!r}")

@@ -57,16 +57,42 @@ class ShardedParam:
     grad_offset: int = 0  # where its gradient shard starts among the group's trainable parameters
     sharded_param: nn.Parameter | None = None
     tp: TPSpec | None = None
+    shard_dim: int = 0  # the dim split over the shard group: see [Note: Shard(d)]
+
+    # [Note: Shard(d)]
+    # A parameter placed ``Shard(d)`` (``fully_shard(shard_placement_fn=...)``) is laid out as the same parameter
+    # with dim ``d`` moved first (``movedim(d, 0)``): ``layout`` is of that *moved* shape, so its flat-buffer blocks,
+    # padding and collectives are those of a dim-0 parameter. Everything a caller sees is in the parameter's own
+    # dim order: ``local_view`` and the sharded parameter are ``movedim(0, d)`` views of the moved rows (not
+    # contiguous), ``rows_of`` takes and gives parameter-ordered tensors, and modules compute with permuted views of
+    # ``flat_full`` (see ``full_views.py``). With ``d == 0`` every move is the identity.
+
+    def unmove(self, moved: torch.Tensor) -> torch.Tensor:
+        """A tensor in the layout's (moved) dim order, viewed in the parameter's dim order."""
+        return moved if self.shard_dim == 0 else moved.movedim(0, self.shard_dim)
+
+    def move(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor in the parameter's dim order, viewed in the layout's (moved) dim order."""
+        return tensor if self.shard_dim == 0 else tensor.movedim(self.shard_dim, 0)
+
+    def unmove_shape(self, moved: tuple[int, ...]) -> tuple[int, ...]:
+        d = self.shard_dim
+        return moved if d == 0 else (*moved[1 : d + 1], moved[0], *moved[d + 1 :])
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The parameter's (global) shape, as its unsharded module had it."""
-        return self.layout.shape if self.tp is None else self.tp.shape
+        return self.unmove_shape(self.layout.shape) if self.tp is None else self.tp.shape
 
     @property
     def gathered_shape(self) -> tuple[int, ...]:
         """What an all-gather over the shard group rebuilds: ``shape``, or this rank's tp part of it."""
-        return self.layout.shape
+        return self.unmove_shape(self.layout.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's shard's shape, in the parameter's dim order (the sharded parameter's local tensor)."""
+        return self.unmove_shape(self.layout.local_shape)
 
     def compute_view(self, gathered: torch.Tensor) -> torch.Tensor:
         """What modules compute with, from a ``gathered_shape`` tensor (a tp ``DTensor`` for a tp parameter)."""
@@ -96,20 +122,22 @@ class ShardedParam:
 
     def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
         """This rank's real rows inside a flat shard-sized buffer (a view; no copy)."""
-        return flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape)
+        return self.unmove(flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape))
 
     def rows_of(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """The real rows of ``full`` (of ``gathered_shape``) that this rank (or shard rank ``rank``) holds,
         shaped like its local shard (a view where ``full`` allows one); see [Note: dim-0 layout]."""
         lay = self.layout if rank is None else self.layout.for_rank(rank)
-        return full.reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows).reshape(lay.local_shape)
+        rows = self.move(full).reshape(lay.dim0, lay.row_numel).narrow(0, lay.row_offset, lay.local_rows)
+        return self.unmove(rows.reshape(lay.local_shape))
 
     def full_of(self, by_rank: torch.Tensor, world: int) -> torch.Tensor:
         """The parameter's gathered tensor (``gathered_shape``, a view) from ``by_rank`` ``(world, G)``: every rank's
         flat shard of a buffer laid out like the group's flat shard, as an all-gather returns them."""
         lay = self.layout
         block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
-        return block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0).reshape(lay.shape)
+        rows = block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0)
+        return self.unmove(rows.reshape(lay.shape))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

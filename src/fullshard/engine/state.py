@@ -40,6 +40,7 @@ from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.precision import Casts, cast_floating
+from fullshard.engine.reassign import adopt_replaced_params
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
@@ -241,6 +242,9 @@ class UnitState:
             if state.group is not None:
                 state.group.rename(state.label)  # errors about its collectives name the path
                 state.group.spare = ctx.spare
+        for state in states:
+            if state.group is not None:
+                adopt_replaced_params(state.group)  # parameters assigned after sharding (reassign.py)
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
@@ -423,6 +427,28 @@ class UnitState:
                     state.training_state = TrainingState.IDLE
                     state.ran_forward = False
                     state.reduced = False
+
+
+def reset_iteration(root: UnitState) -> None:
+    """``FSDPModule.reset_iter_state``: after an exception aborted a forward or backward, wait for started
+    collectives, free every gathered unit, drop this iteration's gradients in flight and bookkeeping (the
+    recorded forward order stays), so that the next iteration starts as after a clean one."""
+    ctx = root.ctx
+    if ctx is None:
+        return
+    for state in ctx.states:
+        group = state.group
+        if group is not None:
+            group.drop_reductions()
+            group.reshard()
+        state.training_state = TrainingState.IDLE
+        state.ran_forward = False
+        state.reduced = False
+    ctx.backward.end()
+    ctx.spare.drop()
+    ctx.order.cursor = 0
+    ctx.order.this_iteration.clear()
+    ctx.gathered = 0
 
 
 def _next_gather_fits(ctx: RootContext, state: UnitState, step: int) -> bool:

@@ -272,7 +272,7 @@ def rows_of(group: ParamGroup, sp: ShardedParam, value: torch.Tensor, key: str) 
     if isinstance(value, DTensor):
         shard_group = group.shard_group
         mesh, placements = (
-            (shard_group.get_mesh(), shard_group.placements())
+            (shard_group.get_mesh(), group.placements_of(sp))
             if sp.tp is None
             else (sp.tp.spmd_mesh, sp.tp.spmd_placements)
         )

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.engine.api import Offload
+from fullshard.engine.api import Offload, PlacementError
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
 from fullshard.engine.group import ParamGroup
 from fullshard.engine.mesh import ShardGroup, simulating
@@ -23,7 +24,7 @@ from fullshard.engine.precision import group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 from fullshard.ranks import global_rank, require_agreement
 
-__all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored"]
+__all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored", "shard_dims"]
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,7 @@ def build_unit(
     label: str | None = None,
     offload: Offload | None = None,
     init: InitOptions | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
 ) -> UnitState:
     """Initialise ``module``'s own parameters if needed, shard them into a group, attach a :class:`UnitState`."""
     init = init or InitOptions()
@@ -265,7 +267,10 @@ def build_unit(
     if entries:
         precision = group_precision(config.casts, entries[0][2].dtype)
         warn_if_slow_bf16(precision.param_dtype, device)
-        group = ParamGroup(label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload)
+        dims = shard_dims(entries, shard_placement_fn, label)
+        group = ParamGroup(
+            label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload, shard_dims=dims
+        )
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]
@@ -273,6 +278,42 @@ def build_unit(
     state = UnitState(module, group, config, label, own_modules=[m for _, m in modules])
     state.keep_hooks(*handles)
     return state
+
+
+def shard_dims(
+    entries: list[Entry], shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, label: str
+) -> list[int] | None:
+    """Per parameter, the dim ``shard_placement_fn`` shards it on (``None`` from it: dim 0), checked; ``None`` when
+    every dim is 0. See [Note: Shard(d)] in ``param.py``."""
+    if shard_placement_fn is None:
+        return None
+    dims = []
+    for fqn, _, param in entries:
+        placement = shard_placement_fn(param)
+        if placement is None:
+            dims.append(0)
+            continue
+        if not isinstance(placement, Shard) or type(placement) is not Shard:
+            raise ValueError(
+                f"fully_shard({label}): shard_placement_fn returned {placement!r} for parameter {fqn!r}; it must "
+                "return Shard(dim) (torch.distributed.tensor.Shard) or None (Shard(0))."
+            )
+        ndim = max(param.dim(), 1)
+        dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+        if not 0 <= dim < ndim:
+            raise PlacementError(
+                f"Shard dim {placement.dim} is invalid for {ndim}D tensor: fully_shard({label})'s shard_placement_fn "
+                f"returned Shard({placement.dim}) for parameter {fqn!r} of shape {tuple(param.shape)}. Return Shard(d) "
+                f"with -{ndim} <= d < {ndim} for it (or None for Shard(0))."
+            )
+        if dim and isinstance(param, DTensor):
+            raise ValueError(
+                f"fully_shard({label}): shard_placement_fn returned Shard({dim}) for parameter {fqn!r}, a tensor "
+                "parallel DTensor; fullshard shards tensor parallel parameters on dim 0 only. Return Shard(0) or None "
+                "for DTensor parameters."
+            )
+        dims.append(dim)
+    return dims if any(dims) else None
 
 
 def _allow_low_precision_grads(group: ParamGroup) -> None:
