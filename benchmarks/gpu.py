@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from kit import System, system
+from kit import FSDP2, GPU_BF16, GPU_FP32, System, system
 from torch import nn
 
 from fullshard.testing.bench import describe_machine
@@ -44,10 +44,6 @@ SIZES = {
     "medium": (GPTConfig(vocab_size=8192, block_size=256, n_layer=8, n_head=8, n_embd=512), 16),
     "large": (GPTConfig(vocab_size=8192, block_size=512, n_layer=16, n_head=16, n_embd=2048), 8),
 }
-FP32 = ["torch FSDP2 fully_shard", "fullshard fully_shard", "fullshard FSDP FULL_SHARD", "torch FSDP1 FULL_SHARD",
-        "torch DDP"]  # fmt: skip
-BF16 = ["torch FSDP2 bf16", "fullshard fully_shard bf16", "fullshard FSDP bf16, backward prefetch",
-        "torch FSDP1 bf16"]  # fmt: skip
 NO_WRAPPER = "one GPU, no wrapper"
 
 
@@ -125,7 +121,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="medium")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
-    parser.add_argument("--systems", nargs="+", default=[NO_WRAPPER, *FP32, *BF16])
+    parser.add_argument("--systems", nargs="+", default=[NO_WRAPPER, *GPU_FP32, *GPU_BF16])
     parser.add_argument("--out", help="write the rows here as JSON")
     parser.add_argument("--profile", action="store_true", help="print each system's top ops by self CPU time")
     parser.add_argument("--phases", action="store_true", help="print GPU memory after each phase of the last step")
@@ -146,7 +142,7 @@ def main() -> None:
     rows = [measure(name, cfg, batches, args.warmup, args.profile) for name in args.systems]  # type: ignore[arg-type]
 
     def reference(row: dict[str, Any]) -> dict[str, Any] | None:
-        want = "torch FSDP2 bf16" if row["bf16"] else "torch FSDP2 fully_shard"
+        want = FSDP2 if row["system"] == NO_WRAPPER else system(row["system"]).baseline
         return next((r for r in rows if r["system"] == want), None)
 
     print(f"\n{'system':42} {'step ms':>9} {'x FSDP2':>8} {'peak GiB':>9} {'x FSDP2':>8} {'1st ms':>8}  losses")
