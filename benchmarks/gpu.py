@@ -3,8 +3,9 @@
     python benchmarks/gpu.py [--size medium|large|tiny] [--ranks N] [--steps 10] [--warmup 3] [--systems NAME ...]
         [--profile_steps 2] [--out F.json] [--profile] [--phases] [--device cuda|cpu]
 
-``--ranks`` (default: every GPU) spawns one rank per GPU on NCCL; each rank trains the same model on its own
-``batch`` sequences of a global batch (the work per GPU stays that of one GPU as N grows). With one GPU the shard
+``--ranks`` (default: every GPU) spawns one rank per GPU on NCCL (start the script with ``python``, not
+torchrun); each rank trains the same model on its own ``batch`` sequences of a global batch (the work per GPU
+stays that of one GPU as N grows). With one GPU the shard
 group has one rank, so no byte crosses a link: what differs between the systems is what each does around the
 compute (the all-gather and reduce-scatter calls and their copies, the hooks, the optimizer over flat or
 per-parameter shards, mixed-precision casts) and the memory each holds. Every rank runs each system in turn from
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -234,6 +236,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each system's top ops by self CPU time")
     parser.add_argument("--phases", action="store_true", help="print memory after each phase of the last step")
     args = parser.parse_args()
+    if "LOCAL_RANK" in os.environ:
+        raise SystemExit("benchmarks/gpu.py starts its own ranks (one per GPU): run it with python, not torchrun")
     for name in args.systems:
         if name != NO_WRAPPER:
             system(name)  # an unknown name fails here, before any rank starts
