@@ -46,18 +46,17 @@ fresh subprocess, alternating ``--repeats`` times. Prints each run's time and pe
 the best of each and the ratio ours/accelerate, whether both outputs hold the same tensors; with ``--dd`` the
 time against reading and writing the same bytes at ``dd``'s bandwidth; with ``--gpt-layers`` whether our output
 loads into the GPT of ``scale`` (``load_checkpoint_in_model``) equal to Accelerate's. Needs ``accelerate``.
+
+``checksums`` and ``scale`` live here; ``async`` in ``checkpoint_async.py``, ``merge`` in ``checkpoint_merge.py``,
+and what they share (the sharded weights, ``dd``, the page cache) in ``checkpoint_disk.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -66,42 +65,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from checkpoint_async import async_args, async_main
+from checkpoint_disk import SIDE, WORLD, drop_caches, folder_bytes, measure_dd, sharded_weights
+from checkpoint_merge import merge_args, merge_main
 
-from fullshard import Accelerator, FullyShardedDataParallelPlugin, load_checkpoint_in_model
-from fullshard.checkpoint import background, checksum
+from fullshard import Accelerator, FullyShardedDataParallelPlugin
+from fullshard.checkpoint import checksum
 from fullshard.checkpoint.dcp import load_sharded, save_sharded, write_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
-from fullshard.frontend import model_state, state_io
+from fullshard.frontend import model_state
 from fullshard.testing.bench import RssSampler, on_fresh_ranks, run_mode
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # inherited by the spawned ranks: frees show in RSS
-
-ROOT = Path(__file__).resolve().parents[1]
-WORLD = 2
-SIDE = 4096  # each weight is SIDE x SIDE fp32 (64 MiB): the size of a large transformer matrix
-
-
-def sharded_weights(rank: int, world: int, num_weights: int) -> dict[str, Any]:
-    """``num_weights`` random SIDE x SIDE fp32 weights, this rank holding rows ``rank`` of ``world`` (``Shard(0)``)."""
-    mesh = init_device_mesh("cpu", (world,))
-    rows = SIDE // world
-    state = {}
-    for i in range(num_weights):
-        local = torch.randn(rows, SIDE, generator=torch.Generator().manual_seed(i * world + rank))
-        state[f"layers.{i}.weight"] = DTensor.from_local(local, mesh, [Shard(0)], shape=(SIDE, SIDE), stride=(SIDE, 1))
-    return state
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 # ==== checksums ==========================================================================================
@@ -218,44 +194,6 @@ def checksums_main(args: argparse.Namespace) -> None:
 
 
 # ==== scale ==============================================================================================
-
-
-# --- dd --------------------------------------------------------------------------------------------------
-
-
-def _dd_parallel(commands: list[list[str]]) -> float:
-    """Run the dd commands at once; returns the wall time (from start to the last one's exit)."""
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in commands]
-    for proc in procs:
-        _, err = proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"dd failed: {err}")
-    return time.perf_counter() - t0
-
-
-def measure_dd(workdir: Path, stream_bytes: int) -> dict[str, float]:
-    """GB/s of WORLD parallel sequential streams: write (fdatasync, direct), then cold read (buffered, direct)."""
-    block = 64 << 20
-    count = max(1, stream_bytes // block)
-    files = [workdir / f"dd_{i}.bin" for i in range(WORLD)]
-    total = WORLD * count * block
-    out = {}
-    for name, flag in (("write_fdatasync", "conv=fdatasync"), ("write_direct", "oflag=direct")):
-        seconds = _dd_parallel(
-            [["dd", "if=/dev/zero", f"of={f}", f"bs={block}", f"count={count}", flag] for f in files]
-        )
-        out[name] = total / seconds / 1e9
-    for name, flag in (("read_buffered", None), ("read_direct", "iflag=direct")):
-        drop_caches()
-        seconds = _dd_parallel(
-            [["dd", f"if={f}", "of=/dev/null", f"bs={block}"] + ([flag] if flag else []) for f in files]
-        )
-        out[name] = total / seconds / 1e9
-    for f in files:
-        f.unlink()
-    return out
-
 
 # --- the ranks ---------------------------------------------------------------------------------------------
 
@@ -454,262 +392,6 @@ def report_scale(result: dict[str, Any], dd0: dict[str, float], dd1: dict[str, f
     )
 
 
-# ==== async ==============================================================================================
-
-
-def _async_rank(
-    rank: int, world: int, cfg_args: dict[str, int], workdir: str, rounds: int, steps: int, device: str = "cpu"
-) -> Any:
-    warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
-    sampler = RssSampler(0.002, keep_samples=False).start()
-    cfg = GPTConfig(**cfg_args)
-    with torch.device("meta"):
-        model = TinyGPT(cfg)
-    n_params = sum(p.numel() for p in model.parameters())
-    accelerator = Accelerator(
-        fsdp_plugin=FullyShardedDataParallelPlugin(
-            fsdp_version=2, sharding_strategy="FULL_SHARD", state_dict_type="SHARDED_STATE_DICT",
-            auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
-        )
-    )  # fmt: skip
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    target = accelerator.device if device == "cuda" else torch.device("cpu")
-    model.to_empty(device=target)
-    with torch.no_grad():
-        for param in model.parameters():  # drawn on the CPU (its generator), then copied to the shard's device
-            local = param.to_local()
-            local.copy_(torch.empty(local.shape).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(rank)))
-    x, y = make_batch(cfg, world, seed=0)
-    x, y = x[rank : rank + 1].to(target), y[rank : rank + 1].to(target)
-
-    def step() -> float:
-        t = time.perf_counter()
-        accelerator.backward(model(x, y))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in a training loop
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    sampler.set_phase("train")
-    first = step()  # the optimizer state exists from here on
-    rows = []
-    for r in range(rounds):
-        for mode in ("sync", "async"):  # alternating, in the same run
-            folder = Path(workdir) / f"{mode}_{r}"
-            dist.barrier()
-            sampler.set_phase(f"{mode} {r}")
-            t = time.perf_counter()
-            accelerator.save_state(folder, async_save=mode == "async")
-            blocked = time.perf_counter() - t
-            step_s = [step() for _ in range(steps)]  # during the background write, for async
-            t = time.perf_counter()
-            state_io.wait_for_save()  # what the next save_state would wait for
-            waited = time.perf_counter() - t
-            sampler.set_phase("idle")
-            rows.append({"mode": mode, "blocked": blocked, "steps": step_s, "waited": waited})
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(folder)
-    peaks = sampler.stop()
-    kept = background.buffers().nbytes()  # the host buffers async saves keep until end_training
-    result = {"rank": rank, "rows": rows, "peaks": peaks, "first_step": first, "params": n_params, "kept": kept}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, result)
-    return everyone if rank == 0 else None
-
-
-def async_main(args: argparse.Namespace) -> None:
-    cfg = {"vocab_size": args.vocab, "block_size": 128, "n_layer": args.layers, "n_head": 16, "n_embd": args.width}
-    work = Path(args.workdir) / "bench_checkpoint_async"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        device, world, backend = ("cuda", 1, "nccl") if args.cuda else ("cpu", WORLD, "gloo")
-        ranks = on_fresh_ranks(_async_rank, cfg, str(work), args.rounds, args.steps, device, world=world,
-                               backend=backend)[0]  # fmt: skip
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    gib = 2**30
-    print(
-        f"\nGPT {args.layers} layers x {args.width}, vocabulary {args.vocab}: {ranks[0]['params'] / 1e6:.0f}M "
-        f"parameters, FULL_SHARD, SHARDED_STATE_DICT, AdamW, "
-        f"{'1 NCCL rank on ' + torch.cuda.get_device_name() if args.cuda else f'{WORLD} gloo ranks'}, "
-        "1 thread each; load average "
-        f"{os.getloadavg()}"
-    )
-    print(f"first training step {max(r['first_step'] for r in ranks):.1f} s")
-    print(f"{'round':>5} {'mode':<6} {'blocked s':>10} {'steps s (max over ranks)':>30} {'then waited s':>14}")
-    for i in range(len(ranks[0]["rows"])):
-        rows = [r["rows"][i] for r in ranks]
-        steps = [max(s) for s in zip(*(row["steps"] for row in rows), strict=True)]
-        print(
-            f"{i // 2:>5} {rows[0]['mode']:<6} {max(row['blocked'] for row in rows):10.2f} "
-            f"{', '.join(f'{s:.2f}' for s in steps):>30} {max(row['waited'] for row in rows):14.2f}"
-        )
-    print(f"peak RSS per rank, train phase: {max(r['peaks']['train'] for r in ranks) / gib:.2f} GiB")
-    for i in range(args.rounds):
-        for mode in ("sync", "async"):
-            phase = f"{mode} {i}"
-            print(f"peak RSS per rank, round {i} {mode:<5}: {max(r['peaks'][phase] for r in ranks) / gib:.2f} GiB")
-    print(f"host buffers kept by async saves per rank: {max(r['kept'] for r in ranks) / gib:.2f} GiB")
-
-
-def _async_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=5)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=12288, help="with 5 x 2048: 302M parameters")
-    parser.add_argument("--rounds", type=int, default=2, help="sync/async pairs, alternating in one run")
-    parser.add_argument("--steps", type=int, default=2, help="training steps after each save, before waiting")
-    parser.add_argument("--workdir", default="/tmp/fullshard-bench/ckasync")
-    parser.add_argument("--cuda", action="store_true", help="one NCCL rank on this machine's GPU")
-
-
-# ==== merge ==============================================================================================
-
-
-def _write_rank(rank: int, world: int, folder: str, num_weights: int) -> None:
-    state = sharded_weights(rank, world, num_weights)
-    mesh = next(iter(state.values())).device_mesh
-    state["norm.weight"] = DTensor.from_local(torch.ones(SIDE // world), mesh, [Shard(0)], shape=(SIDE,), stride=(1,))
-    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(folder))
-
-
-_CHILD = r"""
-import json, sys, time, warnings
-warnings.simplefilter("ignore")
-which, ckpt, out, shard = sys.argv[1:5]
-if which == "ours":
-    from fullshard.checkpoint.merge import merge_fsdp_weights
-    kwargs = {"show_progress": False, "max_shard_size": shard if shard != "none" else None}
-else:
-    from accelerate.utils import merge_fsdp_weights
-    kwargs = {}
-t0 = time.perf_counter()
-merge_fsdp_weights(ckpt, out, **kwargs)
-seconds = time.perf_counter() - t0
-from fullshard.testing.memory import peak_rss_bytes  # VmHWM: ru_maxrss would count this parent's
-print(json.dumps({"merge_s": seconds, "peak_rss_mb": peak_rss_bytes() / 2**20}))
-"""
-
-
-def _run_child(which: str, ckpt: Path, out: Path, shard: str) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, which, str(ckpt), str(out), shard], env=env, capture_output=True, text=True
-    )
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{which} merge failed:\n{proc.stderr[-4000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = wall
-    return result
-
-
-def _safetensors_files(folder: Path) -> dict[str, Path]:
-    """Every tensor name in the safetensors output under ``folder`` (one file or shards), and its file."""
-    from safetensors import safe_open
-
-    where = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    return where
-
-
-def _same_tensors(a: Path, b: Path) -> bool:
-    """Both output folders hold the same names and bitwise equal tensors (read one tensor at a time)."""
-    from safetensors import safe_open
-
-    in_a, in_b = _safetensors_files(a), _safetensors_files(b)
-    if set(in_a) != set(in_b):
-        return False
-    for name in in_a:
-        with safe_open(in_a[name], "pt") as fa, safe_open(in_b[name], "pt") as fb:
-            if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
-                return False
-    return True
-
-
-def _gpt_equals(out: Path, reference: Path, layers: int, width: int) -> bool:
-    """``load_checkpoint_in_model`` of ``out`` into the GPT gives every tensor of ``reference``, bitwise."""
-    from safetensors import safe_open
-
-    cfg = GPTConfig(vocab_size=8192, block_size=128, n_layer=layers, n_head=16, n_embd=width)
-    with torch.device("meta"):
-        model = TinyGPT(cfg)
-    load_checkpoint_in_model(model, out, strict=True)
-    state = model.state_dict()
-    ref = _safetensors_files(reference)
-    if set(ref) != set(state):
-        return False
-    for name, file in ref.items():
-        with safe_open(file, "pt") as f:
-            if not torch.equal(f.get_tensor(name), state[name]):
-                return False
-    return True
-
-
-def merge_main(args: argparse.Namespace) -> None:
-    if args.quick:
-        args.params, args.repeats = 100e6, 1
-
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fullshard-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    num_weights = max(1, round(args.params / (SIDE * SIDE)))
-    ckpt = Path(args.checkpoint) if args.checkpoint else work / "pytorch_model_fsdp_0"
-    try:
-        print(f"load: {os.getloadavg()}")
-        if args.checkpoint is None:
-            t0 = time.perf_counter()
-            on_fresh_ranks(_write_rank, str(ckpt), num_weights, world=WORLD)
-            n = num_weights * SIDE * SIDE + SIDE
-            print(
-                f"checkpoint: {n / 1e6:.1f}M fp32 params in {num_weights} tensors of {SIDE}x{SIDE}, 2 ranks, "
-                f"written in {time.perf_counter() - t0:.1f}s"
-            )
-        size = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file())
-        print(f"checkpoint {ckpt}: {size / 1e9:.2f} GB")
-        dd = None
-        if args.dd:
-            dd = measure_dd(work, size // 2)
-            print("dd (GB/s, 2 parallel streams):", {k: round(v, 2) for k, v in dd.items()})
-        results: dict[str, list[dict[str, float]]] = {"ours": [], "accelerate": []}
-        for _ in range(args.repeats):
-            for which in results:
-                out = work / f"out_{which}"
-                shutil.rmtree(out, ignore_errors=True)
-                if args.dd:  # a cold read: the checkpoint comes from the disk, for both
-                    drop_caches()
-                results[which].append(_run_child(which, ckpt, out, args.max_shard_size))
-                print(f"  {which:>10}: {json.dumps({k: round(v, 2) for k, v in results[which][-1].items()})}")
-        best = {w: {k: min(r[k] for r in rs) for k in rs[0]} for w, rs in results.items()}
-        for key in ("merge_s", "wall_s", "peak_rss_mb"):
-            ratio = best["ours"][key] / best["accelerate"][key]
-            print(
-                f"{key:>12}: ours {best['ours'][key]:8.2f}  accelerate {best['accelerate'][key]:8.2f}  "
-                f"ratio ours/accelerate {ratio:.3f}"
-            )
-        if dd is not None:
-            floor = size / (dd["read_buffered"] * 1e9) + size / (dd["write_fdatasync"] * 1e9)
-            for which in results:
-                ratio = best[which]["merge_s"] / floor
-                print(f"{which:>10}: {best[which]['merge_s']:.1f} s = {ratio:.2f}x the dd time to read and write "
-                      f"{size / 1e9:.2f} GB ({floor:.1f} s)")  # fmt: skip
-        outputs = {w: sorted(p.name for p in (work / f"out_{w}").iterdir()) for w in results}
-        print(f"output files: {outputs}")
-        same = _same_tensors(work / "out_ours", work / "out_accelerate")
-        print(f"outputs hold identical tensors: {same}")
-        if args.gpt_layers:
-            ok = _gpt_equals(work / "out_ours", work / "out_accelerate", args.gpt_layers, 2048)
-            print(f"load_checkpoint_in_model(GPT, ours) equals Accelerate's merge, every tensor: {ok}")
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
-
-
 def _checksums_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=float, default=300e6)
     parser.add_argument("--repeats", type=int, default=3)
@@ -728,22 +410,11 @@ def _scale_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (for merge --checkpoint)")
 
 
-def _merge_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, default=300e6, help="approximate parameter count")
-    parser.add_argument("--quick", action="store_true", help="100M parameters, one repeat")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each merge (alternating); best is reported")
-    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder, removed after)")
-    parser.add_argument("--checkpoint", default=None, help="merge this model folder instead of writing one")
-    parser.add_argument("--max-shard-size", default="none", help='ours only, e.g. "1GB" (default: one file)')
-    parser.add_argument("--dd", action="store_true", help="measure dd read/write bandwidth in the same run")
-    parser.add_argument("--gpt-layers", type=int, default=None, help="check our output in the GPT (width 2048)")
-
-
 MODES = {
     "checksums": (_checksums_args, checksums_main, "what the CRC-32 checksums cost a sharded save and load"),
     "scale": (_scale_args, scale_main, "save_state/load_state of a GPT's training state against dd and torch's DCP"),
-    "merge": (_merge_args, merge_main, "merge_fsdp_weights, ours against Accelerate's"),
-    "async": (_async_args, async_main, "time the training loop is blocked per save_state, async_save vs not"),
+    "merge": (merge_args, merge_main, "merge_fsdp_weights, ours against Accelerate's"),
+    "async": (async_args, async_main, "time the training loop is blocked per save_state, async_save vs not"),
 }
 
 

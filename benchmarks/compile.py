@@ -8,7 +8,8 @@ steps, and the losses of the first steps (compiled and eager must agree to the b
 compiled steps of fullshard over torch FSDP2's, and each system's compile gain (eager median over compiled).
 Each (system, mode) runs in fresh ranks with an empty inductor cache, in the order fullshard eager, torch eager,
 fullshard compiled, torch compiled; torchtitan's recipe: ``block.compile()`` then ``fully_shard(block)``
-(``--order shard_first`` compiles after sharding). 2 gloo ranks on CPU, the GPT of ``benchmarks/train.py steps``.
+(``--order shard_first`` compiles after sharding). 2 gloo ranks on CPU, the GPT of ``benchmarks/train.py steps``;
+the systems (``kit.COMPILE``) are built by ``benchmarks/kit.py``.
 """
 
 from __future__ import annotations
@@ -22,21 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from kit import COMPILE as SYSTEMS
+from kit import system
 
 from fullshard.testing.bench import describe_machine, on_fresh_ranks
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
-from fullshard.testing.parity import fully_shard_blocks
-
-SYSTEMS = ("fullshard fully_shard", "torch FSDP2")
-
-
-def _shard(model: TinyGPT, name: str) -> None:
-    if name == "torch FSDP2":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard_blocks(model, shard=fully_shard)
-    else:
-        fully_shard_blocks(model)
 
 
 def _run(rank: int, world: int, name: str, compiled: bool, cfg: GPTConfig, args: dict[str, Any]) -> dict:
@@ -48,7 +39,7 @@ def _run(rank: int, world: int, name: str, compiled: bool, cfg: GPTConfig, args:
     if compiled and args["order"] == "compile_first":
         for block in model.blocks:
             block.compile(backend=args["backend"])
-    _shard(model, name)
+    model = system(name).build(model)
     if compiled and args["order"] == "shard_first":
         for block in model.blocks:
             block.compile(backend=args["backend"])

@@ -27,7 +27,7 @@ import sys
 from typing import Any
 
 import torch
-from kit import system
+from kit import DISPATCH, system
 from torch.distributed.tensor import DTensor
 from torch.profiler import profile, record_function
 
@@ -35,7 +35,7 @@ from fullshard.testing.bench import describe_machine, on_fresh_ranks
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
 PHASES = ("fwd", "bwd", "opt")
-DEFAULT_SYSTEMS = ["fullshard fully_shard", "torch FSDP2 fully_shard", "fullshard fully_shard bf16", "torch FSDP2 bf16"]
+DEFAULT_SYSTEMS = list(DISPATCH)
 STEPS = 3  # profiled steps, averaged (every step dispatches the same ops)
 
 

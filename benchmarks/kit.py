@@ -2,8 +2,11 @@
 
 A :class:`System` wraps a freshly built ``TinyGPT`` (one unit per ``Block``) and says which sharding strategy
 its traffic follows, whether it computes in bf16, which environment it runs under, and how it skips gradient
-synchronisation (``no_sync()`` or ``set_requires_gradient_sync(False)``). :func:`system` looks one up by the
-name the scripts print and take on ``--systems``; ``" +AC"`` after a name checkpoints every block first.
+synchronisation (``no_sync()`` or ``set_requires_gradient_sync(False)``); it also knows the entry point a user
+calls for it and its baseline, the torch FSDP2 system of the same precision that a script compares it with.
+:func:`system` looks one up by the name the scripts print and take on ``--systems``; ``" +AC"`` after a name
+checkpoints every block first. The names, and the lists of systems each script compares by default, live here
+only: the scripts take them from this module.
 
 This is the only place the benchmarks import torch's FSDP (``src/`` may not). What the benchmarks measure with
 (the machine description, the RSS sampler, starting ranks) is :mod:`fullshard.testing.bench`.
@@ -12,6 +15,7 @@ This is the only place the benchmarks import torch's FSDP (``src/`` may not). Wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -109,6 +113,22 @@ class System:
     bf16: bool = False  # computes (and communicates) in bf16
     env: dict[str, str] = field(default_factory=dict)  # set while it is built and while it steps
     checkpointed: bool = False  # every block under activation checkpointing
+    entry_point: str = ""  # what a user calls to get it (peaks.json records it)
+    key: str = ""  # its name in SYSTEMS (``name`` may be a short alias and end in " +AC"); set by :func:`system`
+
+    @property
+    def ours(self) -> bool:
+        """Built with one of fullshard's entry points (not torch's)."""
+        return self.entry_point in OUR_ENTRY_POINTS
+
+    @property
+    def baseline(self) -> str:
+        """The name (in SYSTEMS) of the torch FSDP2 system of the same precision, which a row is compared with."""
+        return FSDP2_BF16 if self.bf16 else FSDP2
+
+    def is_baseline_of(self, other: System) -> bool:
+        """This system is ``other``'s baseline, with the same activation checkpointing (and not ``other`` itself)."""
+        return self.key == other.baseline != other.key and self.checkpointed == other.checkpointed
 
     def build(self, model: nn.Module) -> nn.Module:
         if self.checkpointed:
@@ -136,41 +156,79 @@ _GLOO = {P2P_ENV_VAR: "0"}
 UNCHECKED = ", unchecked"
 _UNCHECKED = {CHECK_VAR: "0"}
 
+# Entry points (``System.entry_point``).
+FSDP_CLASS, FULLY_SHARD = "FullyShardedDataParallel", "fully_shard"
+OUR_ENTRY_POINTS = (FSDP_CLASS, FULLY_SHARD)
+_TORCH_FSDP2, _TORCH_FSDP1 = "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel"
+_TORCH_DDP = "torch.nn.parallel.DistributedDataParallel"
+
+# The names the scripts use (a row's label and a key of SYSTEMS).
+OURS_FSDP = "fullshard FSDP FULL_SHARD"
+OURS_FULLY_SHARD = "fullshard fully_shard"
+FSDP2 = "torch FSDP2 fully_shard"
+FSDP1 = "torch FSDP1 FULL_SHARD"
+DDP = "torch DDP"
+OURS_FSDP_BF16 = "fullshard FSDP bf16, backward prefetch"
+OURS_FSDP_BF16_ON_DEMAND = "fullshard FSDP bf16, no prefetch"
+OURS_FSDP_BF16_PREFETCH_ALL = "fullshard FSDP bf16, fwd+bwd prefetch"
+OURS_FULLY_SHARD_BF16 = "fullshard fully_shard bf16"
+FSDP2_BF16 = "torch FSDP2 bf16"
+FSDP1_BF16 = "torch FSDP1 bf16"
+# Short names (``train.py memory``, ``compile.py`` and their results use them): the FULL_SHARD system of each
+# entry point.
+SHORT_FSDP, SHORT_FSDP2 = "fullshard FSDP", "torch FSDP2"
+
+_ours = {"entry_point": FSDP_CLASS}
+_ours_fs = {"entry_point": FULLY_SHARD}
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        System("fullshard FSDP FULL_SHARD", ours_fsdp),
-        System("fullshard FSDP SHARD_GRAD_OP", functools.partial(ours_fsdp, strategy="SHARD_GRAD_OP"), "SHARD_GRAD_OP"),
-        System("fullshard FSDP NO_SHARD", functools.partial(ours_fsdp, strategy="NO_SHARD"), "NO_SHARD"),
-        System("fullshard fully_shard", ours_fully_shard),
-        System("torch FSDP2 fully_shard", torch_fsdp2),
-        System("torch FSDP1 FULL_SHARD", torch_fsdp1),
-        System("torch DDP", ddp, "NO_SHARD"),
-        System(f"fullshard FSDP FULL_SHARD{GLOO_NATIVE}", ours_fsdp, env=_GLOO),
-        System(f"fullshard fully_shard{GLOO_NATIVE}", ours_fully_shard, env=_GLOO),
-        System(f"fullshard FSDP FULL_SHARD{UNCHECKED}", ours_fsdp, env=_UNCHECKED),
-        System(f"fullshard fully_shard{UNCHECKED}", ours_fully_shard, env=_UNCHECKED),
+        System(OURS_FSDP, ours_fsdp, **_ours),
         System(
-            "fullshard FSDP bf16, no prefetch",
+            "fullshard FSDP SHARD_GRAD_OP",
+            functools.partial(ours_fsdp, strategy="SHARD_GRAD_OP"),
+            "SHARD_GRAD_OP",
+            **_ours,
+        ),
+        System("fullshard FSDP NO_SHARD", functools.partial(ours_fsdp, strategy="NO_SHARD"), "NO_SHARD", **_ours),
+        System(OURS_FULLY_SHARD, ours_fully_shard, **_ours_fs),
+        System(FSDP2, torch_fsdp2, entry_point=_TORCH_FSDP2),
+        System(FSDP1, torch_fsdp1, entry_point=_TORCH_FSDP1),
+        System(DDP, ddp, "NO_SHARD", entry_point=_TORCH_DDP),
+        System(f"{OURS_FSDP}{GLOO_NATIVE}", ours_fsdp, env=_GLOO, **_ours),
+        System(f"{OURS_FULLY_SHARD}{GLOO_NATIVE}", ours_fully_shard, env=_GLOO, **_ours_fs),
+        System(f"{OURS_FSDP}{UNCHECKED}", ours_fsdp, env=_UNCHECKED, **_ours),
+        System(f"{OURS_FULLY_SHARD}{UNCHECKED}", ours_fully_shard, env=_UNCHECKED, **_ours_fs),
+        System(
+            OURS_FSDP_BF16_ON_DEMAND,
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="none"),
             bf16=True,
+            **_ours,
         ),
+        System(OURS_FSDP_BF16, functools.partial(ours_fsdp, mixed_precision=BF16_MP), bf16=True, **_ours),
         System(
-            "fullshard FSDP bf16, backward prefetch", functools.partial(ours_fsdp, mixed_precision=BF16_MP), bf16=True
-        ),
-        System(
-            "fullshard FSDP bf16, fwd+bwd prefetch",
+            OURS_FSDP_BF16_PREFETCH_ALL,
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="all"),
             bf16=True,
+            **_ours,
         ),
-        System("fullshard fully_shard bf16", functools.partial(ours_fully_shard, bf16=True), bf16=True),
-        System("torch FSDP2 bf16", functools.partial(torch_fsdp2, bf16=True), bf16=True),
-        System("torch FSDP1 bf16", functools.partial(torch_fsdp1, bf16=True), bf16=True),
+        System(OURS_FULLY_SHARD_BF16, functools.partial(ours_fully_shard, bf16=True), bf16=True, **_ours_fs),
+        System(FSDP2_BF16, functools.partial(torch_fsdp2, bf16=True), bf16=True, entry_point=_TORCH_FSDP2),
+        System(FSDP1_BF16, functools.partial(torch_fsdp1, bf16=True), bf16=True, entry_point=_TORCH_FSDP1),
     )
 }
-# Short names (``train.py memory`` and its results use them): the FULL_SHARD system of each entry point.
-ALIASES = {"fullshard FSDP": "fullshard FSDP FULL_SHARD", "torch FSDP2": "torch FSDP2 fully_shard"}
+ALIASES = {SHORT_FSDP: OURS_FSDP, SHORT_FSDP2: FSDP2}
 AC_SUFFIX = " +AC"
+
+# --- what each script compares by default ----------------------------------------------------------------
+# ``train.py memory`` (each with and without " +AC"; ``plot.py`` colours them): one system per entry point
+MEMORY = (SHORT_FSDP, OURS_FULLY_SHARD, SHORT_FSDP2)
+COMPILE = (OURS_FULLY_SHARD, SHORT_FSDP2)  # ``compile.py``: the two that shard with ``fully_shard``
+DISPATCH = (OURS_FULLY_SHARD, FSDP2, OURS_FULLY_SHARD_BF16, FSDP2_BF16)  # ``dispatch.py``
+GPU_FP32 = (FSDP2, OURS_FULLY_SHARD, OURS_FSDP, FSDP1, DDP)  # ``gpu.py``
+GPU_BF16 = (FSDP2_BF16, OURS_FULLY_SHARD_BF16, OURS_FSDP_BF16, FSDP1_BF16)
+TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
 
 
 def system(name: str) -> System:
@@ -182,4 +240,4 @@ def system(name: str) -> System:
     if found is None:
         known = ", ".join(repr(n) for n in [*SYSTEMS, *ALIASES])
         raise ValueError(f"system {name!r} is unknown: expected one of {known}, optionally followed by {AC_SUFFIX!r}")
-    return System(name, found.wrap, found.strategy, found.bf16, found.env, checkpointed)
+    return dataclasses.replace(found, name=name, checkpointed=checkpointed, key=found.name)

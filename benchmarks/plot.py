@@ -20,9 +20,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from kit import MEMORY
 
 GiB = 2**30
-COLORS = {"fullshard FSDP": "tab:blue", "fullshard fully_shard": "tab:cyan", "torch FSDP2": "tab:orange"}
+COLORS = dict(zip(MEMORY, ("tab:blue", "tab:cyan", "tab:orange")))  # the systems of ``train.py memory``
 
 
 def _color(name: str) -> str:

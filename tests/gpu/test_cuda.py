@@ -80,6 +80,7 @@ def _train(rank: int, world: int, how: str) -> dict[str, object]:
         "seen": seen,
         "params": {p.device.type for p in model.parameters()},
         "storage": group.storage_device.type,
+        "shards": group.shard_group.shard_size,
     }
 
 
@@ -91,6 +92,17 @@ def test_cuda_training_matches_reference(gpu_pool: WorkerPool, how: str) -> None
         assert got["seen"]["device"].startswith("cuda")
         expected = "cpu" if how == "offload" else "cuda"
         assert got["params"] == {expected} and got["storage"] == expected
+
+
+def test_two_gpus_shard_each_unit_across_both(gpu_pool: WorkerPool) -> None:
+    """With 2 GPUs the pool has 2 NCCL ranks: each unit is sharded across both, its collectives cross GPUs, and
+    training still matches the single-process run."""
+    if gpu_pool.world_size < 2:
+        pytest.skip(f"needs 2 CUDA GPUs (one NCCL rank each); {torch.cuda.device_count()} visible")
+    want = _reference_losses()
+    for got in gpu_pool.run(_train, "fsdp"):
+        assert got["shards"] == 2
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_compute_on_cuda(gpu_pool: WorkerPool) -> None:
