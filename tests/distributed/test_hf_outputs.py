@@ -16,22 +16,9 @@ import pytest
 import torch
 
 from fullshard.testing import WorkerPool
+from fullshard.testing.models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def _tiny_llama() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def _batch(rank: int) -> torch.Tensor:
@@ -40,7 +27,7 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def _reference_loss(rank: int) -> float:
-    model = _tiny_llama().to(torch.bfloat16)
+    model = tiny_llama().to(torch.bfloat16)
     ids = _batch(rank)
     with torch.no_grad():
         return model(input_ids=ids, labels=ids).loss.float().item()
@@ -56,7 +43,7 @@ def forward_through(rank: int, world: int, entry: str) -> dict[str, Any]:
         fully_shard,
     )
 
-    model = _tiny_llama()
+    model = tiny_llama()
     layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
     if entry.startswith("accelerator"):
         plugin = FullyShardedDataParallelPlugin(

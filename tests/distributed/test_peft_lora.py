@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fullshard.testing import WorkerPool
+from fullshard.testing.models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -29,22 +30,8 @@ peft = pytest.importorskip("peft")
 ROUTES = ("state_dict", "plain")
 
 
-def _base() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
-
-
 def _lora() -> Any:
-    base = _base()
+    base = tiny_llama()
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     return peft.get_peft_model(base, config)
@@ -114,7 +101,7 @@ def train_and_save(rank: int, world: int, version: int, use_orig_params: bool, f
         accelerator.wait_for_everyone()
         if rank == 0:
             tensors = load_file(os.path.join(where, "adapter_model.safetensors"))
-            loaded = peft.PeftModel.from_pretrained(_base(), where)
+            loaded = peft.PeftModel.from_pretrained(tiny_llama(), where)
             with torch.no_grad():
                 saved[route] = (sorted(tensors), loaded(input_ids=_probe()).logits)
     adapter_bytes = sum(_local_bytes(p) for p in trainable)

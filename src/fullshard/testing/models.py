@@ -1,4 +1,5 @@
-"""Tiny models for tests and examples: a GPT-style transformer whose parameter sizes divide unevenly."""
+"""Tiny models for tests and examples: a GPT-style transformer whose parameter sizes divide unevenly, and a
+two-layer ``transformers`` Llama built from a config (no download)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "GPTConfig", "TinyGPT", "gpt", "make_batch"]
+__all__ = ["Block", "GPTConfig", "TinyGPT", "gpt", "make_batch", "tiny_llama"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,21 @@ def make_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, tor
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
     return data[:, :-1], data[:, 1:]
+
+
+def tiny_llama() -> nn.Module:
+    """A ``LlamaForCausalLM`` of 2 layers, hidden size 32 and a vocabulary of 64, initialised from seed 0: the same
+    weights on every rank and in every call. Needs ``transformers`` (imported here, not with this module)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
