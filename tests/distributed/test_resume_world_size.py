@@ -28,10 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from fullshard import FSDP, fully_shard
+from fullshard import FSDP
 from fullshard.testing import WorkerPool
-from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
+from fullshard.testing.parity import invariant_gpt
 from tests.distributed.test_checkpoint_reshard import assert_same_state, full_states, make_optim
 
 CFG = GPTConfig(tie_weights=True)
@@ -171,16 +171,6 @@ INV_CFG = GPTConfig(n_embd=40, n_head=4)
 G, MICRO_ROWS, SAVE_AT, STEPS = 4, 2, 2, 4
 
 
-def _build_invariant(entry: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    model = TinyGPT(INV_CFG)
-    if entry == "fully_shard":
-        for block in model.blocks:
-            fully_shard(block, invariant_micro_batches=G)
-        return fully_shard(model, invariant_micro_batches=G)
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), invariant_micro_batches=G)
-
-
 def _invariant_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, step: int) -> None:
     x, y = make_batch(INV_CFG, G * MICRO_ROWS, seed=1000 + step)  # the global batch; micro-batch g: rows 2g, 2g+1
     per_rank = G // world
@@ -208,7 +198,7 @@ def invariant_run(rank: int, world: int, entry: str, root: str, mode: str) -> di
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2 if entry == "fully_shard" else 1, state_dict_type="SHARDED_STATE_DICT"
     )
-    model = _build_invariant(entry, seed=9 if mode == "resume" else 0)
+    model = invariant_gpt(entry, INV_CFG, G, seed=9 if mode == "resume" else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2 if mode != "resume" else 1.0)
     objects = state_io.TrainingObjects(models=[model], optimizers=[opt])
     caught: list[Any] = []

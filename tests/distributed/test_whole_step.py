@@ -23,8 +23,8 @@ from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy, fully_shard
 from fullshard.algorithms.whole_step import register_matrix_optimizer, whole_param_step
 from fullshard.engine.optim_state import full_optim_state_dict, scatter_full_optim_state_dict
 from fullshard.testing import WorkerPool
-from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard.testing.models import GPTConfig, make_batch
+from fullshard.testing.parity import invariant_gpt
 
 STEPS, ACCUMULATE, MAX_NORM = 3, 2, 0.5
 
@@ -293,16 +293,6 @@ INV_CFG = GPTConfig(n_embd=40, n_head=4)
 G, MICRO_ROWS, SAVE_AT, INV_STEPS = 4, 2, 2, 4
 
 
-def _invariant_model(entry: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    model = TinyGPT(INV_CFG)
-    if entry == "fully_shard":
-        for block in model.blocks:
-            fully_shard(block, invariant_micro_batches=G)
-        return fully_shard(model, invariant_micro_batches=G)
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), invariant_micro_batches=G)
-
-
 def _invariant_optimizers(model: nn.Module, kind: str, lr_scale: float) -> list[torch.optim.Optimizer]:
     named = list(model.named_parameters())
     if kind == "adafactor":
@@ -321,7 +311,7 @@ def invariant_run(rank: int, world: int, kind: str, entry: str, root: str, mode:
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2 if entry == "fully_shard" else 1, state_dict_type="SHARDED_STATE_DICT"
     )
-    model = _invariant_model(entry, seed=9 if mode == "resume" else 0)
+    model = invariant_gpt(entry, INV_CFG, G, seed=9 if mode == "resume" else 0)
     optimizers = _invariant_optimizers(model, kind, 10.0 if mode == "resume" else 1.0)
     for opt in optimizers:
         whole_param_step(model, opt)

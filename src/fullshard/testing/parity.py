@@ -16,10 +16,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine import fully_shard, summon_full_params
-from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
+from fullshard.engine import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard, summon_full_params
+from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 
-__all__ = ["RunResult", "TrainSpec", "fully_shard_blocks", "reference_run", "sharded_run", "without_sync"]
+__all__ = [
+    "RunResult",
+    "TrainSpec",
+    "fully_shard_blocks",
+    "invariant_gpt",
+    "reference_run",
+    "sharded_run",
+    "without_sync",
+]
 
 
 @dataclass(frozen=True)
@@ -144,3 +152,17 @@ def fully_shard_blocks(model: nn.Module, *, shard: Callable[..., nn.Module] = fu
     for block in model.blocks:
         shard(block, **kwargs)
     return shard(model, **kwargs)
+
+
+def invariant_gpt(entry: str, cfg: GPTConfig, micro_batches: int, seed: int) -> nn.Module:
+    """``TinyGPT(cfg)`` initialised from ``seed``, one unit per block plus the root, in world-size-invariant mode
+    with ``micro_batches`` (G): through ``fully_shard`` when ``entry == "fully_shard"``, else the FSDP class."""
+    torch.manual_seed(seed)
+    model = TinyGPT(cfg)
+    if entry == "fully_shard":
+        for block in model.blocks:
+            fully_shard(block, invariant_micro_batches=micro_batches)
+        return fully_shard(model, invariant_micro_batches=micro_batches)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), invariant_micro_batches=micro_batches
+    )
