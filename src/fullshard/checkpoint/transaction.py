@@ -19,7 +19,8 @@ one-folder transaction, whose marker goes at the top of the folder and which has
    deletes the staging folder.
 3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk (``folder.py``), writes
    the completion marker of each sharded subfolder and then the checkpoint manifest (``manifest.py``) with
-   every file's size and CRC-32 (a one-folder transaction: the folder's own marker only), moves an existing
+   every file's size and CRC-32, also of the files the caller wrote into the staging folder itself, such as
+   ``save_state``'s pre-hooks' (a one-folder transaction: the folder's own marker only), moves an existing
    ``dir`` aside to ``dir.previous``, renames the staging folder to ``dir``, deletes ``dir.previous`` and
    fsyncs the parent folder. The staging tag goes last, with the rename (it is the lock on ``dir``).
 
@@ -354,13 +355,26 @@ class SaveTransaction:
         shutil.rmtree(previous, ignore_errors=True)  # a next save to target may be removing it too
         fsync_dir(self.target.parent)
 
+    def _others(self, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """The files that the caller's own code (the ``save_state`` pre-hooks) wrote into the staging folder, outside
+        the recorded sharded subfolders: committed with the checkpoint, so recorded in its manifest too."""
+        parts = {name.split("/", 1)[0] for name in files if "/" in name}
+        found = {}
+        for path in sorted(self.staging.rglob("*")):
+            name = path.relative_to(self.staging).as_posix()
+            if name in files or name == STAGING_TAG or name.split("/", 1)[0] in parts:
+                continue
+            if path.is_file() and not path.is_symlink():
+                found[name] = file_checksum(path)
+        return found
+
     def _write_markers_and_manifest(self, files: dict[str, FileRecord]) -> None:
         by_folder: dict[str, dict[str, FileRecord]] = {}
         for name, record in files.items():
             folder, _, leaf = name.rpartition("/")
             if folder:
                 by_folder.setdefault(folder, {})[leaf] = record
-        listed = dict(files)
+        listed = {**self._others(files), **files}
         for folder, members in sorted(by_folder.items()):
             marker = self.staging / folder / FOLDER_MARKER
             write_json_durably(marker, self._payload(members, items=True))

@@ -217,13 +217,25 @@ def _write_small_files(tx: SaveTransaction, states: dict[str, Any]) -> None:
 _SMALL_FILES = "writing the schedulers, samplers, registered objects and random states"
 
 
-def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
+def _run_hooks(tx: SaveTransaction, before: Callable[[Path], None] | None) -> None:
+    """``before(staging folder)`` on every rank: what the hooks write there is committed with the checkpoint."""
+    if before is not None:
+        tx.step("running the save_state pre-hooks", partial(before, tx.staging))
+
+
+def save_state(
+    output_dir: str | Path,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    before: Callable[[Path], None] | None = None,
+) -> Path:
     """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
 
     Every part is staged in ``<output_dir>.incomplete`` and the folder is renamed into place only when all
-    ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. On failure
-    every rank raises and ``output_dir`` holds what it held before. A background save still running is waited
-    for first (and its failure raised).
+    ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. ``before`` (the
+    pre-save hooks) is called with the staging folder first: the files it writes there are part of the
+    checkpoint (recorded in its manifest). On failure every rank raises and ``output_dir`` holds what it held
+    before. A background save still running is waited for first (and its failure raised).
     """
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
@@ -231,6 +243,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
+    _run_hooks(tx, before)
     # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
     # by one rank that failed. The writes run inside it, so that every rank learns of any rank's failure.
     for part in _parts_to_save(objects, plugin):
@@ -257,12 +270,14 @@ def start_save_state(
     objects: TrainingObjects,
     plugin: FullyShardedDataParallelPlugin,
     after: Callable[[Path, dist.ProcessGroup | None], None] | None = None,
+    before: Callable[[Path], None] | None = None,
 ) -> Path:
     """:func:`save_state` that returns once this rank's state is copied to host memory (a collective).
 
     The writes, the commit and then ``after(folder, process_group)`` run in a background thread over their own
     process group; the next ``save_state``, ``load_state`` or ``end_training`` waits for it and raises its
-    failure. The files are those of :func:`save_state`. See [Note: background saves] in ``checkpoint/background.py``.
+    failure. The files are those of :func:`save_state`; ``before`` runs before this returns. See [Note: background
+    saves] in ``checkpoint/background.py``.
     """
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
@@ -270,6 +285,7 @@ def start_save_state(
     resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
+    _run_hooks(tx, before)  # before returning, as the synchronous save
     parts = _parts_to_save(objects, _on_device(plugin))
 
     def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -513,8 +529,11 @@ def save_state_as_configured(
     *,
     async_save: bool = False,
 ) -> Path:
-    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), call ``before(folder)``
-    (the pre-save hooks, which see the folder actually written), save, then rotate.
+    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), save, then rotate.
+
+    ``before`` (the pre-save hooks) is called with the staging folder of that folder once the save has claimed
+    it: what the hooks write there is committed with the checkpoint, atomically (Accelerate hands its hooks the
+    output folder, which it writes in place).
 
     ``async_save``: return once the state is copied to host memory; the write, the commit and the rotation run
     in the background (:func:`start_save_state`). A previous background save is waited for first.
@@ -537,13 +556,11 @@ def save_state_as_configured(
         )
     else:
         folder = Path(output_dir)
-    if before is not None:
-        before(folder)
     rotate = partial(_rotate, config) if config.automatic_checkpoint_naming else None
     if async_save:
-        path = start_save_state(folder, objects, plugin, after=rotate)
+        path = start_save_state(folder, objects, plugin, after=rotate, before=before)
     else:
-        path = save_state(folder, objects, plugin)
+        path = save_state(folder, objects, plugin, before=before)
         if rotate is not None:
             rotate(path, None)
     config.iteration += 1
