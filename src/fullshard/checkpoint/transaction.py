@@ -12,9 +12,9 @@ one-folder transaction, whose marker goes at the top of the folder and which has
    which every rank receives); see [Note: one job per checkpoint folder]. It deletes only staging folders
    next to ``dir`` whose owner is provably gone, and puts back ``dir.previous`` if a commit was killed between
    its two renames.
-2. ``step(fn)``: every rank writes its files into the staging folder (model and optimizer folders through
-   DCP, the small files with ``torch.save``), each file checksummed as it is written; each rank reports the
-   files it wrote (``record``). After every step all ranks agree; a failure on any rank makes every rank
+2. ``step(fn)``: every rank writes its files into the staging folder (``write_sharded``: model and optimizer
+   folders through DCP; ``write_file``: the small files with ``torch.save``), each file checksummed as it is
+   written and recorded. After every step all ranks agree; a failure on any rank makes every rank
    raise the same message, naming the failing ranks and why (a full disk is called a full disk), and rank 0
    deletes the staging folder.
 3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk (``folder.py``), writes
@@ -60,7 +60,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fullshard.checkpoint.checksum import file_checksum
+from fullshard.checkpoint.checksum import file_checksum, save_with_checksum
 from fullshard.checkpoint.collective import describe_error, run_everywhere
 from fullshard.checkpoint.errors import CheckpointBusyError
 from fullshard.checkpoint.folder import check_sizes, folder_to_load
@@ -75,6 +75,7 @@ from fullshard.checkpoint.names import (
     previous_folder,
     staging_folder,
 )
+from fullshard.checkpoint.writer import write_sharded
 from fullshard.ranks import gather_from_ranks, rank_and_world
 
 __all__ = [
@@ -313,6 +314,17 @@ class SaveTransaction:
     def record(self, relative: str, record: FileRecord) -> None:
         self.records[relative] = record
         self.written += record.size
+
+    def write_sharded(self, part: str, state: dict[str, Any]) -> None:
+        """Write ``state`` with DCP into the sharded subfolder ``part`` of the staging folder (``""``: the staging
+        folder itself, a one-folder transaction) and record this rank's files. A collective: call it in a step."""
+        folder = self.staging / part if part else self.staging
+        for leaf, record in write_sharded(state, folder, process_group=self.process_group).items():
+            self.record(f"{part}/{leaf}" if part else leaf, record)
+
+    def write_file(self, name: str, obj: Any) -> None:
+        """``torch.save(obj)`` into the file ``name`` of the staging folder, checksummed, and record it."""
+        self.record(name, save_with_checksum(obj, self.staging / name))
 
     def commit(self) -> Path:
         """Write the markers and the manifest, then rename the staging folder into place (a collective)."""
