@@ -122,7 +122,7 @@ def _binds(init: Path, name: str) -> bool:
 # verify/merge/export. A new module gets a level here.
 CHECKPOINT_LEVELS = {
     "names": 0, "errors": 0, "files": 0, "boundary": 0, "direct_read": 0,
-    "manifest": 1, "checksum": 1, "safe_load": 1, "collective": 1, "background": 1,
+    "manifest": 1, "checksum": 1, "safe_load": 1, "agreement": 1, "background": 1,
     "folder": 2,
     "reader": 3, "writer": 3,
     "transaction": 4, "rotation": 4,

@@ -10,7 +10,7 @@ surface.
 One owner per idea, and imports run one way, up these levels (a module imports only its level or lower ones;
 ``tests/unit/test_import_layers.py`` holds the table): names, errors, files, boundary (every file name and
 suffix, every error class, how files are created, which files a folder may name) -> manifest, checksum,
-safe_load, collective, background (async saves: host copies, a thread, their own process group) -> folder (what a
+safe_load, agreement, background (async saves: host copies, a thread, their own process group) -> folder (what a
 folder is, the one recorded-size check) -> reader, writer (the one "a data file is as long as its ``.metadata``
 says" check is the reader's) -> transaction (the one commit protocol), rotation -> dcp, verify, merge, export,
 load_check. A new module goes on the lowest level whose modules it needs.

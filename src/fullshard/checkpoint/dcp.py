@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fullshard.checkpoint.collective import gather_errors
+from fullshard.checkpoint.agreement import gather_errors
 from fullshard.checkpoint.folder import check_output_dir
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
