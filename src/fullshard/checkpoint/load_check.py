@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.agreement import run_everywhere
+from fullshard.checkpoint.boundary import entry_path
 from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
 from fullshard.checkpoint.folder import FolderState, checkpoint_state, staging_error
 from fullshard.checkpoint.names import CHECKPOINT_MANIFEST, previous_folder, staging_folder

@@ -60,8 +60,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fullshard.checkpoint.checksum import file_checksum, save_with_checksum
 from fullshard.checkpoint.agreement import describe_error, run_everywhere
+from fullshard.checkpoint.checksum import file_checksum, save_with_checksum
 from fullshard.checkpoint.errors import CheckpointBusyError
 from fullshard.checkpoint.folder import check_sizes, folder_to_load
 from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
