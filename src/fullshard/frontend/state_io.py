@@ -372,7 +372,7 @@ def load_state(
     """Restore what :func:`save_state` wrote into the prepared objects (a collective).
 
     Before anything is loaded, every rank checks the folder: every part present with its recorded size and
-    from the same save (``checkpoint/verify.py``), and with ``verify`` every file's checksum (the ranks share
+    from the same save (``checkpoint/load_check.py``), and with ``verify`` every file's checksum (the ranks share
     the reading). Every file is read without unpickling arbitrary objects (``checkpoint/safe_load.py``).
     ``strict=False`` ignores model keys in the checkpoint that the models lack (every key a model has must
     still be there); optimizers always load strictly.
