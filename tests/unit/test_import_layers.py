@@ -434,3 +434,10 @@ def test_staging_suffixes_are_spelled_in_names_only(path: Path) -> None:
         return
     found = [c for c in _string_constants(path) if ".incomplete" in c or ".previous" in c]
     assert not found, f"{path} spells a staging suffix itself: {found}; use checkpoint.names (staging_folder, ...)"
+
+
+def test_checker_finds_a_spelled_suffix(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Staged in ``dir.incomplete``."""\n\ndef f(p):\n    return p.with_name(f"{p.name}.incomplete")\n')
+    found = [c for c in _string_constants(bad) if ".incomplete" in c]
+    assert found == [".incomplete"]  # the f-string's piece; the docstring is prose
