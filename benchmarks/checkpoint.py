@@ -71,8 +71,9 @@ from checkpoint_merge import merge_args, merge_main
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin
 from fullshard.checkpoint import checksum
-from fullshard.checkpoint.dcp import load_sharded, save_sharded, write_sharded
+from fullshard.checkpoint.dcp import load_sharded, save_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
+from fullshard.checkpoint.writer import write_sharded
 from fullshard.frontend import model_state
 from fullshard.testing.bench import RssSampler, on_fresh_ranks, run_mode
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from fullshard.checkpoint import background
+from fullshard.checkpoint import background, transaction
 from fullshard.checkpoint.errors import BackgroundSaveError
 from fullshard.checkpoint.manifest import read_manifest
 from fullshard.checkpoint.names import DCP_METADATA_FILE
@@ -143,14 +143,14 @@ def test_project_configuration_makes_saves_async_by_default(pool2: WorkerPool, t
 
 def train_while_a_save_is_held(rank: int, world: int, root: str) -> dict[str, Any]:
     accelerator, model, optimizer, scheduler = _train(1)
-    real_write, release = state_io.write_sharded, threading.Event()
+    real_write, release = transaction.write_sharded, threading.Event()
 
     def held_write(*args: Any, **kwargs: Any) -> Any:  # the background write starts only once released
         if not release.wait(timeout=60):
             raise TimeoutError("never released")
         return real_write(*args, **kwargs)
 
-    state_io.write_sharded = held_write
+    transaction.write_sharded = held_write
     out: dict[str, Any] = {}
     try:
         at_save = accelerator.get_state_dict(model), scheduler.state_dict()
@@ -173,7 +173,7 @@ def train_while_a_save_is_held(rank: int, world: int, root: str) -> dict[str, An
         accelerator.save_state(f"{root}/third")
         out["save_waited"] = time.monotonic() - began
     finally:
-        state_io.write_sharded = real_write
+        transaction.write_sharded = real_write
         release.set()
         state_io.wait_for_save()
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ def save_three_then_resume(rank: int, world: int, root: str) -> Any:
     model2, _, _ = resumed.prepare(*model_and_optimizer(seed=1))
     resumed.load_state()
     same = all(torch.equal(v, snapshots[2][k]) for k, v in resumed.get_state_dict(model2).items())
-    assert hooked == [*returned, "checkpoint_2"], hooked  # hooks see the folder chosen by automatic naming
+    # hooks see the folder chosen by automatic naming: its staging folder while saving, the folder when loading
+    assert hooked == [*(f"{name}.incomplete" for name in returned), "checkpoint_2"], hooked
     return returned, names, same, resumed.save_iteration
 
 
@@ -65,6 +67,41 @@ def test_automatic_naming_keeps_total_limit_and_resumes_from_the_latest(pool2: W
     (Path(partial) / ".fullshard_checkpoint.json").unlink(missing_ok=True)
     shutil.copytree(tmp_path / "checkpoints" / "checkpoint_2", tmp_path / "checkpoints" / "checkpoint_4.incomplete")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "checkpoint_2"
+
+
+def save_with_a_hook_then_load(rank: int, world: int, folder: str) -> Any:
+    accelerator = Accelerator(fsdp_plugin=plugin(2))
+    accelerator.prepare(*model_and_optimizer(seed=0))
+    accelerator.save_state(folder)  # an older checkpoint, without the hook's file, is replaced below
+    version = {"n": 0}
+
+    def save_config(models: Any, weights: Any, out: str) -> None:
+        version["n"] += 1
+        (Path(out) / "data.json").write_text(json.dumps({"version": version["n"]}))
+
+    loaded: list[Any] = []
+    accelerator.register_save_state_pre_hook(save_config)
+    accelerator.register_load_state_pre_hook(
+        lambda models, into: loaded.append(json.loads((Path(into) / "data.json").read_text()))
+    )
+    accelerator.save_state(folder)
+    accelerator.save_state(folder, async_save=True)
+    accelerator.wait_for_everyone()
+    accelerator.load_state(folder, verify=True)
+    listed = json.loads((Path(folder) / ".fullshard_checkpoint.json").read_text())["files"]
+    return loaded, "data.json" in listed, sorted(p.name for p in Path(folder).parent.iterdir())
+
+
+def test_pre_save_hook_files_are_committed_with_the_checkpoint(pool2: WorkerPool, tmp_path: Path) -> None:
+    # - Run: a save_state pre-hook writes data.json into the folder it is given (as Accelerate's tests do), over
+    #   an existing checkpoint, synchronously then in the background; a load hook reads it back
+    folder = tmp_path / "ck"
+    for loaded, listed, beside in pool2.run(save_with_a_hook_then_load, str(folder)):
+        # - Check: the file is in the committed folder (the last save's), recorded in the manifest (verify
+        #   checks it), and no staging or previous folder is left beside it
+        assert loaded == [{"version": 2}]
+        assert listed
+        assert beside == ["ck"]
 
 
 def load_with_nothing_saved(rank: int, world: int, root: str) -> str:

@@ -3,7 +3,8 @@ accelerate (the mirror of Accelerate's modules: front end and public names only)
 and every layer may import the neutral torch-only modules (``fullshard.ranks``), which import no layer. No modules
 import each other in a circle, inside a package or across src/ (function-level imports count); checkpoint/'s
 modules import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/
-aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule."""
+aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule;
+checkpoint names likewise from ``fullshard.checkpoint`` and its ``__all__``."""
 
 from __future__ import annotations
 
@@ -121,11 +122,11 @@ def _binds(init: Path, name: str) -> bool:
 # verify/merge/export. A new module gets a level here.
 CHECKPOINT_LEVELS = {
     "names": 0, "errors": 0, "files": 0, "boundary": 0, "direct_read": 0,
-    "manifest": 1, "checksum": 1, "safe_load": 1, "collective": 1, "background": 1,
+    "manifest": 1, "checksum": 1, "safe_load": 1, "agreement": 1, "background": 1,
     "folder": 2,
     "reader": 3, "writer": 3,
     "transaction": 4, "rotation": 4,
-    "dcp": 5, "verify": 5, "merge": 5, "export": 5,
+    "dcp": 5, "verify": 5, "merge": 5, "export": 5, "load_check": 5,
 }  # fmt: skip
 
 
@@ -327,3 +328,116 @@ def test_checker_catches_a_reach_inside_the_engine(tmp_path: Path) -> None:
         "fullshard.engine.param",
         "fullshard.engine.state",
     ]
+
+
+# --- checkpoint/'s surface ------------------------------------------------------------------------------------
+
+CHECKPOINT = SRC / "checkpoint"
+
+
+def _surface(package: Path) -> set[str]:
+    """``__all__`` of ``package``'s ``__init__``, read without importing it."""
+    tree = ast.parse((package / "__init__.py").read_text())
+    found = [n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "__all__"]
+    return set(ast.literal_eval(found[0]))
+
+
+def _reaches_inside(path: Path, package: str, surface: set[str]) -> list[str]:
+    """The submodules of ``fullshard.<package>`` that ``path`` imports, and the names it imports from the package
+    that are not on its surface (a submodule on the surface, such as ``background``, is a name of it)."""
+    prefix = f"fullshard.{package}"
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            bad.extend(a.name for a in node.names if a.name.startswith(prefix + "."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith(prefix + "."):
+                bad.append(node.module)
+            elif node.module == prefix:
+                bad.extend(f"{prefix}.{a.name} (not in __all__)" for a in node.names if a.name not in surface)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in _sources() if CHECKPOINT not in p.parents], ids=lambda p: str(p.relative_to(SRC))
+)
+def test_other_packages_use_the_checkpoint_surface(path: Path) -> None:
+    bad = _reaches_inside(path, "checkpoint", _surface(CHECKPOINT))
+    assert not bad, (
+        f"{path} imports from inside checkpoint/: {bad}; import the name from fullshard.checkpoint (add it to "
+        "checkpoint/__init__.py's __all__ if other packages need it)"
+    )
+
+
+def test_checkpoint_surface_is_re_exports_only() -> None:
+    tree = ast.parse((CHECKPOINT / "__init__.py").read_text())
+    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    others = [n for n in tree.body if not isinstance(n, ast.ImportFrom | ast.Assign | ast.Expr)]
+    assert bound == _surface(CHECKPOINT), (
+        f"imported but not listed, or listed but not imported: {bound ^ _surface(CHECKPOINT)}"
+    )
+    assert not others, "checkpoint/__init__.py holds re-exports only"
+
+
+def test_checkpoint_modules_never_import_the_surface() -> None:
+    """The surface imports every module it re-exports; a checkpoint module taking a name from it would see it
+    half built when imported first."""
+    bad = [
+        f"{path.name}: {alias.name}"
+        for path in sorted(CHECKPOINT.glob("*.py"))
+        if path.name != "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "fullshard.checkpoint"
+        for alias in node.names
+    ]
+    assert not bad, f"checkpoint modules import from checkpoint's surface: {bad}"
+
+
+def test_checker_catches_a_reach_inside_checkpoint(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from fullshard.checkpoint import SaveTransaction, folder\n"
+        "from fullshard.checkpoint.names import staging_folder\n"
+        "def f():\n    import fullshard.checkpoint.verify\n"
+    )
+    assert sorted(_reaches_inside(bad, "checkpoint", {"SaveTransaction"})) == [
+        "fullshard.checkpoint.folder (not in __all__)",
+        "fullshard.checkpoint.names",
+        "fullshard.checkpoint.verify",
+    ]
+
+
+# --- ".incomplete" and ".previous": the suffixes of checkpoint/names.py only ----------------------------------
+
+
+def _string_constants(path: Path) -> list[str]:
+    """Every string constant of ``path`` but the docstrings (f-string pieces included)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(SRC)))
+def test_staging_suffixes_are_spelled_in_names_only(path: Path) -> None:
+    if path == CHECKPOINT / "names.py":
+        return
+    found = [c for c in _string_constants(path) if ".incomplete" in c or ".previous" in c]
+    assert not found, f"{path} spells a staging suffix itself: {found}; use checkpoint.names (staging_folder, ...)"
+
+
+def test_checker_finds_a_spelled_suffix(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Staged in ``dir.incomplete``."""\n\ndef f(p):\n    return p.with_name(f"{p.name}.incomplete")\n')
+    found = [c for c in _string_constants(bad) if ".incomplete" in c]
+    assert found == [".incomplete"]  # the f-string's piece; the docstring is prose

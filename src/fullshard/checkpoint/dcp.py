@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fullshard.checkpoint.collective import gather_errors
+from fullshard.checkpoint.agreement import gather_errors
 from fullshard.checkpoint.folder import check_output_dir
 from fullshard.checkpoint.reader import (
     SafeFileSystemReader,
@@ -46,9 +46,9 @@ from fullshard.checkpoint.reader import (
     resolve_checkpoint_dir,
 )
 from fullshard.checkpoint.transaction import SaveTransaction
-from fullshard.checkpoint.writer import check_state, local_nbytes, write_sharded
+from fullshard.checkpoint.writer import check_state, local_nbytes
 
-__all__ = ["check_sharded", "load_sharded", "save_sharded", "write_sharded"]
+__all__ = ["check_sharded", "load_sharded", "save_sharded"]
 
 _State = dict[str, Any]
 _Folder = str | os.PathLike[str]
@@ -68,11 +68,7 @@ def save_sharded(state: _State, checkpoint_dir: _Folder, *, process_group: _Grou
     tx = SaveTransaction(check_output_dir(checkpoint_dir, where), where, process_group, sharded_folder=True)
     tx.begin()
 
-    def write() -> None:
-        for name, record in write_sharded(state, tx.staging, process_group=process_group).items():
-            tx.record(name, record)
-
-    tx.step("writing shards", write, local_nbytes(state))
+    tx.step("writing shards", lambda: tx.write_sharded("", state), local_nbytes(state))
     return tx.commit()
 
 

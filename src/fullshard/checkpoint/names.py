@@ -1,4 +1,4 @@
-"""File and folder names of a training checkpoint, as Accelerate lays it out (seeds 001, 002).
+"""File and folder names of a training checkpoint, as Accelerate lays it out .
 
 A ``save_state(dir)`` with ``SHARDED_STATE_DICT`` produces::
 
@@ -46,6 +46,7 @@ __all__ = [
     "custom_checkpoint_file_name",
     "dcp_shard_file_name",
     "dcp_shard_prefix",
+    "full_model_file_name",
     "is_load_state_part",
     "is_staging_name",
     "model_folder_name",
@@ -105,6 +106,11 @@ def optimizer_folder_name(index: int = 0) -> str:
 def _indexed_bin(stem: str, index: int) -> str:
     _check_index(index, "index")
     return f"{stem}.bin" if index == 0 else f"{stem}_{index}.bin"
+
+
+def full_model_file_name(index: int = 0) -> str:
+    """Full (unsharded) model state file of ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, then ``..._1.bin``."""
+    return _indexed_bin(FSDP_MODEL_NAME, index)
 
 
 def optimizer_file_name(index: int = 0) -> str:

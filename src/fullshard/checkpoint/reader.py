@@ -74,6 +74,7 @@ from fullshard.checkpoint.names import (
 )
 
 __all__ = [
+    "check_data_lengths",
     "COMPLETE_MARKER",
     "INCOMPLETE_SUFFIX",
     "PREVIOUS_SUFFIX",
@@ -429,13 +430,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         node[last] = obj
 
 
-def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> None:
-    """Every data file that ``metadata`` points into exists and is long enough; errors name the file."""
+def check_data_lengths(checkpoint_dir: str | os.PathLike[str], metadata: Metadata, *, prefix: str = "") -> None:
+    """Every data file that ``metadata`` points into (of those whose names start with ``prefix``: one rank's,
+    after it wrote them) exists and is as long as the metadata says; errors name the file. The one rule."""
     root = Path(checkpoint_dir)
     paths = storage_files(root, metadata)  # every path inside the folder before any is looked at
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        if info.relative_path.startswith(prefix):
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for rel, end in sorted(needed.items()):
         path = paths[rel]
         if not path.is_file():
@@ -443,7 +446,12 @@ def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata)
         size = path.stat().st_size
         if size < end:
             raise RuntimeError(f"{path} is truncated ({size} bytes, the metadata needs {end}): re-save the checkpoint.")
-    _check_marker(root, metadata)
+
+
+def check_data_files(checkpoint_dir: str | os.PathLike[str], metadata: Metadata) -> None:
+    """Every data file that ``metadata`` points into exists and is long enough, and the folder's marker holds."""
+    check_data_lengths(checkpoint_dir, metadata)
+    _check_marker(Path(checkpoint_dir), metadata)
 
 
 def read_checked_metadata(checkpoint_dir: Path) -> Metadata:

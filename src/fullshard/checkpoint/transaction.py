@@ -12,14 +12,15 @@ one-folder transaction, whose marker goes at the top of the folder and which has
    which every rank receives); see [Note: one job per checkpoint folder]. It deletes only staging folders
    next to ``dir`` whose owner is provably gone, and puts back ``dir.previous`` if a commit was killed between
    its two renames.
-2. ``step(fn)``: every rank writes its files into the staging folder (model and optimizer folders through
-   DCP, the small files with ``torch.save``), each file checksummed as it is written; each rank reports the
-   files it wrote (``record``). After every step all ranks agree; a failure on any rank makes every rank
+2. ``step(fn)``: every rank writes its files into the staging folder (``write_sharded``: model and optimizer
+   folders through DCP; ``write_file``: the small files with ``torch.save``), each file checksummed as it is
+   written and recorded. After every step all ranks agree; a failure on any rank makes every rank
    raise the same message, naming the failing ranks and why (a full disk is called a full disk), and rank 0
    deletes the staging folder.
 3. ``commit``: rank 0 gathers every rank's records, checks each file's size on disk (``folder.py``), writes
    the completion marker of each sharded subfolder and then the checkpoint manifest (``manifest.py``) with
-   every file's size and CRC-32 (a one-folder transaction: the folder's own marker only), moves an existing
+   every file's size and CRC-32, also of the files the caller wrote into the staging folder itself, such as
+   ``save_state``'s pre-hooks' (a one-folder transaction: the folder's own marker only), moves an existing
    ``dir`` aside to ``dir.previous``, renames the staging folder to ``dir``, deletes ``dir.previous`` and
    fsyncs the parent folder. The staging tag goes last, with the rename (it is the lock on ``dir``).
 
@@ -59,8 +60,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fullshard.checkpoint.checksum import file_checksum
-from fullshard.checkpoint.collective import describe_error, run_everywhere
+from fullshard.checkpoint.agreement import describe_error, run_everywhere
+from fullshard.checkpoint.checksum import file_checksum, save_with_checksum
 from fullshard.checkpoint.errors import CheckpointBusyError
 from fullshard.checkpoint.folder import check_sizes, folder_to_load
 from fullshard.checkpoint.manifest import MANIFEST_FORMAT, MANIFEST_VERSION, FileRecord, write_json_durably
@@ -74,6 +75,7 @@ from fullshard.checkpoint.names import (
     previous_folder,
     staging_folder,
 )
+from fullshard.checkpoint.writer import write_sharded
 from fullshard.ranks import gather_from_ranks, rank_and_world
 
 __all__ = [
@@ -313,6 +315,17 @@ class SaveTransaction:
         self.records[relative] = record
         self.written += record.size
 
+    def write_sharded(self, part: str, state: dict[str, Any]) -> None:
+        """Write ``state`` with DCP into the sharded subfolder ``part`` of the staging folder (``""``: the staging
+        folder itself, a one-folder transaction) and record this rank's files. A collective: call it in a step."""
+        folder = self.staging / part if part else self.staging
+        for leaf, record in write_sharded(state, folder, process_group=self.process_group).items():
+            self.record(f"{part}/{leaf}" if part else leaf, record)
+
+    def write_file(self, name: str, obj: Any) -> None:
+        """``torch.save(obj)`` into the file ``name`` of the staging folder, checksummed, and record it."""
+        self.record(name, save_with_checksum(obj, self.staging / name))
+
     def commit(self) -> Path:
         """Write the markers and the manifest, then rename the staging folder into place (a collective)."""
         merged: dict[str, FileRecord] = {}
@@ -354,13 +367,26 @@ class SaveTransaction:
         shutil.rmtree(previous, ignore_errors=True)  # a next save to target may be removing it too
         fsync_dir(self.target.parent)
 
+    def _others(self, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """The files that the caller's own code (the ``save_state`` pre-hooks) wrote into the staging folder, outside
+        the recorded sharded subfolders: committed with the checkpoint, so recorded in its manifest too."""
+        parts = {name.split("/", 1)[0] for name in files if "/" in name}
+        found = {}
+        for path in sorted(self.staging.rglob("*")):
+            name = path.relative_to(self.staging).as_posix()
+            if name in files or name == STAGING_TAG or name.split("/", 1)[0] in parts:
+                continue
+            if path.is_file() and not path.is_symlink():
+                found[name] = file_checksum(path)
+        return found
+
     def _write_markers_and_manifest(self, files: dict[str, FileRecord]) -> None:
         by_folder: dict[str, dict[str, FileRecord]] = {}
         for name, record in files.items():
             folder, _, leaf = name.rpartition("/")
             if folder:
                 by_folder.setdefault(folder, {})[leaf] = record
-        listed = dict(files)
+        listed = {**self._others(files), **files}
         for folder, members in sorted(by_folder.items()):
             marker = self.staging / folder / FOLDER_MARKER
             write_json_durably(marker, self._payload(members, items=True))

@@ -16,12 +16,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from fullshard.checkpoint.checksum import ChecksummingFileSystemWriter
+from fullshard.checkpoint.files import write_replacing
 from fullshard.checkpoint.manifest import FileRecord
 from fullshard.checkpoint.names import dcp_shard_prefix
-from fullshard.checkpoint.reader import quiet_single_process_warning, read_metadata
+from fullshard.checkpoint.reader import check_data_lengths, quiet_single_process_warning, read_metadata
 from fullshard.ranks import rank_and_world
 
-__all__ = ["check_state", "local_nbytes", "write_sharded"]
+__all__ = ["check_state", "local_nbytes", "save_file", "write_sharded"]
 
 _LEAF_TYPES = (torch.Tensor, int, float, bool, str, bytes, type(None))
 
@@ -124,10 +125,11 @@ def _without_views(value: Any) -> Any:
 
 def _verify_own_files(staging: Path, rank: int) -> None:
     """This rank's data files are on disk and as long as the metadata says (DCP wrote .metadata on rank 0)."""
-    metadata = read_metadata(staging)
-    own = dcp_shard_prefix(rank)
-    for info in (metadata.storage_data or {}).values():
-        if info.relative_path.startswith(own):
-            file = staging / info.relative_path  # resolved inside the folder by read_metadata
-            if not file.is_file() or file.stat().st_size < info.offset + info.length:
-                raise RuntimeError(f"{file} is missing or shorter than its metadata says after writing it.")
+    check_data_lengths(staging, read_metadata(staging), prefix=dcp_shard_prefix(rank))
+
+
+def save_file(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj)`` to ``path`` whole or not at all: a new file under a name unique to this write, fsync'd
+    and renamed over ``path`` (see [Note: exclusive creation] in ``files.py``). For a file outside a checkpoint
+    folder's transaction (``save_fsdp_model``'s full state dict)."""
+    write_replacing(Path(path), lambda f: torch.save(obj, f))

@@ -655,7 +655,11 @@ class Accelerator(runtime.ProcessView):
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` at the start of every ``save_state`` (``weights`` is ``[]``:
-        sharded models write their own files, as under FSDP in Accelerate); ``handle.remove()`` unregisters it."""
+        sharded models write their own files, as under FSDP in Accelerate); ``handle.remove()`` unregisters it.
+
+        ``output_dir`` is the save's staging folder (``<folder>.incomplete``, existing and empty but for the save's
+        tag): the files the hook writes there are committed with the checkpoint, renamed into ``<folder>`` with
+        it, and recorded in its manifest."""
         handle = RemovableHandle(self._save_state_pre_hooks)
         self._save_state_pre_hooks[handle.id] = hook
         return handle

@@ -7,7 +7,7 @@ Accelerate's layout inside ``output_dir``, chosen by ``fsdp_plugin.state_dict_ty
   (``{"optimizer": ...}``), each written by :func:`fullshard.checkpoint.save_sharded`: staged, checksummed
   and renamed into place with its completion marker, so an interrupted save leaves no half folder to resume from;
 - ``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin`` / ``optimizer.bin`` (``_<i>`` after the first), gathered to
-  and written by rank 0 (written to a temporary name, then renamed).
+  and written by rank 0 (``checkpoint.save_file``: under a temporary name unique to the write, then renamed).
 
 Every function is a collective: call it on every rank. ``adapter_only`` (which transformers always passes) is
 honoured as Accelerate does: for a PEFT model the model files hold the entries PEFT saves for the active adapter
@@ -25,9 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.checkpoint import load_sharded, save_sharded
-from fullshard.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, optimizer_file_name
-from fullshard.checkpoint.safe_load import load_small_file
+from fullshard.checkpoint import (
+    FSDP_MODEL_NAME,
+    OPTIMIZER_NAME,
+    full_model_file_name,
+    load_sharded,
+    load_small_file,
+    model_folder_name,
+    optimizer_file_name,
+    optimizer_folder_name,
+    save_file,
+    save_sharded,
+)
 from fullshard.engine import StateDictType
 from fullshard.frontend import model_state
 from fullshard.frontend.adapters import is_peft_model
@@ -64,15 +73,9 @@ def _only(state: dict[str, Any], keys: set[str] | None) -> dict[str, Any]:
     return state if keys is None else {k: v for k, v in state.items() if k in keys}
 
 
-def _model_bin(index: int) -> str:
-    return f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
-
-
 def _save_on_rank0(obj: Any, path: Path) -> None:
     if dist.get_rank() == 0:
-        partial = path.with_name(path.name + ".incomplete")
-        torch.save(obj, partial)
-        os.replace(partial, path)
+        save_file(obj, path)  # a temporary unique to this write, renamed over path when whole
     dist.barrier()
 
 
@@ -97,10 +100,10 @@ def save_fsdp_model(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if kind is StateDictType.FULL_STATE_DICT:
-        _save_on_rank0(_only(model_state.full_model_state_dict(model), keys), out / _model_bin(model_index))
+        _save_on_rank0(_only(model_state.full_model_state_dict(model), keys), out / full_model_file_name(model_index))
     else:
         state = {"model": _only(model_state.sharded_model_state_dict(model, fsdp_plugin), keys)}
-        save_sharded(state, out / f"{FSDP_MODEL_NAME}_{model_index}")
+        save_sharded(state, out / model_folder_name(model_index))
 
 
 def load_fsdp_model(
@@ -120,7 +123,7 @@ def load_fsdp_model(
     keys = _adapter_keys(model, adapter_only, fsdp_plugin)
     if kind is StateDictType.FULL_STATE_DICT:
         path = Path(input_dir)
-        path = path if path.is_file() else path / _model_bin(model_index)
+        path = path if path.is_file() else path / full_model_file_name(model_index)
         sd = load_small_file(path) if dist.get_rank() == 0 else None
         if keys is not None:  # the current weights, with the adapter's entries from the file
             current = model_state.full_model_state_dict(model)
@@ -150,7 +153,7 @@ def save_fsdp_optimizer(
         return
     model_state.init_optimizer_state(optimizer)  # every parameter's state, zeros before the first step
     state = {"optimizer": model_state.optim_state(model, optimizer, fsdp_plugin)}
-    save_sharded(state, out / f"{OPTIMIZER_NAME}_{optimizer_index}")
+    save_sharded(state, out / optimizer_folder_name(optimizer_index))
 
 
 def load_fsdp_optimizer(

@@ -16,9 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.checkpoint.manifest import read_manifest
-from fullshard.checkpoint.names import RNG_STATE_NAME, step_in_progress_file_name
-from fullshard.checkpoint.safe_load import load_small_file
+from fullshard.checkpoint import RNG_STATE_NAME, load_small_file, read_manifest, step_in_progress_file_name
 from fullshard.engine import pending_micro_batches, restore_step_in_progress, step_in_progress, unit_states_in
 
 __all__ = [

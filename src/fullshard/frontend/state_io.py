@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import random
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -41,42 +40,38 @@ from torch import nn
 
 from fullshard.checkpoint import (
     SCALER_NAME,
+    SaveTransaction,
     background,
+    check_before_loading,
+    check_output_dir,
     check_sharded,
-    load_sharded,
-    model_folder_name,
-    optimizer_folder_name,
-    rng_state_file_name,
-    scheduler_file_name,
-)
-from fullshard.checkpoint.background import host_copy
-from fullshard.checkpoint.boundary import entry_path
-from fullshard.checkpoint.checksum import save_with_checksum
-from fullshard.checkpoint.collective import run_everywhere
-from fullshard.checkpoint.errors import CheckpointDamagedError, CheckpointFileError
-from fullshard.checkpoint.folder import FolderState, check_output_dir, checkpoint_state, staging_error
-from fullshard.checkpoint.names import (
-    CHECKPOINT_MANIFEST,
-    FSDP_MODEL_NAME,
+    checkpoint_folder,
+    checkpoint_index,
     custom_checkpoint_file_name,
+    folder_for_load,
+    full_model_file_name,
+    host_copy,
+    latest_checkpoint,
+    load_rng_file,
+    load_sharded,
+    load_small_file,
+    local_nbytes,
+    model_folder_name,
     optimizer_file_name,
-    previous_folder,
+    optimizer_folder_name,
+    prune_checkpoints,
+    read_on_every_rank,
+    rng_state_file_name,
     sampler_file_name,
-    staging_folder,
+    scheduler_file_name,
     step_in_progress_file_name,
 )
-from fullshard.checkpoint.rotation import checkpoint_folder, checkpoint_index, latest_checkpoint, prune_checkpoints
-from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
-from fullshard.checkpoint.transaction import SaveTransaction
-from fullshard.checkpoint.verify import check_file, check_parts, verify_checkpoint
-from fullshard.checkpoint.writer import local_nbytes, write_sharded
 from fullshard.engine import (
     StateDictType,
 )
 from fullshard.frontend import model_state, resume_layout
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
-from fullshard.ranks import gather_from_ranks
 
 __all__ = [
     "TrainingObjects",
@@ -103,10 +98,6 @@ class TrainingObjects:
 
     def model_for(self, optimizer_index: int) -> nn.Module:
         return self.models[min(optimizer_index, len(self.models) - 1)]
-
-
-def _full_model_file(index: int) -> str:
-    return f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
 
 
 def _check(objects: TrainingObjects, where: str) -> None:
@@ -164,7 +155,7 @@ def _parts_to_save(objects: TrainingObjects, plugin: FullyShardedDataParallelPlu
     parts = []
     for i, model in enumerate(objects.models):
         if full:
-            parts.append(_Part(_full_model_file(i), False, partial(model_state.full_model_state_dict, model)))
+            parts.append(_Part(full_model_file_name(i), False, partial(model_state.full_model_state_dict, model)))
         else:
             build = partial(lambda m: {"model": model_state.sharded_model_state_dict(m, plugin)}, model)
             parts.append(_Part(model_folder_name(i), True, build))
@@ -203,27 +194,38 @@ def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
 
 def _write_part(tx: SaveTransaction, part: _Part, state: dict[str, Any]) -> None:
     if part.sharded:
-        for leaf, record in write_sharded(state, tx.staging / part.name, process_group=tx.process_group).items():
-            tx.record(f"{part.name}/{leaf}", record)
+        tx.write_sharded(part.name, state)
     elif tx.rank == 0:
-        tx.record(part.name, save_with_checksum(state, tx.staging / part.name))
+        tx.write_file(part.name, state)
 
 
 def _write_small_files(tx: SaveTransaction, states: dict[str, Any]) -> None:
     for name, state in states.items():
-        tx.record(name, save_with_checksum(state, tx.staging / name))
+        tx.write_file(name, state)
 
 
 _SMALL_FILES = "writing the schedulers, samplers, registered objects and random states"
 
 
-def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> Path:
+def _run_hooks(tx: SaveTransaction, before: Callable[[Path], None] | None) -> None:
+    """``before(staging folder)`` on every rank: what the hooks write there is committed with the checkpoint."""
+    if before is not None:
+        tx.step("running the save_state pre-hooks", partial(before, tx.staging))
+
+
+def save_state(
+    output_dir: str | Path,
+    objects: TrainingObjects,
+    plugin: FullyShardedDataParallelPlugin,
+    before: Callable[[Path], None] | None = None,
+) -> Path:
     """Write the checkpoint folder as one atomic unit (a collective: every rank calls it); returns its path.
 
     Every part is staged in ``<output_dir>.incomplete`` and the folder is renamed into place only when all
-    ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. On failure
-    every rank raises and ``output_dir`` holds what it held before. A background save still running is waited
-    for first (and its failure raised).
+    ranks wrote all parts; see [Note: whole-checkpoint commit] in ``checkpoint/transaction.py``. ``before`` (the
+    pre-save hooks) is called with the staging folder first: the files it writes there are part of the
+    checkpoint (recorded in its manifest). On failure every rank raises and ``output_dir`` holds what it held
+    before. A background save still running is waited for first (and its failure raised).
     """
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
@@ -231,6 +233,7 @@ def save_state(output_dir: str | Path, objects: TrainingObjects, plugin: FullySh
     resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
+    _run_hooks(tx, before)
     # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
     # by one rank that failed. The writes run inside it, so that every rank learns of any rank's failure.
     for part in _parts_to_save(objects, plugin):
@@ -257,12 +260,14 @@ def start_save_state(
     objects: TrainingObjects,
     plugin: FullyShardedDataParallelPlugin,
     after: Callable[[Path, dist.ProcessGroup | None], None] | None = None,
+    before: Callable[[Path], None] | None = None,
 ) -> Path:
     """:func:`save_state` that returns once this rank's state is copied to host memory (a collective).
 
     The writes, the commit and then ``after(folder, process_group)`` run in a background thread over their own
     process group; the next ``save_state``, ``load_state`` or ``end_training`` waits for it and raises its
-    failure. The files are those of :func:`save_state`. See [Note: background saves] in ``checkpoint/background.py``.
+    failure. The files are those of :func:`save_state`; ``before`` runs before this returns. See [Note: background
+    saves] in ``checkpoint/background.py``.
     """
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
@@ -270,6 +275,7 @@ def start_save_state(
     resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
+    _run_hooks(tx, before)  # before returning, as the synchronous save
     parts = _parts_to_save(objects, _on_device(plugin))
 
     def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -312,39 +318,9 @@ def release_save_buffers() -> None:
     background.release()
 
 
-def _resolve_input_dir(input_dir: str | Path, where: str) -> Path:
-    """``input_dir``, or its whole previous version if a save was killed while replacing it (with a warning)."""
-    folder = Path(input_dir)
-    state = checkpoint_state(folder)
-    if state is FolderState.STAGING:
-        raise staging_error(folder, where)
-    if state is FolderState.PREVIOUS_ONLY:
-        previous = previous_folder(folder)
-        if dist.get_rank() == 0:
-            warnings.warn(
-                f"{where}: the folder is missing because a save was killed while replacing it; loading the whole "
-                f"previous checkpoint from '{previous}' (the next save_state to '{folder}' puts it back).",
-                stacklevel=4,
-            )
-        return previous
-    if not folder.is_dir():
-        staged = " (a save to it never finished)" if staging_folder(folder).is_dir() else ""
-        raise FileNotFoundError(f"{where}: '{folder}' does not exist{staged}; pass the folder save_state wrote.")
-    return folder
-
-
-def _expect(path: Path, where: str) -> Path:
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{where}: '{path}' is missing. The folder must come from save_state with the same number of "
-            "models, optimizers, schedulers and registered objects (and the same state_dict_type)."
-        )
-    return path
-
-
 def _parts(folder: Path, objects: TrainingObjects, full: bool) -> list[Path]:
     """The model and optimizer parts: files on rank 0 with FULL_STATE_DICT, sharded folders otherwise."""
-    files = [folder / (_full_model_file(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
+    files = [folder / (full_model_file_name(i) if full else model_folder_name(i)) for i in range(len(objects.models))]
     return files + [folder / (optimizer_file_name(i) if full else optimizer_folder_name(i))
                     for i in range(len(objects.optimizers))]  # fmt: skip
 
@@ -361,45 +337,28 @@ def _files_to_read(folder: Path, objects: TrainingObjects, full: bool) -> list[P
     return _parts(folder, objects, full) + _small_files(folder, objects)
 
 
-def _files_read_whole(folder: Path, objects: TrainingObjects, full: bool, rank: int) -> list[Path]:
-    """The plain files ``load_state`` reads whole on ``rank`` (the full model and optimizer files on rank 0)."""
-    parts = _parts(folder, objects, full) if full and rank == 0 else []
-    own = [folder / rng_state_file_name(rank), folder / step_in_progress_file_name(rank)]
-    return parts + _small_files(folder, objects) + [path for path in own if path.is_file()]
+_MISSING_HINT = (
+    "The folder must come from save_state with the same number of models, optimizers, schedulers and registered "
+    "objects (and the same state_dict_type)."
+)
 
 
 def _check_before_loading(folder: Path, objects: TrainingObjects, full: bool, verify: bool, where: str) -> list[int]:
-    """The checks that run on every rank before anything is loaded; raises the same error on every rank.
-    Returns the ranks that have no random states file (the checkpoint was saved by fewer processes)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    problem: str | None = None
-    manifest = None
-    try:
-        manifest = check_parts(folder)
-        own = [folder / rng_state_file_name(rank), folder / step_in_progress_file_name(rank)]
-        for path in [*_files_to_read(folder, objects, full), *own]:
-            entry_path(folder, path.name)  # no link, before anything is read; see checkpoint/boundary.py
-        for path in _files_to_read(folder, objects, full):
-            _expect(path, where)
-        if verify:
-            verify_checkpoint(folder, share=(rank, world))
-        else:  # the files this rank reads whole; sharded folders are checked item by item as they load
-            for path in _files_read_whole(folder, objects, full, rank):
-                check_file(path, manifest)
-    except (FileNotFoundError, RuntimeError, ValueError) as exc:
-        problem = str(exc)
-    rng_file = folder / rng_state_file_name(rank)
-    everyone = gather_from_ranks((problem, rng_file.is_file()))
-    first = next((p for p, _ in everyone if p), None)
-    if first:
-        raise (FileNotFoundError if " is missing" in first else CheckpointDamagedError)(first)
-    if manifest is None and rank == 0:  # check_parts refused a fullshard checkpoint without one: not fullshard's
-        warnings.warn(
-            f"{where}: this checkpoint has no {CHECKPOINT_MANIFEST} (written by Accelerate or a fullshard before "
-            "2026-11-23), so it records no checksums: it loads with its DCP metadata checked, its bytes unchecked.",
-            stacklevel=4,
-        )
-    return [r for r, (_, has) in enumerate(everyone) if not has]
+    """The checks of ``folder`` on every rank before anything is loaded (one call into checkpoint/); returns the
+    ranks that have no random states file (the checkpoint was saved by fewer processes)."""
+    rank = dist.get_rank()
+    whole = _parts(folder, objects, full) if full and rank == 0 else []  # the full model and optimizer files
+    own = [rng_state_file_name(rank), step_in_progress_file_name(rank)]
+    present = check_before_loading(
+        folder,
+        [p.name for p in _files_to_read(folder, objects, full)],
+        [p.name for p in [*whole, *_small_files(folder, objects)]],
+        own,
+        verify=verify,
+        where=where,
+        hint=_MISSING_HINT,
+    )
+    return [r for r, (has_rng, _) in enumerate(present) if not has_rng]
 
 
 def load_state(
@@ -413,7 +372,7 @@ def load_state(
     """Restore what :func:`save_state` wrote into the prepared objects (a collective).
 
     Before anything is loaded, every rank checks the folder: every part present with its recorded size and
-    from the same save (``checkpoint/verify.py``), and with ``verify`` every file's checksum (the ranks share
+    from the same save (``checkpoint/load_check.py``), and with ``verify`` every file's checksum (the ranks share
     the reading). Every file is read without unpickling arbitrary objects (``checkpoint/safe_load.py``).
     ``strict=False`` ignores model keys in the checkpoint that the models lack (every key a model has must
     still be there); optimizers always load strictly.
@@ -421,7 +380,7 @@ def load_state(
     background.wait()  # a save still being written may be the one to load; its failure is raised here
     where = f"Accelerator.load_state(input_dir='{input_dir}')"
     _check(objects, where)
-    folder = _resolve_input_dir(input_dir, where)
+    folder = folder_for_load(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     without_rng = _check_before_loading(folder, objects, full, verify, where)
     resume_layout.check_step_to_load(folder, objects.models, where)
@@ -456,11 +415,7 @@ def _read_small_files(folder: Path, objects: TrainingObjects) -> dict[str, Any]:
             "step": load_small_file(step_file) if step_file.is_file() else None,
         }
 
-    small, error, failed = run_everywhere(read)
-    if failed:
-        # Each rank's own message when it failed (it names the file); otherwise the first failing rank's.
-        raise CheckpointFileError(str(error) if error is not None else failed[min(failed)])
-    return small
+    return read_on_every_rank(read)
 
 
 def _load_models_and_optimizers(
@@ -471,7 +426,7 @@ def _load_models_and_optimizers(
         return
     rank = dist.get_rank()
     for i, model in enumerate(objects.models):
-        sd = load_small_file(folder / _full_model_file(i)) if rank == 0 else None
+        sd = load_small_file(folder / full_model_file_name(i)) if rank == 0 else None
         model_state.load_full_model_state_dict(model, sd, strict=strict)
     for i, optimizer in enumerate(objects.optimizers):
         osd = load_small_file(folder / optimizer_file_name(i)) if rank == 0 else None
@@ -513,8 +468,11 @@ def save_state_as_configured(
     *,
     async_save: bool = False,
 ) -> Path:
-    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), call ``before(folder)``
-    (the pre-save hooks, which see the folder actually written), save, then rotate.
+    """``Accelerator.save_state``: pick the folder (automatic naming or ``output_dir``), save, then rotate.
+
+    ``before`` (the pre-save hooks) is called with the staging folder of that folder once the save has claimed
+    it: what the hooks write there is committed with the checkpoint, atomically (Accelerate hands its hooks the
+    output folder, which it writes in place).
 
     ``async_save``: return once the state is copied to host memory; the write, the commit and the rotation run
     in the background (:func:`start_save_state`). A previous background save is waited for first.
@@ -537,13 +495,11 @@ def save_state_as_configured(
         )
     else:
         folder = Path(output_dir)
-    if before is not None:
-        before(folder)
     rotate = partial(_rotate, config) if config.automatic_checkpoint_naming else None
     if async_save:
-        path = start_save_state(folder, objects, plugin, after=rotate)
+        path = start_save_state(folder, objects, plugin, after=rotate, before=before)
     else:
-        path = save_state(folder, objects, plugin)
+        path = save_state(folder, objects, plugin, before=before)
         if rotate is not None:
             rotate(path, None)
     config.iteration += 1

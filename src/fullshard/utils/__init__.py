@@ -10,9 +10,9 @@ from fullshard.checkpoint import (
     SCHEDULER_NAME,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
+    latest_checkpoint,
     merge_fsdp_weights,
 )
-from fullshard.checkpoint.rotation import latest_checkpoint
 from fullshard.cli.basic_config import write_basic_config
 from fullshard.frontend.adapters import is_peft_model
 from fullshard.frontend.availability import (

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin, ProjectConfiguration
-from fullshard.frontend import state_io
+from fullshard.checkpoint import transaction
 from fullshard.utils import latest_checkpoint, set_seed
 
 out = Path(sys.argv[1])
@@ -54,9 +54,9 @@ if attempt == 0:
     if accelerator.is_main_process:
         torch.save(state, out / "at_save.pt")
     step()
-    real_write = state_io.write_sharded
+    real_write = transaction.write_sharded
     if accelerator.process_index == 1:
-        state_io.write_sharded = killing_write
+        transaction.write_sharded = killing_write
     accelerator.save_state(async_save=True)  # checkpoint_1: waits for checkpoint_0 first
     step()  # training runs on while checkpoint_1 is written, until rank 1 dies
     accelerator.end_training()

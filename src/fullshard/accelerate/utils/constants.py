@@ -1,6 +1,6 @@
 """``accelerate.utils.constants``: the choices of the ``FSDP_*`` settings and the checkpoint file names."""
 
-from fullshard.checkpoint.names import (
+from fullshard.checkpoint import (
     FSDP_MODEL_NAME,
     MODEL_NAME,
     OPTIMIZER_NAME,

@@ -16,9 +16,14 @@ from pathlib import Path
 
 import click
 
-from fullshard.checkpoint.folder import is_complete_checkpoint
-from fullshard.checkpoint.names import CHECKPOINT_MANIFEST, DCP_METADATA_FILE, model_folder_name
-from fullshard.checkpoint.rotation import CHECKPOINTS_FOLDER, checkpoint_index
+from fullshard.checkpoint import (
+    CHECKPOINT_MANIFEST,
+    CHECKPOINTS_FOLDER,
+    DCP_METADATA_FILE,
+    checkpoint_index,
+    is_complete_checkpoint,
+    model_folder_name,
+)
 
 __all__ = [
     "CheckpointCommandError",
@@ -43,7 +48,7 @@ def _os_error(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write {where}: {exc.strerror}. Pass an output folder you can write to."
     if exc.errno == errno.ENOSPC:
-        from fullshard.checkpoint.files import free_bytes, no_space_message
+        from fullshard.checkpoint import free_bytes, no_space_message
 
         return no_space_message(exc.filename, None, free_bytes(exc.filename or "."))
     if exc.errno in (errno.EEXIST, errno.ENOTDIR):
@@ -54,8 +59,7 @@ def _os_error(exc: OSError) -> str:
 @contextmanager
 def checkpoint_errors() -> Iterator[None]:
     """Turn the errors of checkpoint code into :class:`CheckpointCommandError` (one line, exit code 2)."""
-    from fullshard.checkpoint.files import NoSpaceError
-    from fullshard.checkpoint.safe_load import CheckpointFileError
+    from fullshard.checkpoint import CheckpointFileError, NoSpaceError
 
     try:
         yield
@@ -161,9 +165,7 @@ def merge_command(
     Exit code: 0 on success, 2 with one line saying what is wrong (given a folder that holds checkpoints, it
     lists them)."""
     try:  # imported here: it pulls in the checkpoint code, which the other commands do not need
-        from fullshard.checkpoint.files import new_folders, remove_new_folders
-        from fullshard.checkpoint.merge import merge_fsdp_weights
-        from fullshard.checkpoint.verify import verify_checkpoint
+        from fullshard.checkpoint import merge_fsdp_weights, new_folders, remove_new_folders, verify_checkpoint
     except ImportError as exc:
         raise click.ClickException(f"merge-weights is unavailable: {exc}. Reinstall fullshard.") from None
 

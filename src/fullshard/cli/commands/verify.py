@@ -31,7 +31,7 @@ def verify_command(checkpoint: str) -> None:
     Given a folder that holds checkpoints (a project folder or its checkpoints/), it lists them. Exit code: 0
     when the checkpoint is whole, 2 otherwise (one line naming the first bad file, or the folders to pass).
     """
-    from fullshard.checkpoint.verify import verify_checkpoint
+    from fullshard.checkpoint import verify_checkpoint
 
     with checkpoint_errors():
         holds = not_a_checkpoint_but_holds(checkpoint, "verify")

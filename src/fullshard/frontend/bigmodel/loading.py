@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from fullshard.checkpoint.export import TensorSpec, plan_shards
+from fullshard.checkpoint import TensorSpec, plan_shards
 from fullshard.frontend.bigmodel import offload as offload_io
 from fullshard.frontend.bigmodel.tensors import set_module_tensor_to_device
 from fullshard.frontend.bigmodel.tied import device_of, find_tied_parameters, retie_parameters

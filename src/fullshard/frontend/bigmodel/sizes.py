@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.checkpoint.export import parse_size
+from fullshard.checkpoint import parse_size
 from fullshard.frontend.bigmodel.tied import find_tied_parameters
 
 __all__ = [
