@@ -32,8 +32,11 @@ STEPS, PAUSE_S = 12, 0.3
 # Every wait is an upper bound a machine at load average 10+ meets (each takes seconds on an idle one): a bound is
 # there so that nothing hangs, not to time the launcher. The rendezvous store's reads get the same room
 # (read_timeout: torch's default of 60 s was missed at load average 16, the agents waiting on each other's role info),
-# and the first rendezvous waits 30 s for the second launcher (last_call_timeout): with 5 s, a loaded machine let the
-# first begin alone, and the second's late join then restarted both into a round whose role info never came.
+# and each rendezvous waits 8 s for a second launcher once one is there (last_call_timeout). That wait is paid again
+# in full after the kill (the survivor waits for a launcher that never comes), so it is kept short: 30 s cost the
+# suite 22 s. A second launcher that joins late on a loaded machine restarts both into a 4-rank round (the first
+# may have begun alone on 2 ranks: only steps after the kill are counted); with torch's 60 s read_timeout that
+# round's role info was missed at load 16, hence 300 s. Passed at load average 14 with 8 s (2026-11-27).
 LOADED = 300
 
 
@@ -84,7 +87,7 @@ class Launcher:
         self.log = tmp / f"{name}.log"
         command = [sys.executable, "-m", "fullshard.cli.main", "launch", "--nproc_per_node", "2", "--nnodes", "1:2",
                    "--rdzv_backend", "c10d", "--rdzv_endpoint", f"localhost:{port}", "--rdzv_id", "elastic-test",
-                   "--rdzv_conf", "last_call_timeout=30,join_timeout=120,close_timeout=10,read_timeout=300",
+                   "--rdzv_conf", "last_call_timeout=8,join_timeout=120,close_timeout=10,read_timeout=300",
                    "--max_restarts", "3",
                    "--shutdown_timeout", "5", str(SCRIPT), str(out), str(STEPS), str(PAUSE_S)]  # fmt: skip
         with open(self.log, "w") as log:
