@@ -292,7 +292,10 @@ def _hooks_and_two_models(rank: int, world: int, folder: str) -> dict[str, Any]:
 
 def test_save_load_hooks_and_two_models(pool2: WorkerPool, tmp_path: Path) -> None:
     got = pool2.run(_hooks_and_two_models, str(tmp_path / "ckpt"))[0]
-    assert got["calls"] == [("save", 2, [], str(tmp_path / "ckpt")), ("load", 2, str(tmp_path / "ckpt"))]
+    # the pre-save hook writes into the save's staging folder (committed with the checkpoint), the load hook reads
+    # the committed one
+    staging = str(tmp_path / "ckpt.incomplete")
+    assert got["calls"] == [("save", 2, [], staging), ("load", 2, str(tmp_path / "ckpt"))]
     a, b = mlp(0), mlp(1)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.2)
     for step in range(2):
