@@ -34,6 +34,20 @@ reduce-scatter reads its gradient block directly. So on gloo, parameters whose g
 ``DIRECT_MIN_BYTES`` are *direct*: laid out after the *packed* ones (a prefix of ``flat_shard`` and of the
 gradient layout), and gathered and reduced one collective each, with no copy at all. The packed prefix
 keeps one collective for all the small parameters (norms, biases), which would each cost gloo's latency.
+
+[Note: mixed dtypes]
+A unit may hold parameters of several dtypes when they are gathered in one compute dtype (``param_dtype`` set)
+and its trainable parameters share one dtype: the usual LoRA setup, a frozen bf16 base with fp32 adapters,
+computing in bf16. Each parameter's shard stays in its own dtype: ``flat_shard`` is then a buffer of *bytes*, the
+parameters grouped by dtype (widest first within the packed ones and within the direct ones), each dtype's run of
+shards starting on a 16-byte boundary (``ShardedParam.byte_offset``); ``local_view`` views a parameter's bytes as
+its dtype. Everything else keeps the element layout (``ShardedParam.offset``) in one dtype: the gather's input is
+built in ``param_dtype`` with one copy per run (``_send_buffer``; the frozen bf16 weights are copied as they are,
+never upcast), ``flat_full`` is in ``param_dtype``, and gradients are reduced in ``reduce_dtype`` and land in the
+trainable parameters' dtype (``self.dtype``, the group's *main* dtype, which ``group_precision`` resolved): fp32
+adapters keep fp32 weights, gradients and optimizer state. Full state dicts gather the bytes, so every parameter
+comes back in its own dtype. Without ``param_dtype`` (gather each dtype as itself, as torch's FSDP2 does) a unit
+would need one ``flat_full`` per dtype: refused, naming the two ways that work (``unit.build_unit``).
 """
 
 from __future__ import annotations
@@ -70,7 +84,7 @@ from fullshard.engine.precision import Casts, GroupPrecision, group_precision
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
-__all__ = ["ParamGroup", "ShardState"]
+__all__ = ["ParamGroup", "ShardState", "main_dtype"]
 
 
 class ShardState(enum.Enum):
@@ -103,13 +117,14 @@ class ParamGroup:
         self.offload = offload
         self.storage_device = storage_device_for(label, [(n, p) for n, _, p in entries], self.device, offload)
         dtypes = {p.dtype for _, _, p in entries}
-        if len(dtypes) != 1:
+        self.mixed = len(dtypes) > 1  # see [Note: mixed dtypes]
+        if self.mixed and precision is None:
             names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries)
             raise ValueError(
-                f"unit {label!r} mixes parameter dtypes ({names}); a unit shards parameters of one dtype. "
+                f"unit {label!r} mixes parameter dtypes ({names}) without a compute dtype. "
                 "Cast the module to one dtype before wrapping, or wrap the differing submodules separately."
             )
-        self.dtype = dtypes.pop()
+        self.dtype = main_dtype([p for _, _, p in entries])
         self.precision = precision or GroupPrecision(self.dtype, self.dtype, self.dtype)
         world, rank = shard_group.shard_size, shard_group.shard_rank
         self.use_dtensor = use_dtensor
@@ -135,16 +150,23 @@ class ParamGroup:
         ]
         self.direct = [sp for sp, d in zip(self.params, is_direct) if d]
         self.packed = [sp for sp, d in zip(self.params, is_direct) if not d]
+        if self.mixed:  # one run of shards per dtype (see [Note: mixed dtypes])
+            self.packed = sorted(self.packed, key=lambda sp: -sp.dtype.itemsize)
+            self.direct = sorted(self.direct, key=lambda sp: -sp.dtype.itemsize)
         ordered = self.packed + self.direct
         self.layout_order = ordered  # parameters by offset in flat_shard and flat_full
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
+        self._runs = _byte_runs(ordered) if self.mixed else []
+        self.shard_nbytes = (
+            self._runs[-1][1] + self._runs[-1][2] * self._runs[-1][3].itemsize if self._runs else 0
+        )  # of a byte flat_shard
         self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
         self._plan_grads()
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
-        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
+        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None and not self.mixed
         self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.comm_options = CommOptions()  # FSDPModule's setters (see collectives.CommOptions)
@@ -206,7 +228,10 @@ class ParamGroup:
             self._grads_hooked = True
 
     def _new_flat_shard(self) -> torch.Tensor:
-        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
+        if self.mixed:
+            flat = torch.zeros(self.shard_nbytes, dtype=torch.uint8, device=self.storage_device)
+        else:
+            flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
         if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available() and not flat.is_meta:
             flat = flat.pin_memory()
         return flat
@@ -325,6 +350,12 @@ class ParamGroup:
             return
         if not cast and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
             return
+        if self.mixed:
+            raise ValueError(
+                f"unit {self.label!r} holds parameters of several dtypes ({sorted(map(str, dtypes))}) and cannot "
+                f"be moved or cast after sharding (to {sorted(map(str, devices))}). Move or cast the model "
+                "before sharding it."
+            )
         if len(devices) != 1 or (dtypes != {self.dtype} and not cast):
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
@@ -401,9 +432,9 @@ class ParamGroup:
                 self._gather = ([], None)
                 if not self.alias_full:  # cast (or copy from the offload device) straight into flat_full
                     self._allocate_full()
-                    copy_out(self.flat_shard, [], [], self.flat_full)
+                    copy_out(self._send_buffer() if self.mixed else self.flat_shard, [], [], self.flat_full)
             else:
-                send = _to(self.flat_shard, self.device, self.precision.param_dtype, non_blocking=True)
+                send = self._send_buffer()
                 direct_blocks: list[torch.Tensor] = []
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
@@ -423,6 +454,18 @@ class ParamGroup:
                     )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
+
+    def _send_buffer(self) -> torch.Tensor:
+        """What the all-gather sends: ``flat_shard`` in ``param_dtype`` on the compute device (one copy per dtype
+        for a unit of mixed dtypes, see [Note: mixed dtypes])."""
+        param_dtype = self.precision.param_dtype
+        if not self.mixed:
+            return _to(self.flat_shard, self.device, param_dtype, non_blocking=True)
+        send = torch.empty(self.shard_numel, dtype=param_dtype, device=self.device)
+        for offset, byte_offset, numel, dtype in self._runs:
+            nbytes = numel * dtype.itemsize
+            send.narrow(0, offset, numel).copy_(self.flat_shard.narrow(0, byte_offset, nbytes).view(dtype))
+        return send
 
     def wait_for_unshard(self) -> None:
         """Finish a gather started by :meth:`unshard` and register the full parameters (again, after
@@ -655,10 +698,10 @@ class ParamGroup:
         """Every parameter's gathered tensor (``gathered_shape``: its full tensor, or this rank's tp part of it)
         from ``source`` (default: ``flat_shard``), new storage."""
         source = (self.flat_shard if source is None else source).to(self.device)
-        gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
+        gathered = torch.empty(self.world * source.numel(), dtype=source.dtype, device=self.device)
         with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
             all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
-        by_rank = gathered.view(self.world, self.shard_numel)
+        by_rank = gathered.view(self.world, source.numel())  # bytes for a unit of mixed dtypes: each its own
         return [sp.full_of(by_rank, self.world).clone() for sp in self.params]
 
     def sharded_grad_flat(self) -> torch.Tensor:
@@ -676,6 +719,36 @@ class ParamGroup:
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
                 sp.local_view(self.flat_shard).copy_(sp.rows_of(local_tensor(full).detach()).to(self.storage_device))
+
+
+def main_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    """The dtype a group's gradients land in: its trainable parameters' (one dtype: see [Note: mixed dtypes]), or
+    the first parameter's when none is trainable."""
+    trainable = {p.dtype for p in params if p.requires_grad}
+    if len(trainable) > 1:
+        raise ValueError(
+            f"trainable parameters of dtypes {sorted(map(str, trainable))} in one unit: a unit's trainable "
+            "parameters share one dtype (their gradients land in one buffer). Cast them to one dtype, or wrap the "
+            "differing submodules separately."
+        )
+    return trainable.pop() if trainable else params[0].dtype
+
+
+def _byte_runs(ordered: list[ShardedParam]) -> list[tuple[int, int, int, torch.dtype]]:
+    """Set each parameter's ``byte_offset`` in a byte flat shard and return the runs of one dtype, as
+    ``(element offset, byte offset, numel, dtype)``: each run starts on a 16-byte boundary."""
+    runs: list[tuple[int, int, int, torch.dtype]] = []
+    end = 0
+    for sp in ordered:
+        if runs and runs[-1][3] == sp.dtype:
+            offset, start, numel, dtype = runs[-1]
+            sp.byte_offset = start + numel * dtype.itemsize
+            runs[-1] = (offset, start, numel + sp.layout.padded_shard_numel, dtype)
+        else:
+            sp.byte_offset = -(-end // 16) * 16
+            runs.append((sp.offset, sp.byte_offset, sp.layout.padded_shard_numel, sp.dtype))
+        end = sp.byte_offset + sp.layout.padded_shard_numel * sp.dtype.itemsize
+    return runs
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:
