@@ -176,3 +176,50 @@ def test_mixed_unit_without_compute_dtype_is_refused(pool2: WorkerPool) -> None:
     messages = pool2.run(refused_without_compute_dtype)
     for message in messages:  # every rank
         assert "mixes parameter dtypes" in message and "param_dtype" in message, message
+
+
+def frozen_costs(rank: int, world: int, entry: str) -> dict[str, Any]:
+    """One step of an ``Adapted`` block with an fp32 base (frozen), recording the unsharded gradient each unit gets
+    and the bytes reduce-scattered."""
+    from fullshard import FSDP, fully_shard
+    from fullshard.engine.collectives import COMM_STATS
+    from fullshard.engine.group import ParamGroup
+
+    torch.manual_seed(0)
+    model = Adapted()
+    model.base.float()
+    if entry == "fully_shard":
+        fully_shard(model)
+    else:
+        model = FSDP(model, use_orig_params=True)
+    seen: list[int] = []
+    take = ParamGroup.take_unsharded_grad
+
+    def recording(group: ParamGroup, dtype: torch.dtype | None = None) -> torch.Tensor:
+        grad = take(group, dtype)
+        seen.append(grad.numel())
+        return grad
+
+    ParamGroup.take_unsharded_grad = recording  # type: ignore[method-assign]
+    try:
+        COMM_STATS.reset()
+        model(torch.randn(4, DIM)).sum().backward()
+    finally:
+        ParamGroup.take_unsharded_grad = take  # type: ignore[method-assign]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {
+        "unsharded": seen,
+        "reduced_bytes": COMM_STATS.bytes["reduce_scatter"],
+        "grads": [p.grad is not None for p in model.parameters()],
+        "trainable_numel": sum(p.numel() for p in trainable),
+    }
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "fsdp1"])
+def test_frozen_parameters_cost_no_unsharded_gradient(pool2: WorkerPool, entry: str) -> None:
+    # a: 3x13 and b: 13x3 fp32, padded to 2 rows per rank and 7 rows per rank: 2 * (2*13 + 7*3) = 94 elements;
+    # the frozen 13x13 base and its bias (2 * (7*13 + 7) = 196 more) get none (they did: zeros, then one cat)
+    result = pool2.run(frozen_costs, entry)[0]
+    assert result["unsharded"] == [94]
+    assert result["reduced_bytes"] == 94 * 4  # the reduce-scatter input: the trainable blocks only, fp32
+    assert result["grads"].count(True) == 2

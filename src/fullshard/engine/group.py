@@ -150,9 +150,10 @@ class ParamGroup:
         ]
         self.direct = [sp for sp, d in zip(self.params, is_direct) if d]
         self.packed = [sp for sp, d in zip(self.params, is_direct) if not d]
-        if self.mixed:  # one run of shards per dtype (see [Note: mixed dtypes])
-            self.packed = sorted(self.packed, key=lambda sp: -sp.dtype.itemsize)
-            self.direct = sorted(self.direct, key=lambda sp: -sp.dtype.itemsize)
+        # trainable parameters first (see [Note: frozen parameters]), then one run of shards per dtype (see
+        # [Note: mixed dtypes])
+        self.packed = sorted(self.packed, key=lambda sp: (not sp.requires_grad, -sp.dtype.itemsize * self.mixed))
+        self.direct = sorted(self.direct, key=lambda sp: (not sp.requires_grad, -sp.dtype.itemsize * self.mixed))
         ordered = self.packed + self.direct
         self.layout_order = ordered  # parameters by offset in flat_shard and flat_full
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
@@ -162,12 +163,12 @@ class ParamGroup:
         self.shard_nbytes = (
             self._runs[-1][1] + self._runs[-1][2] * self._runs[-1][3].itemsize if self._runs else 0
         )  # of a byte flat_shard
-        self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
+        self._grad_leaf: torch.Tensor | None = None  # see grad_full
         self._plan_grads()
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
         self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None and not self.mixed
-        self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
+        self._hooked: list[torch.Tensor] = []  # the leaves that carry the post-backward hook (see _track_grads)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.comm_options = CommOptions()  # FSDPModule's setters (see collectives.CommOptions)
         self._partial_reduce: torch.Tensor | None = None  # HSDP sums kept while requires_all_reduce is off
@@ -205,6 +206,14 @@ class ParamGroup:
         ):
             sp.grad_offset = offset
         self.requires_grad = bool(self.grad_params)
+        # [Note: frozen parameters] flat_full's gradient covers its prefix up to the last trainable parameter's
+        # block (the layout puts trainable parameters first), not the frozen ones after it: they cost no unsharded
+        # gradient, no zeros in FullViews' backward, no reduce-scatter and no sharded gradient or optimizer state.
+        ends = [self.world * (sp.offset + sp.layout.padded_shard_numel) for sp in self.grad_params]
+        self.grad_end = max(ends) if ends else self.world * self.shard_numel
+        in_prefix = [sp for sp in self.layout_order if self.world * sp.offset < self.grad_end]
+        self._full_views = FullViewsPlan(in_prefix, self.world)  # see _register_full_views
+        self._frozen_views = FullViewsPlan(self.layout_order[len(in_prefix) :], self.world).views
 
     def follow_requires_grad(self) -> None:
         """Take ``requires_grad_()`` calls on the sharded parameters since sharding (freezing or unfreezing after
@@ -221,11 +230,35 @@ class ParamGroup:
         self._track_grads(self.flat_full)
 
     def _track_grads(self, full: torch.Tensor) -> None:
-        """``full`` (``flat_full``) requires grad iff a parameter does; it then carries the post-backward hook."""
-        full.requires_grad_(self.requires_grad)
-        if self.requires_grad and not self._grads_hooked:  # the unit's post-backward (see observe)
-            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
-            self._grads_hooked = True
+        """``full`` (``flat_full``) requires grad iff a parameter does and it is all the gradient's leaf; it then
+        carries the post-backward hook. Otherwise the leaf is its prefix (see [Note: frozen parameters]), made at the
+        next gather (a view needs the storage): see :meth:`_leaf_for_grads`."""
+        self._grad_leaf = None
+        whole = self.grad_end == full.numel()
+        full.requires_grad_(self.requires_grad and whole)
+        if full.requires_grad:
+            self._hook(full)
+
+    def _hook(self, leaf: torch.Tensor) -> None:
+        if not any(t is leaf for t in self._hooked):  # the unit's post-backward (see observe)
+            leaf.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+            self._hooked.append(leaf)  # views of flat_full's storage: kept, they cost no memory
+
+    @property
+    def grad_full(self) -> torch.Tensor:
+        """The autograd leaf the gathered parameters' gradients reach: ``flat_full``, or its prefix up to the last
+        trainable parameter (see [Note: frozen parameters]); its ``.grad`` is the unsharded gradient."""
+        return self.flat_full if self._grad_leaf is None else self._grad_leaf
+
+    def _leaf_for_grads(self) -> torch.Tensor:
+        """``grad_full``, made once per ``flat_full`` (allocated: a view of a freed storage fails its bounds check)
+        when it is a prefix; it shares ``flat_full``'s storage object and version counter."""
+        if self.requires_grad and self._grad_leaf is None and self.grad_end != self.flat_full.numel():
+            with torch.no_grad():
+                leaf = self.flat_full.detach().narrow(0, 0, self.grad_end)
+            self._grad_leaf = leaf.requires_grad_(True)
+            self._hook(leaf)
+        return self.grad_full
 
     def _new_flat_shard(self) -> torch.Tensor:
         if self.mixed:
@@ -276,7 +309,7 @@ class ParamGroup:
         else:
             full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
             full.untyped_storage().resize_(0)
-        self._grads_hooked = False
+        self._hooked = []
         self._track_grads(full)
         return full
 
@@ -525,9 +558,15 @@ class ParamGroup:
         # gradient at once.
         self.follow_requires_grad()
         with torch.enable_grad():
-            views = FullViews.apply(self.flat_full, self._full_views)
+            views = FullViews.apply(self._leaf_for_grads(), self._full_views)
             for sp, view in zip(self.layout_order, views):
                 sp.register(sp.compute_view(view if sp.requires_grad else view.detach()))
+        if self._frozen_views:  # after the gradient's prefix: plain views, no autograd
+            full = self.flat_full.detach()
+            base = full.storage_offset()
+            rest = self.layout_order[len(views) :]
+            for sp, (shape, stride, offset) in zip(rest, self._frozen_views):
+                sp.register(sp.compute_view(full.as_strided(shape, stride, base + offset)))
         self.full_views_registered = True
 
     def expose_sharded(self) -> None:
@@ -568,12 +607,13 @@ class ParamGroup:
     def take_unsharded_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This backward's gradient of ``flat_full`` in ``dtype`` (default: the reduce dtype; zeros if nothing reached
         it); detaches it from ``flat_full`` so that the next backward starts from none."""
-        grad = self.flat_full.grad
-        self.flat_full.grad = None
+        leaf = self.grad_full
+        grad = leaf.grad
+        leaf.grad = None
         self._full_views.take_received()
         rdtype = self.precision.reduce_dtype if dtype is None else dtype
         if grad is None:
-            return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+            return torch.zeros(leaf.numel(), dtype=rdtype, device=self.device)
         return grad if grad.dtype == rdtype else grad.to(rdtype)
 
     def reduce_grads(self) -> None:
@@ -600,8 +640,8 @@ class ParamGroup:
                 work.wait()
         self._pending.clear()
         self._partial_reduce = None
-        if self.flat_full.grad is not None:
-            self.flat_full.grad = None
+        if self.grad_full.grad is not None:
+            self.grad_full.grad = None
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
@@ -610,7 +650,7 @@ class ParamGroup:
         ``flat_full.grad``, where autograd keeps accumulating. Sharded gradients already there are set
         aside, and :meth:`reduce_grads` puts them back before adding the reduced accumulation.
         """
-        grad = self.flat_full.grad
+        grad = self.grad_full.grad
         if grad is None:
             return
         if self._stashed_grads is None:
@@ -631,7 +671,7 @@ class ParamGroup:
         if self._stashed_grads is None or any(sp.sharded_param.grad is not None for sp in self.grad_params):
             return
         self._stashed_grads = None
-        self.flat_full.grad = None
+        self.grad_full.grad = None
 
     def _restore_sharded_grads(self) -> None:
         if self._stashed_grads is None:
