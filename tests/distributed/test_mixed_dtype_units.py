@@ -13,6 +13,7 @@ own dtype. Without a compute dtype a mixed unit is refused, naming the fixes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -223,3 +224,34 @@ def test_frozen_parameters_cost_no_unsharded_gradient(pool2: WorkerPool, entry: 
     assert result["unsharded"] == [94]
     assert result["reduced_bytes"] == 94 * 4  # the reduce-scatter input: the trainable blocks only, fp32
     assert result["grads"].count(True) == 2
+
+
+def quantized_base(rank: int, world: int, entry: str, ignore: bool) -> tuple[str, float]:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from fullshard import FSDP, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 4))
+    model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach().to(torch.bfloat16), 64, 8), requires_grad=False)
+    model[1].to(torch.bfloat16)
+    ignored = {model[0].weight} if ignore else set()
+    try:
+        if entry == "fully_shard":
+            fully_shard(model, ignored_params=ignored or None)
+        else:
+            model = FSDP(model, use_orig_params=True, ignored_states=list(ignored) or None)
+    except ValueError as err:
+        return str(err), 0.0
+    return "sharded", model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum().item()
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "fsdp1"])
+def test_4bit_base_refused_by_name_or_left_unsharded(pool2: WorkerPool, entry: str) -> None:
+    # QLoRA: torchao's NF4Tensor (block scales as metadata) must not be flattened into a shard buffer
+    pytest.importorskip("torchao")
+    for message, _ in pool2.run(quantized_base, entry, False):  # every rank
+        assert "'0.weight' is a NF4Tensor" in message and "ignored_params" in message, message
+    results = pool2.run(quantized_base, entry, True)  # the fix the message names: left unsharded, it computes
+    assert [r[0] for r in results] == ["sharded", "sharded"]
+    assert results[0][1] == results[1][1] and math.isfinite(results[0][1])  # the same, finite output

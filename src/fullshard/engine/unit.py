@@ -119,6 +119,7 @@ def _collect(
                 continue
             fqn = clean_key(prefix + name)
             _refuse_taken(param, fqn)
+            _refuse_quantized(param, fqn)
             if id(param) in entries:
                 entries[id(param)][1].append((module, name))
             else:
@@ -127,6 +128,24 @@ def _collect(
         if holds:
             holders.append((clean_key(prefix.rstrip(".")) or type(unit_module).__name__, module))
     return list(entries.values()), holders
+
+
+def _refuse_quantized(param: nn.Parameter, fqn: str) -> None:
+    """A quantized parameter (a tensor subclass such as torchao's ``NF4Tensor``, or a ``Parameter`` subclass such as
+    bitsandbytes' ``Params4bit``) carries metadata (block scales) that a flat buffer of its elements would lose:
+    refused by name rather than failing somewhere in forward or training on garbage."""
+    data = param.data if isinstance(param, nn.Parameter) else param
+    if (type(param) in (nn.Parameter, torch.Tensor) or isinstance(param, DTensor)) and type(data) is torch.Tensor:
+        return
+    if isinstance(param, DTensor) or isinstance(data, DTensor):
+        return
+    kind = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
+    raise ValueError(
+        f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight (QLoRA); "
+        "fullshard shards plain tensors and DTensors only and would lose its quantization metadata. Load the base "
+        "model unquantized (e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded "
+        "(ignored_modules=... or ignored_params=...)."
+    )
 
 
 def _refuse_taken(param: nn.Parameter, fqn: str) -> None:
