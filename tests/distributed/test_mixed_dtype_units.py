@@ -258,3 +258,57 @@ def test_4bit_base_refused_by_name_or_left_unsharded(pool2: WorkerPool, entry: s
     results = pool2.run(quantized_base, entry, True)  # the fix the message names: left unsharded, it computes
     assert [r[0] for r in results] == ["sharded", "sharded"]
     assert results[0][1] == results[1][1] and math.isfinite(results[0][1])  # the same, finite output
+
+
+def state_and_unfreeze(rank: int, world: int, entry: str) -> dict[str, Any]:
+    """A trained mixed unit's state dict loads into a fresh one (sharded state dict for fully_shard, the local flat
+    shard for the FSDP class), and unfreezing the bf16 base after sharding is refused by name."""
+    from fullshard import FSDP, MixedPrecision, MixedPrecisionPolicy, StateDictType, fully_shard
+
+    def build() -> nn.Module:
+        model = Adapted()
+        if entry == "fully_shard":
+            return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        return FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), use_orig_params=True)
+
+    def state(model: nn.Module) -> dict[str, torch.Tensor]:
+        if entry == "fully_shard":
+            return {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            return {
+                k: v.to_local().clone() if hasattr(v, "to_local") else v.clone() for k, v in model.state_dict().items()
+            }
+
+    trained = build()
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    saved = trained.state_dict() if entry == "fully_shard" else None
+    if entry == "fsdp1":
+        with FSDP.state_dict_type(trained, StateDictType.LOCAL_STATE_DICT):
+            saved = trained.state_dict()
+    torch.manual_seed(rank + 7)
+    fresh = build()
+    if entry == "fsdp1":
+        with FSDP.state_dict_type(fresh, StateDictType.LOCAL_STATE_DICT):
+            fresh.load_state_dict(saved)
+    else:
+        fresh.load_state_dict(saved)
+    a, b = state(trained), state(fresh)
+    equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    for p in fresh.parameters():
+        p.requires_grad_(True)
+    try:
+        fresh(torch.randn(2, DIM))
+        refusal = "not refused"
+    except ValueError as err:
+        refusal = str(err)
+    return {"equal": equal, "refusal": refusal}
+
+
+@pytest.mark.parametrize("entry", ["fully_shard", "fsdp1"])
+def test_mixed_unit_state_dict_round_trip_and_unfreeze_refused(pool2: WorkerPool, entry: str) -> None:
+    for result in pool2.run(state_and_unfreeze, entry):
+        assert result["equal"]
+        assert "became trainable after sharding" in result["refusal"] and "bfloat16" in result["refusal"]

@@ -226,6 +226,13 @@ class ParamGroup:
                 sp.requires_grad, changed = wanted, True
         if not changed:
             return
+        wrong = [sp for sp in self.params if sp.requires_grad and sp.dtype != self.dtype]
+        if wrong:  # a unit of mixed dtypes lands gradients in one dtype (see [Note: mixed dtypes])
+            raise ValueError(
+                f"unit {self.label!r}: {[sp.fqn for sp in wrong]} became trainable after sharding, but they are "
+                f"{wrong[0].dtype} in a unit whose gradients are {self.dtype} (it holds parameters of several "
+                f"dtypes). Cast them to {self.dtype} before sharding, or wrap them in a unit of their own."
+            )
         self._plan_grads()
         self._track_grads(self.flat_full)
 
