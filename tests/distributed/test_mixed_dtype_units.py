@@ -312,3 +312,39 @@ def test_mixed_unit_state_dict_round_trip_and_unfreeze_refused(pool2: WorkerPool
     for result in pool2.run(state_and_unfreeze, entry):
         assert result["equal"]
         assert "became trainable after sharding" in result["refusal"] and "bfloat16" in result["refusal"]
+
+
+def meta_then_to_empty(rank: int, world: int) -> dict[str, Any]:
+    """A mixed unit sharded on ``meta`` (as Accelerate's RAM-efficient loading does), then ``to_empty`` and a full
+    state dict loaded: its output equals the unsharded model's; casting after sharding is refused by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fullshard import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    reference = Adapted()
+    with torch.device("meta"):
+        model = Adapted()
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model.to_empty(device="cpu")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_model_state_dict(model, reference.state_dict(), options=options)
+    x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cast = {k: v.to(torch.bfloat16) for k, v in reference.named_parameters()}
+        expected = torch.func.functional_call(reference, cast, (x.to(torch.bfloat16),))
+        got = model(x)
+    dtypes = {p.dtype for p in model.parameters()}
+    try:
+        model.to(torch.float32)
+        refusal = "not refused"
+    except ValueError as err:
+        refusal = str(err)
+    return {"equal": torch.equal(got, expected), "dtypes": dtypes, "refusal": refusal}
+
+
+def test_mixed_unit_from_meta(pool2: WorkerPool) -> None:
+    for result in pool2.run(meta_then_to_empty):
+        assert result["equal"]  # the same bf16 casts of the same values, the same ops
+        assert result["dtypes"] == {torch.bfloat16, torch.float32}
+        assert "cannot be cast after sharding" in result["refusal"], result["refusal"]

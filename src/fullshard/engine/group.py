@@ -384,19 +384,22 @@ class ParamGroup:
         devices = {t.device for t in locals_}
         dtypes = {t.dtype for t in locals_}
         cast = (
-            len(dtypes) == 1 and dtypes != {self.dtype} and casts is not None and next(iter(dtypes)).is_floating_point
+            len(dtypes) == 1
+            and dtypes != {self.dtype}
+            and casts is not None
+            and next(iter(dtypes)).is_floating_point
+            and not self.mixed
         )
         if not cast and all(t.is_meta for t in locals_):
             return
         if not cast and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
             return
-        if self.mixed:
+        if self.mixed and any(t.dtype != sp.dtype for t, sp in zip(locals_, self.params)):
             raise ValueError(
-                f"unit {self.label!r} holds parameters of several dtypes ({sorted(map(str, dtypes))}) and cannot "
-                f"be moved or cast after sharding (to {sorted(map(str, devices))}). Move or cast the model "
-                "before sharding it."
+                f"unit {self.label!r} holds parameters of several dtypes and cannot be cast after sharding (now "
+                f"{sorted(map(str, dtypes))}). Cast the model before sharding it."
             )
-        if len(devices) != 1 or (dtypes != {self.dtype} and not cast):
+        if len(devices) != 1 or (dtypes != {self.dtype} and not cast and not self.mixed):
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
                 f"{sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))}, but a unit keeps its parameters "
