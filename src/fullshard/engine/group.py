@@ -47,7 +47,10 @@ never upcast), ``flat_full`` is in ``param_dtype``, and gradients are reduced in
 trainable parameters' dtype (``self.dtype``, the group's *main* dtype, which ``group_precision`` resolved): fp32
 adapters keep fp32 weights, gradients and optimizer state. Full state dicts gather the bytes, so every parameter
 comes back in its own dtype. Without ``param_dtype`` (gather each dtype as itself, as torch's FSDP2 does) a unit
-would need one ``flat_full`` per dtype: refused, naming the two ways that work (``unit.build_unit``).
+would need one ``flat_full`` per dtype: refused, naming the two ways that work (``unit.build_unit``). Such a unit
+moves after sharding (``to_empty`` from ``meta``, ``.to(device)``: each parameter keeps its dtype) but is not cast
+(``model.to(dtype)`` is refused by name), and a parameter of another dtype than the gradients' made trainable after
+sharding is refused at the next gather.
 """
 
 from __future__ import annotations
