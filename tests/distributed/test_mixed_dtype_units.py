@@ -348,3 +348,38 @@ def test_mixed_unit_from_meta(pool2: WorkerPool) -> None:
         assert result["equal"]  # the same bf16 casts of the same values, the same ops
         assert result["dtypes"] == {torch.bfloat16, torch.float32}
         assert "cannot be cast after sharding" in result["refusal"], result["refusal"]
+
+
+def optimizer_state_round_trip(rank: int, world: int) -> dict[str, Any]:
+    """The FSDP class's full optimizer state dict of a mixed unit holds the fp32 trainable parameters only, whole,
+    and loads back into a fresh model's optimizer to the same shards."""
+    from fullshard import FSDP, MixedPrecision
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = FSDP(Adapted(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), use_orig_params=True)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, optimizer = build()
+    model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    full = FSDP.optim_state_dict(model, optimizer)
+    fresh, fresh_optimizer = build()
+    fresh_optimizer.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optimizer, full))
+
+    def moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [s["exp_avg"] for s in opt.state.values()]
+
+    return {
+        "keys": sorted(full["state"]),
+        "shapes": sorted(tuple(s["exp_avg"].shape) for s in full["state"].values()),
+        "equal": all(torch.equal(a, b) for a, b in zip(moments(optimizer), moments(fresh_optimizer))),
+        "count": len(fresh_optimizer.state),
+    }
+
+
+def test_mixed_unit_optimizer_state_round_trip(pool2: WorkerPool) -> None:
+    for result in pool2.run(optimizer_state_round_trip):
+        assert result["keys"] == ["a.weight", "b.weight"]  # no state for the frozen base
+        assert result["shapes"] == sorted([(RANK, DIM), (DIM, RANK)])  # whole tensors
+        assert result["equal"] and result["count"] == 2
