@@ -100,6 +100,44 @@ def ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model)
 
 
+# --- LoRA fine-tuning (``lora.py``): a PEFT model, one unit per decoder layer, bf16 compute ---------------------
+
+
+def lora_policy_kwargs(torch_peer: bool) -> dict[str, Any]:
+    """bf16 gathers and reductions, as ``Accelerator(mixed_precision="bf16")`` sets them for FSDP2."""
+    if torch_peer:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+    else:
+        from fullshard import MixedPrecisionPolicy as Policy
+    return {"mp_policy": Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)}
+
+
+def lora_units(model: nn.Module, layer_cls: type[nn.Module], shard: Callable[..., Any], **kwargs: Any) -> nn.Module:
+    for module in [m for m in model.modules() if isinstance(m, layer_cls)]:
+        shard(module, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def lora_ours_fully_shard(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    from fullshard import fully_shard
+
+    return lora_units(model, layer_cls, fully_shard, **lora_policy_kwargs(False))
+
+
+def lora_ours_fsdp(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
+    return OurFSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp, use_orig_params=True)
+
+
+def lora_torch_fsdp2(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    """torch's FSDP2 as Accelerate 1.15 drives it for LoRA: the trainable (fp32) parameters stay fp32, the frozen
+    base keeps its dtype, each decoder layer a unit, bf16 policy (``accelerate.utils.fsdp_utils``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return lora_units(model, layer_cls, fully_shard, reshard_after_forward=True, **lora_policy_kwargs(True))
+
+
 # --- the registry --------------------------------------------------------------------------------------------
 
 
@@ -229,6 +267,13 @@ DISPATCH = (OURS_FULLY_SHARD, FSDP2, OURS_FULLY_SHARD_BF16, FSDP2_BF16)  # ``dis
 GPU_FP32 = (FSDP2, OURS_FULLY_SHARD, OURS_FSDP, FSDP1, DDP)  # ``gpu.py``
 GPU_BF16 = (FSDP2_BF16, OURS_FULLY_SHARD_BF16, OURS_FSDP_BF16, FSDP1_BF16)
 TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
+# ``lora.py``: each system's builder takes (PEFT model, decoder layer class); rows are compared with torch FSDP2
+LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
+    OURS_FULLY_SHARD: lora_ours_fully_shard,
+    SHORT_FSDP: lora_ours_fsdp,
+    SHORT_FSDP2: lora_torch_fsdp2,
+}
+LORA_BASELINE = SHORT_FSDP2
 
 
 def system(name: str) -> System:

@@ -195,7 +195,7 @@ def test_adapter_only_checkpoint_saves_and_loads_the_adapter(
     assert result["equal_to_trained"]
 
 
-def bf16_base_fp32_adapters(rank: int, world: int) -> dict[str, Any]:
+def bf16_base_fp32_adapters(rank: int, world: int, version: int, wrap: str) -> dict[str, Any]:
     from peft.utils.other import fsdp_auto_wrap_policy
 
     from fullshard import Accelerator, FullyShardedDataParallelPlugin
@@ -204,7 +204,14 @@ def bf16_base_fp32_adapters(rank: int, world: int) -> dict[str, Any]:
     for param in model.parameters():
         if not param.requires_grad:
             param.data = param.data.to(torch.bfloat16)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=fsdp_auto_wrap_policy(model))
+    if wrap == "peft":  # each adapter a unit of its own
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=version, auto_wrap_policy=fsdp_auto_wrap_policy(model))
+    else:  # adapters in their decoder layer's unit, beside the bf16 base
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=version,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        )
     accelerator = Accelerator(fsdp_plugin=plugin, mixed_precision="bf16")
     model = accelerator.prepare(model)
     optimizer = accelerator.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
@@ -220,9 +227,14 @@ def bf16_base_fp32_adapters(rank: int, world: int) -> dict[str, Any]:
     return {"dtypes": dtypes, "losses": losses}
 
 
-def test_bf16_base_with_fp32_adapters_as_their_own_units(pool2: WorkerPool) -> None:
-    # PEFT casts adapters to fp32; a unit holds one dtype, so the adapters become units of their own (PEFT's policy)
-    result = pool2.run(bf16_base_fp32_adapters)[0]
+@pytest.mark.parametrize("wrap", ["peft", "layers"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_bf16_base_with_fp32_adapters(pool2: WorkerPool, version: int, wrap: str) -> None:
+    # PEFT casts adapters to fp32. With its wrap policy they are units of their own; PEFT casts an adapter's input
+    # to the adapter's (sharded, fp32) weight dtype, and under fsdp_version=1 the unit then computed in bf16 on a
+    # float32 input (a dtype mismatch in the first forward) until the Accelerator cast every unit's inputs. With
+    # the decoder layers as units, the adapters share a unit with the bf16 base (was refused at prepare).
+    result = pool2.run(bf16_base_fp32_adapters, version, wrap)[0]
     assert result["dtypes"] == {(False, torch.bfloat16), (True, torch.float32)}  # the base is not upcast
     model = _lora()
     for param in model.parameters():

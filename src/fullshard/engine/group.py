@@ -34,6 +34,23 @@ reduce-scatter reads its gradient block directly. So on gloo, parameters whose g
 ``DIRECT_MIN_BYTES`` are *direct*: laid out after the *packed* ones (a prefix of ``flat_shard`` and of the
 gradient layout), and gathered and reduced one collective each, with no copy at all. The packed prefix
 keeps one collective for all the small parameters (norms, biases), which would each cost gloo's latency.
+
+[Note: mixed dtypes]
+A unit may hold parameters of several dtypes when they are gathered in one compute dtype (``param_dtype`` set)
+and its trainable parameters share one dtype: the usual LoRA setup, a frozen bf16 base with fp32 adapters,
+computing in bf16. Each parameter's shard stays in its own dtype: ``flat_shard`` is then a buffer of *bytes*, the
+parameters grouped by dtype (widest first within the packed ones and within the direct ones), each dtype's run of
+shards starting on a 16-byte boundary (``ShardedParam.byte_offset``); ``local_view`` views a parameter's bytes as
+its dtype. Everything else keeps the element layout (``ShardedParam.offset``) in one dtype: the gather's input is
+built in ``param_dtype`` with one copy per run (``_send_buffer``; the frozen bf16 weights are copied as they are,
+never upcast), ``flat_full`` is in ``param_dtype``, and gradients are reduced in ``reduce_dtype`` and land in the
+trainable parameters' dtype (``self.dtype``, the group's *main* dtype, which ``group_precision`` resolved): fp32
+adapters keep fp32 weights, gradients and optimizer state. Full state dicts gather the bytes, so every parameter
+comes back in its own dtype. Without ``param_dtype`` (gather each dtype as itself, as torch's FSDP2 does) a unit
+would need one ``flat_full`` per dtype: refused, naming the two ways that work (``unit.build_unit``). Such a unit
+moves after sharding (``to_empty`` from ``meta``, ``.to(device)``: each parameter keeps its dtype) but is not cast
+(``model.to(dtype)`` is refused by name), and a parameter of another dtype than the gradients' made trainable after
+sharding is refused at the next gather.
 """
 
 from __future__ import annotations
@@ -70,7 +87,7 @@ from fullshard.engine.precision import Casts, GroupPrecision, group_precision
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import global_rank
 
-__all__ = ["ParamGroup", "ShardState"]
+__all__ = ["ParamGroup", "ShardState", "main_dtype"]
 
 
 class ShardState(enum.Enum):
@@ -103,13 +120,14 @@ class ParamGroup:
         self.offload = offload
         self.storage_device = storage_device_for(label, [(n, p) for n, _, p in entries], self.device, offload)
         dtypes = {p.dtype for _, _, p in entries}
-        if len(dtypes) != 1:
+        self.mixed = len(dtypes) > 1  # see [Note: mixed dtypes]
+        if self.mixed and precision is None:
             names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries)
             raise ValueError(
-                f"unit {label!r} mixes parameter dtypes ({names}); a unit shards parameters of one dtype. "
+                f"unit {label!r} mixes parameter dtypes ({names}) without a compute dtype. "
                 "Cast the module to one dtype before wrapping, or wrap the differing submodules separately."
             )
-        self.dtype = dtypes.pop()
+        self.dtype = main_dtype([p for _, _, p in entries])
         self.precision = precision or GroupPrecision(self.dtype, self.dtype, self.dtype)
         world, rank = shard_group.shard_size, shard_group.shard_rank
         self.use_dtensor = use_dtensor
@@ -135,17 +153,25 @@ class ParamGroup:
         ]
         self.direct = [sp for sp, d in zip(self.params, is_direct) if d]
         self.packed = [sp for sp, d in zip(self.params, is_direct) if not d]
+        # trainable parameters first (see [Note: frozen parameters]), then one run of shards per dtype (see
+        # [Note: mixed dtypes])
+        self.packed = sorted(self.packed, key=lambda sp: (not sp.requires_grad, -sp.dtype.itemsize * self.mixed))
+        self.direct = sorted(self.direct, key=lambda sp: (not sp.requires_grad, -sp.dtype.itemsize * self.mixed))
         ordered = self.packed + self.direct
         self.layout_order = ordered  # parameters by offset in flat_shard and flat_full
         for sp, offset in zip(ordered, group_offsets([sp.layout.padded_shard_numel for sp in ordered])):
             sp.offset = offset
         self.shard_numel = sum(sp.layout.padded_shard_numel for sp in self.params)  # G
-        self._full_views = FullViewsPlan(ordered, world)  # see _register_full_views
+        self._runs = _byte_runs(ordered) if self.mixed else []
+        self.shard_nbytes = (
+            self._runs[-1][1] + self._runs[-1][2] * self._runs[-1][3].itemsize if self._runs else 0
+        )  # of a byte flat_shard
+        self._grad_leaf: torch.Tensor | None = None  # see grad_full
         self._plan_grads()
         self.flat_shard = self._new_flat_shard()
         self._fill_shard([p for _, _, p in entries])
-        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None
-        self._grads_hooked = False  # flat_full carries the post-backward hook (see _new_flat_full)
+        self.alias_full = world == 1 and self.precision.param_dtype == self.dtype and offload is None and not self.mixed
+        self._hooked: list[torch.Tensor] = []  # the leaves that carry the post-backward hook (see _track_grads)
         self._comm_hook: tuple[object, Callable[..., Any]] | None = None
         self.comm_options = CommOptions()  # FSDPModule's setters (see collectives.CommOptions)
         self._partial_reduce: torch.Tensor | None = None  # HSDP sums kept while requires_all_reduce is off
@@ -183,6 +209,14 @@ class ParamGroup:
         ):
             sp.grad_offset = offset
         self.requires_grad = bool(self.grad_params)
+        # [Note: frozen parameters] flat_full's gradient covers its prefix up to the last trainable parameter's
+        # block (the layout puts trainable parameters first), not the frozen ones after it: they cost no unsharded
+        # gradient, no zeros in FullViews' backward, no reduce-scatter and no sharded gradient or optimizer state.
+        ends = [self.world * (sp.offset + sp.layout.padded_shard_numel) for sp in self.grad_params]
+        self.grad_end = max(ends) if ends else self.world * self.shard_numel
+        in_prefix = [sp for sp in self.layout_order if self.world * sp.offset < self.grad_end]
+        self._full_views = FullViewsPlan(in_prefix, self.world)  # see _register_full_views
+        self._frozen_views = FullViewsPlan(self.layout_order[len(in_prefix) :], self.world).views
 
     def follow_requires_grad(self) -> None:
         """Take ``requires_grad_()`` calls on the sharded parameters since sharding (freezing or unfreezing after
@@ -195,18 +229,52 @@ class ParamGroup:
                 sp.requires_grad, changed = wanted, True
         if not changed:
             return
+        wrong = [sp for sp in self.params if sp.requires_grad and sp.dtype != self.dtype]
+        if wrong:  # a unit of mixed dtypes lands gradients in one dtype (see [Note: mixed dtypes])
+            raise ValueError(
+                f"unit {self.label!r}: {[sp.fqn for sp in wrong]} became trainable after sharding, but they are "
+                f"{wrong[0].dtype} in a unit whose gradients are {self.dtype} (it holds parameters of several "
+                f"dtypes). Cast them to {self.dtype} before sharding, or wrap them in a unit of their own."
+            )
         self._plan_grads()
         self._track_grads(self.flat_full)
 
     def _track_grads(self, full: torch.Tensor) -> None:
-        """``full`` (``flat_full``) requires grad iff a parameter does; it then carries the post-backward hook."""
-        full.requires_grad_(self.requires_grad)
-        if self.requires_grad and not self._grads_hooked:  # the unit's post-backward (see observe)
-            full.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
-            self._grads_hooked = True
+        """``full`` (``flat_full``) requires grad iff a parameter does and it is all the gradient's leaf; it then
+        carries the post-backward hook. Otherwise the leaf is its prefix (see [Note: frozen parameters]), made at the
+        next gather (a view needs the storage): see :meth:`_leaf_for_grads`."""
+        self._grad_leaf = None
+        whole = self.grad_end == full.numel()
+        full.requires_grad_(self.requires_grad and whole)
+        if full.requires_grad:
+            self._hook(full)
+
+    def _hook(self, leaf: torch.Tensor) -> None:
+        if not any(t is leaf for t in self._hooked):  # the unit's post-backward (see observe)
+            leaf.register_post_accumulate_grad_hook(_grads_ready_hook(weakref.ref(self)))
+            self._hooked.append(leaf)  # views of flat_full's storage: kept, they cost no memory
+
+    @property
+    def grad_full(self) -> torch.Tensor:
+        """The autograd leaf the gathered parameters' gradients reach: ``flat_full``, or its prefix up to the last
+        trainable parameter (see [Note: frozen parameters]); its ``.grad`` is the unsharded gradient."""
+        return self.flat_full if self._grad_leaf is None else self._grad_leaf
+
+    def _leaf_for_grads(self) -> torch.Tensor:
+        """``grad_full``, made once per ``flat_full`` (allocated: a view of a freed storage fails its bounds check)
+        when it is a prefix; it shares ``flat_full``'s storage object and version counter."""
+        if self.requires_grad and self._grad_leaf is None and self.grad_end != self.flat_full.numel():
+            with torch.no_grad():
+                leaf = self.flat_full.detach().narrow(0, 0, self.grad_end)
+            self._grad_leaf = leaf.requires_grad_(True)
+            self._hook(leaf)
+        return self.grad_full
 
     def _new_flat_shard(self) -> torch.Tensor:
-        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
+        if self.mixed:
+            flat = torch.zeros(self.shard_nbytes, dtype=torch.uint8, device=self.storage_device)
+        else:
+            flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage_device)
         if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available() and not flat.is_meta:
             flat = flat.pin_memory()
         return flat
@@ -251,7 +319,7 @@ class ParamGroup:
         else:
             full = torch.empty(self.world * self.shard_numel, dtype=self.precision.param_dtype, device=self.device)
             full.untyped_storage().resize_(0)
-        self._grads_hooked = False
+        self._hooked = []
         self._track_grads(full)
         return full
 
@@ -319,13 +387,22 @@ class ParamGroup:
         devices = {t.device for t in locals_}
         dtypes = {t.dtype for t in locals_}
         cast = (
-            len(dtypes) == 1 and dtypes != {self.dtype} and casts is not None and next(iter(dtypes)).is_floating_point
+            len(dtypes) == 1
+            and dtypes != {self.dtype}
+            and casts is not None
+            and next(iter(dtypes)).is_floating_point
+            and not self.mixed
         )
         if not cast and all(t.is_meta for t in locals_):
             return
         if not cast and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in locals_):
             return
-        if len(devices) != 1 or (dtypes != {self.dtype} and not cast):
+        if self.mixed and any(t.dtype != sp.dtype for t, sp in zip(locals_, self.params)):
+            raise ValueError(
+                f"unit {self.label!r} holds parameters of several dtypes and cannot be cast after sharding (now "
+                f"{sorted(map(str, dtypes))}). Cast the model before sharding it."
+            )
+        if len(devices) != 1 or (dtypes != {self.dtype} and not cast and not self.mixed):
             raise ValueError(
                 f"unit {self.label!r}: after moving the module its sharded parameters are on "
                 f"{sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))}, but a unit keeps its parameters "
@@ -401,9 +478,9 @@ class ParamGroup:
                 self._gather = ([], None)
                 if not self.alias_full:  # cast (or copy from the offload device) straight into flat_full
                     self._allocate_full()
-                    copy_out(self.flat_shard, [], [], self.flat_full)
+                    copy_out(self._send_buffer() if self.mixed else self.flat_shard, [], [], self.flat_full)
             else:
-                send = _to(self.flat_shard, self.device, self.precision.param_dtype, non_blocking=True)
+                send = self._send_buffer()
                 direct_blocks: list[torch.Tensor] = []
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
@@ -423,6 +500,18 @@ class ParamGroup:
                     )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
+
+    def _send_buffer(self) -> torch.Tensor:
+        """What the all-gather sends: ``flat_shard`` in ``param_dtype`` on the compute device (one copy per dtype
+        for a unit of mixed dtypes, see [Note: mixed dtypes])."""
+        param_dtype = self.precision.param_dtype
+        if not self.mixed:
+            return _to(self.flat_shard, self.device, param_dtype, non_blocking=True)
+        send = torch.empty(self.shard_numel, dtype=param_dtype, device=self.device)
+        for offset, byte_offset, numel, dtype in self._runs:
+            nbytes = numel * dtype.itemsize
+            send.narrow(0, offset, numel).copy_(self.flat_shard.narrow(0, byte_offset, nbytes).view(dtype))
+        return send
 
     def wait_for_unshard(self) -> None:
         """Finish a gather started by :meth:`unshard` and register the full parameters (again, after
@@ -482,9 +571,15 @@ class ParamGroup:
         # gradient at once.
         self.follow_requires_grad()
         with torch.enable_grad():
-            views = FullViews.apply(self.flat_full, self._full_views)
+            views = FullViews.apply(self._leaf_for_grads(), self._full_views)
             for sp, view in zip(self.layout_order, views):
                 sp.register(sp.compute_view(view if sp.requires_grad else view.detach()))
+        if self._frozen_views:  # after the gradient's prefix: plain views, no autograd
+            full = self.flat_full.detach()
+            base = full.storage_offset()
+            rest = self.layout_order[len(views) :]
+            for sp, (shape, stride, offset) in zip(rest, self._frozen_views):
+                sp.register(sp.compute_view(full.as_strided(shape, stride, base + offset)))
         self.full_views_registered = True
 
     def expose_sharded(self) -> None:
@@ -525,12 +620,13 @@ class ParamGroup:
     def take_unsharded_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This backward's gradient of ``flat_full`` in ``dtype`` (default: the reduce dtype; zeros if nothing reached
         it); detaches it from ``flat_full`` so that the next backward starts from none."""
-        grad = self.flat_full.grad
-        self.flat_full.grad = None
+        leaf = self.grad_full
+        grad = leaf.grad
+        leaf.grad = None
         self._full_views.take_received()
         rdtype = self.precision.reduce_dtype if dtype is None else dtype
         if grad is None:
-            return torch.zeros(self.world * self.shard_numel, dtype=rdtype, device=self.device)
+            return torch.zeros(leaf.numel(), dtype=rdtype, device=self.device)
         return grad if grad.dtype == rdtype else grad.to(rdtype)
 
     def reduce_grads(self) -> None:
@@ -557,8 +653,8 @@ class ParamGroup:
                 work.wait()
         self._pending.clear()
         self._partial_reduce = None
-        if self.flat_full.grad is not None:
-            self.flat_full.grad = None
+        if self.grad_full.grad is not None:
+            self.grad_full.grad = None
 
     def expose_unsharded_grads(self) -> None:
         """Show each trainable parameter's unreduced local gradient, in its full shape, as its ``.grad``.
@@ -567,7 +663,7 @@ class ParamGroup:
         ``flat_full.grad``, where autograd keeps accumulating. Sharded gradients already there are set
         aside, and :meth:`reduce_grads` puts them back before adding the reduced accumulation.
         """
-        grad = self.flat_full.grad
+        grad = self.grad_full.grad
         if grad is None:
             return
         if self._stashed_grads is None:
@@ -588,7 +684,7 @@ class ParamGroup:
         if self._stashed_grads is None or any(sp.sharded_param.grad is not None for sp in self.grad_params):
             return
         self._stashed_grads = None
-        self.flat_full.grad = None
+        self.grad_full.grad = None
 
     def _restore_sharded_grads(self) -> None:
         if self._stashed_grads is None:
@@ -655,10 +751,10 @@ class ParamGroup:
         """Every parameter's gathered tensor (``gathered_shape``: its full tensor, or this rank's tp part of it)
         from ``source`` (default: ``flat_shard``), new storage."""
         source = (self.flat_shard if source is None else source).to(self.device)
-        gathered = torch.empty(self.world * self.shard_numel, dtype=source.dtype, device=self.device)
+        gathered = torch.empty(self.world * source.numel(), dtype=source.dtype, device=self.device)
         with collective_check.collective("all_gather", self.label, self.shard_group.shard_pg):
             all_gather_flat(gathered, source, self.shard_group.shard_pg, async_op=False)
-        by_rank = gathered.view(self.world, self.shard_numel)
+        by_rank = gathered.view(self.world, source.numel())  # bytes for a unit of mixed dtypes: each its own
         return [sp.full_of(by_rank, self.world).clone() for sp in self.params]
 
     def sharded_grad_flat(self) -> torch.Tensor:
@@ -676,6 +772,36 @@ class ParamGroup:
         with torch.no_grad():
             for sp, full in zip(self.params, fulls):
                 sp.local_view(self.flat_shard).copy_(sp.rows_of(local_tensor(full).detach()).to(self.storage_device))
+
+
+def main_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    """The dtype a group's gradients land in: its trainable parameters' (one dtype: see [Note: mixed dtypes]), or
+    the first parameter's when none is trainable."""
+    trainable = {p.dtype for p in params if p.requires_grad}
+    if len(trainable) > 1:
+        raise ValueError(
+            f"trainable parameters of dtypes {sorted(map(str, trainable))} in one unit: a unit's trainable "
+            "parameters share one dtype (their gradients land in one buffer). Cast them to one dtype, or wrap the "
+            "differing submodules separately."
+        )
+    return trainable.pop() if trainable else params[0].dtype
+
+
+def _byte_runs(ordered: list[ShardedParam]) -> list[tuple[int, int, int, torch.dtype]]:
+    """Set each parameter's ``byte_offset`` in a byte flat shard and return the runs of one dtype, as
+    ``(element offset, byte offset, numel, dtype)``: each run starts on a 16-byte boundary."""
+    runs: list[tuple[int, int, int, torch.dtype]] = []
+    end = 0
+    for sp in ordered:
+        if runs and runs[-1][3] == sp.dtype:
+            offset, start, numel, dtype = runs[-1]
+            sp.byte_offset = start + numel * dtype.itemsize
+            runs[-1] = (offset, start, numel + sp.layout.padded_shard_numel, dtype)
+        else:
+            sp.byte_offset = -(-end // 16) * 16
+            runs.append((sp.offset, sp.byte_offset, sp.layout.padded_shard_numel, sp.dtype))
+        end = sp.byte_offset + sp.layout.padded_shard_numel * sp.dtype.itemsize
+    return runs
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:

@@ -58,6 +58,7 @@ class ShardedParam:
     sharded_param: nn.Parameter | None = None
     tp: TPSpec | None = None
     shard_dim: int = 0  # the dim split over the shard group: see [Note: Shard(d)]
+    byte_offset: int = 0  # where its padded shard starts in a byte flat shard (a unit of mixed dtypes, group.py)
 
     # [Note: Shard(d)]
     # A parameter placed ``Shard(d)`` (``fully_shard(shard_placement_fn=...)``) is laid out as the same parameter
@@ -121,7 +122,12 @@ class ShardedParam:
         self.register(self.sharded_param)
 
     def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
-        """This rank's real rows inside a flat shard-sized buffer (a view; no copy)."""
+        """This rank's real rows inside a flat shard-sized buffer (a view; no copy): a buffer of elements laid out as
+        the group's, or the bytes of a unit of mixed dtypes (see [Note: mixed dtypes] in ``group.py``)."""
+        if flat_shard.dtype == torch.uint8 and self.dtype != torch.uint8:
+            nbytes = self.layout.local_numel * self.dtype.itemsize
+            rows = flat_shard.narrow(0, self.byte_offset, nbytes).view(self.dtype)
+            return self.unmove(rows.view(self.layout.local_shape))
         return self.unmove(flat_shard.narrow(0, self.offset, self.layout.local_numel).view(self.layout.local_shape))
 
     def rows_of(self, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
@@ -135,7 +141,11 @@ class ShardedParam:
         """The parameter's gathered tensor (``gathered_shape``, a view) from ``by_rank`` ``(world, G)``: every rank's
         flat shard of a buffer laid out like the group's flat shard, as an all-gather returns them."""
         lay = self.layout
-        block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
+        if by_rank.dtype == torch.uint8 and self.dtype != torch.uint8:  # bytes of a unit of mixed dtypes
+            nbytes = lay.padded_shard_numel * self.dtype.itemsize
+            block = by_rank.narrow(1, self.byte_offset, nbytes).contiguous().view(self.dtype)
+        else:
+            block = by_rank.narrow(1, self.offset, lay.padded_shard_numel)
         rows = block.reshape(world * lay.rows_per_rank, lay.row_numel).narrow(0, 0, lay.dim0)
         return self.unmove(rows.reshape(lay.shape))
 

@@ -334,7 +334,8 @@ def _save_local(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix:
             out.pop(prefix + key, None)
     flat = group.flat_shard.detach()
     flat = flat.cpu() if offload else flat
-    out[prefix + FLAT_PARAM] = group.shard_group.dtensor(flat, (group.shard_group.shard_size * group.shard_numel,))
+    # a unit of mixed dtypes keeps its shards as bytes (see [Note: mixed dtypes] in group.py): saved as they are
+    out[prefix + FLAT_PARAM] = group.shard_group.dtensor(flat, (group.shard_group.shard_size * flat.numel(),))
 
 
 def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
@@ -412,11 +413,11 @@ def _insert_segment(state_dict: dict[str, Any], prefix: str, segment: str) -> No
 
 def _load_local(group: ParamGroup, value: Any, key: str) -> None:
     local = value.to_local() if isinstance(value, DTensor) else value
-    if not isinstance(local, torch.Tensor) or local.numel() != group.shard_numel:
+    if not isinstance(local, torch.Tensor) or local.numel() != group.flat_shard.numel():
         got = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
         raise ValueError(
             f"{key}: a LOCAL_STATE_DICT flat shard of {got} elements, but this rank's shard of the unit holds "
-            f"{group.shard_numel}. Local state dicts only load into the same model on the same number of ranks; "
+            f"{group.flat_shard.numel()}. Local state dicts only load into the same model on the same number of ranks; "
             "use SHARDED_STATE_DICT or FULL_STATE_DICT to change either."
         )
     with torch.no_grad():
@@ -479,7 +480,7 @@ def expected_entries(module: nn.Module) -> Expected:
         if type(m).get_extra_state is not nn.Module.get_extra_state:
             shapes[clean_key(base + "_extra_state")] = None
     flats = {
-        key: (group.shard_numel, set().union(*(keys_of.get(id(sp), set()) for sp in group.params)))
+        key: (group.flat_shard.numel(), set().union(*(keys_of.get(id(sp), set()) for sp in group.params)))
         for key, group in flat_units
     }
     return Expected(shapes, flats, whole)

@@ -16,11 +16,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.engine.api import Offload, PlacementError
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
-from fullshard.engine.group import ParamGroup
+from fullshard.engine.group import ParamGroup, main_dtype
 from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
-from fullshard.engine.precision import group_precision
+from fullshard.engine.precision import Casts, group_precision
 from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
 from fullshard.ranks import global_rank, require_agreement
 
@@ -119,6 +119,7 @@ def _collect(
                 continue
             fqn = clean_key(prefix + name)
             _refuse_taken(param, fqn)
+            _refuse_quantized(param, fqn)
             if id(param) in entries:
                 entries[id(param)][1].append((module, name))
             else:
@@ -127,6 +128,24 @@ def _collect(
         if holds:
             holders.append((clean_key(prefix.rstrip(".")) or type(unit_module).__name__, module))
     return list(entries.values()), holders
+
+
+def _refuse_quantized(param: nn.Parameter, fqn: str) -> None:
+    """A quantized parameter (a tensor subclass such as torchao's ``NF4Tensor``, or a ``Parameter`` subclass such as
+    bitsandbytes' ``Params4bit``) carries metadata (block scales) that a flat buffer of its elements would lose:
+    refused by name rather than failing somewhere in forward or training on garbage."""
+    data = param.data if isinstance(param, nn.Parameter) else param
+    if (type(param) in (nn.Parameter, torch.Tensor) or isinstance(param, DTensor)) and type(data) is torch.Tensor:
+        return
+    if isinstance(param, DTensor) or isinstance(data, DTensor):
+        return
+    kind = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
+    raise ValueError(
+        f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight (QLoRA); "
+        "fullshard shards plain tensors and DTensors only and would lose its quantization metadata. Load the base "
+        "model unquantized (e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded "
+        "(ignored_modules=... or ignored_params=...)."
+    )
 
 
 def _refuse_taken(param: nn.Parameter, fqn: str) -> None:
@@ -265,7 +284,7 @@ def build_unit(
     group = None
     handles = []
     if entries:
-        precision = group_precision(config.casts, entries[0][2].dtype)
+        precision = group_precision(config.casts, _unit_dtype(label, entries, config.casts))
         warn_if_slow_bf16(precision.param_dtype, device)
         dims = shard_dims(entries, shard_placement_fn, label)
         group = ParamGroup(
@@ -278,6 +297,25 @@ def build_unit(
     state = UnitState(module, group, config, label, own_modules=[m for _, m in modules])
     state.keep_hooks(*handles)
     return state
+
+
+def _unit_dtype(label: str, entries: list[Entry], casts: Casts) -> torch.dtype:
+    """The dtype of the unit's gradients (see [Note: mixed dtypes] in ``group.py``); parameters of several dtypes
+    need one compute dtype to be gathered in."""
+    params = [p for _, _, p in entries]
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1 and casts.param_dtype is None:
+        names = ", ".join(f"{name}: {p.dtype}" for name, _, p in entries if p.dtype != params[0].dtype)
+        raise ValueError(
+            f"unit {label!r} mixes parameter dtypes ({sorted(map(str, dtypes))}; {names} differ from "
+            f"{params[0].dtype}) without a compute dtype to gather them in. Set one: MixedPrecision(param_dtype=...) "
+            "or MixedPrecisionPolicy(param_dtype=...) (Accelerator(mixed_precision='bf16')), or cast the module to "
+            "one dtype before wrapping, or wrap the differing submodules separately."
+        )
+    try:
+        return main_dtype(params)
+    except ValueError as err:
+        raise ValueError(f"unit {label!r}: {err}") from None
 
 
 def shard_dims(

@@ -113,12 +113,29 @@ def resolve_plan(plugin: FullyShardedDataParallelPlugin, model: nn.Module, devic
         version=int(plugin.fsdp_version),  # type: ignore[arg-type]
         auto_wrap_policy=plugin.auto_wrap_policy,  # type: ignore[arg-type]
         ignored_modules=plugin.resolve_ignored_modules(model),
-        precision=plugin.mixed_precision_policy,  # type: ignore[arg-type]
+        precision=_unit_input_casts(plugin),
         offload=plugin.cpu_offload,
         init=init,
         activation_checkpointing=bool(plugin.activation_checkpointing),
         **options,
     )
+
+
+def _unit_input_casts(plugin: FullyShardedDataParallelPlugin) -> Any:
+    """The plugin's precision policy, with every ``fsdp_version=1`` unit casting its inputs to ``param_dtype``.
+
+    [Note: unit inputs under the Accelerator] Accelerate runs the whole forward under ``torch.autocast``, so a
+    unit that meets an input in another dtype than its gathered parameters still computes. The Accelerator here
+    skips autocast when the policy sets ``param_dtype`` (``training.needs_autocast``), so a unit's inputs must
+    arrive in its compute dtype. PEFT breaks that: it casts an adapter's input to ``lora_A.weight.dtype``, read
+    outside the unit, i.e. the sharded fp32 weight, while the unit computes with bf16 gathered weights. FSDP2's
+    policy casts every unit's inputs by default (``cast_forward_inputs=True``); FSDP1's only the root's, so the
+    Accelerator turns it on for FSDP1 too. The plugin's own policy object stays Accelerate's value.
+    """
+    policy = plugin.mixed_precision_policy
+    if plugin.fsdp_version != 1 or getattr(policy, "param_dtype", None) is None or policy.cast_forward_inputs:
+        return policy
+    return dataclasses.replace(policy, cast_forward_inputs=True)
 
 
 def get_parameters_from_modules(
