@@ -152,3 +152,51 @@ def test_async_save_of_cuda_state_copies_to_pinned_memory_and_writes_the_sync_by
         assert got["devices"] == {"cuda"}
         assert len(got["pinned"]) > 0 and all(shape == () for shape in got["unpinned"]), got
     _assert_same_files(tmp_path / "sync", tmp_path / "async", 3)
+
+
+def _mixed_dtype_unit(rank: int, world: int, entry: str) -> dict[str, object]:
+    """``tests/distributed/test_mixed_dtype_units.py``'s frozen bf16 base + fp32 adapters in one unit, on the GPU:
+    fullshard's ``fully_shard`` or torch's, a bf16 compute policy reducing in fp32, 3 AdamW steps."""
+    from tests.distributed.test_mixed_dtype_units import STEPS as MIXED_STEPS
+    from tests.distributed.test_mixed_dtype_units import Net, _batch, _loss
+
+    model = Net().cuda()
+    if entry == "torch":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        from torch.distributed.fsdp import fully_shard as shard
+    else:
+        from fullshard import fully_shard as shard
+
+        TorchPolicy = MixedPrecisionPolicy  # noqa: N806
+    policy = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        shard(block, mp_policy=policy)
+    shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    per, losses = 8 // world, []
+    for step in range(MIXED_STEPS):
+        loss = _loss(model(_batch(step)[rank * per : (rank + 1) * per].cuda()))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    state = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return {
+        "losses": losses,
+        "state": state,
+        "local_base_dtypes": {p.to_local().dtype for n, p in model.named_parameters() if "base" in n},
+        "devices": {p.device.type for p in model.parameters()},
+    }
+
+
+def test_mixed_dtype_unit_on_cuda_matches_torch_fully_shard(gpu_pool: WorkerPool) -> None:
+    """A unit holding bf16 and fp32 parameters (LoRA on a bf16 base), its one byte buffer gathered on the GPU."""
+    ours = gpu_pool.run(_mixed_dtype_unit, "fullshard")[0]
+    theirs = gpu_pool.run(_mixed_dtype_unit, "torch")[0]
+    assert ours["devices"] == {"cuda"} and ours["local_base_dtypes"] == {torch.bfloat16}
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+    for key, value in theirs["state"].items():
+        assert ours["state"][key].dtype == value.dtype, key
+        torch.testing.assert_close(ours["state"][key], value, atol=1e-5, rtol=0, msg=key)
