@@ -393,3 +393,46 @@ def test_accelerator_turns_whole_steps_on_for_matrix_optimizers(pool2: WorkerPoo
     assert pool2.run(accelerator_step, version, None) == [[], []]
     for message in pool2.run(accelerator_step, version, False):
         assert message.startswith("Muon.step() over 3 sharded parameters")
+
+
+# --- a (dp, tp) mesh: tensor parallel parameters made whole over both dims ---------------------------------
+
+
+def train_tp(rank: int, world: int, kind: str) -> list[str]:
+    """TinyGPT on a 2x2 (dp, tp) mesh (fc column-wise, fc_out row-wise over tp, uneven splits; every block and the
+    root fully_shard over dp), stepped with whole-parameter steps; the unsharded optimizer is stepped on the same
+    whole gradients; return what differs after each step (nothing, bitwise)."""
+    from tests.compat.test_tensor_parallel import SPEC, _build
+
+    model = _build("gpt", "ours")
+    reference = SPEC.model()
+    with torch.no_grad():
+        for p, whole in zip(reference.parameters(), _full(model), strict=True):
+            p.copy_(whole)
+    optimizers = _optimizers(model, kind)
+    for opt in optimizers:
+        whole_param_step(model, opt)
+    ref_optimizers = _optimizers(reference, kind)
+    dp, per = rank // 2, SPEC.batch // 2
+    differ = []
+    for step in range(STEPS):
+        x, y = SPEC.micro_batches(step)[0]
+        model(x[dp * per : (dp + 1) * per], y[dp * per : (dp + 1) * per]).backward()
+        model.clip_grad_norm_(MAX_NORM)
+        for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
+            p.grad = grad
+        for opt in optimizers + ref_optimizers:
+            opt.step()
+            opt.zero_grad()
+        for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
+            if not torch.equal(got, want):
+                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
+    return differ
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_matrix_optimizer_bitwise_on_dp_tp_mesh(pool4: WorkerPool, kind: str) -> None:
+    """Tensor parallel parameters are gathered whole across dp and tp for their owners: every rank's weights after
+    every step are torch.equal to the unsharded optimizer's on the same gradients."""
+    for rank, differ in enumerate(pool4.run(train_tp, kind)):
+        assert differ == [], f"{kind}, 2x2 (dp, tp), rank {rank}: {differ}"

@@ -32,13 +32,20 @@ balanced). Traffic per step: about the parameter, gradient and per-element state
 parameter and state bytes scattered, once each. Parameters outside every unit are whole on every rank and
 stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
 
+Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
+tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
+tp rank) make each piece whole with a gather over tp, and all of them step the same whole matrix (the same
+kernels on the same bytes: bitwise equal results), each keeping its own tp part for the scatter over dp. The
+step's compute is therefore repeated on every tp rank (``tp`` times the work of a 1-D mesh of ``dp`` ranks).
+
 Limits: every rank must have a gradient for the same parameters (sharded gradients are, after any backward);
-tensor parallel parameters and ``step(closure)`` are refused; an optimizer whose state changes names or shapes
+``step(closure)`` is refused; an optimizer whose state changes names or shapes
 after the first step is refused by the owner (the others then wait in the collective until its timeout).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +62,7 @@ __all__ = [
     "WHOLE_STATES_KEY",
     "WholeParamStep",
     "is_matrix_optimizer",
+    "plan_owners",
     "register_matrix_optimizer",
     "whole_param_step",
 ]
@@ -152,12 +160,6 @@ class WholeParamStep:
                     )
                 if info.sp is None:
                     continue  # outside every unit: whole on every rank, stepped by every rank
-                if info.sp.tp is not None:
-                    raise ValueError(
-                        f"whole_param_step: parameter {info.fqn!r} is tensor parallel; whole-parameter steps "
-                        "support data-parallel sharding only (1-D meshes, HSDP). Keep tensor parallel parameters "
-                        "in an element-wise optimizer (AdamW)."
-                    )
                 shard = info.unit.shard_group
                 bucket = buckets.setdefault(
                     id(shard.shard_pg), _Bucket(shard.shard_pg, shard.shard_size, shard.shard_rank)
@@ -219,7 +221,11 @@ class WholeParamStep:
                     offset += n
         for i, e in enumerate(mine):
             # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
-            wholes = [torch.cat(chunks[(i, k)]).view(d).view(e.sp.shape) for k, d in enumerate(self._piece_dtypes(e))]
+            # (of a tensor parallel parameter: its tp part, made whole by a gather over tp)
+            wholes = [
+                e.sp.full_of_gathered(torch.cat(chunks[(i, k)]).view(d).view(e.sp.gathered_shape))
+                for k, d in enumerate(self._piece_dtypes(e))
+            ]
             self._own_whole(e, wholes)
         return [id(e.param) for e in bucket.stepping]
 
@@ -289,7 +295,7 @@ class WholeParamStep:
                     spec = dict(self._specs.get(id(e.param), []))
                     for name, kind in spec.items():
                         if kind[0] == "rows" and name in state:
-                            state[name] = _rows_like(e.param, e.sp.rows_of(state[name]).clone(), None)
+                            state[name] = _rows_like(e.param, _rows_of(e, state[name]).clone(), None)
                     if state:
                         self.optimizer.state[e.param] = state
                     e.whole = None
@@ -319,10 +325,10 @@ class WholeParamStep:
             for e in entries:
                 if e.owner == bucket.rank and e.whole is not None:
                     state = states[id(e.param)]
-                    send.append(_as_bytes(e.sp.rows_of(e.whole.detach(), r)))
+                    send.append(_as_bytes(_rows_of(e, e.whole.detach(), r)))
                     for name, kind in self._specs[id(e.param)]:
                         if kind[0] == "rows":
-                            send.append(_as_bytes(e.sp.rows_of(state[name], r)))
+                            send.append(_as_bytes(_rows_of(e, state[name], r)))
                         elif kind[0] == "whole":
                             send.append(_as_bytes(state[name]))
         dtypes = {id(e.param): self._scatter_dtypes(e) for e in entries}
@@ -414,14 +420,29 @@ def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Whol
     return installed if installed is not None else WholeParamStep(model, optimizer)
 
 
+def plan_owners(numels: list[int], world: int) -> list[int]:
+    """The owner of each of parameters of ``numels`` elements among ``world`` ranks: largest first, each to the
+    rank with the fewest elements so far (ties: lowest rank). ``benchmarks/simulate.py`` plans with it too."""
+    load = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
 def _assign_owners(bucket: _Bucket) -> None:
-    """Largest parameters first, each to the rank with the fewest elements so far (ties: lowest rank)."""
-    load = [0] * bucket.world
-    order = sorted(range(len(bucket.entries)), key=lambda i: (-bucket.entries[i].sp.layout.numel, i))
-    for i in order:
-        rank = min(range(bucket.world), key=lambda r: (load[r], r))
-        bucket.entries[i].owner = rank
-        load[rank] += bucket.entries[i].sp.layout.numel
+    # global shapes: a tensor parallel parameter's tp part may differ in size across tp ranks (uneven splits),
+    # and the ranks of a tp group must agree on the owners (they gather over tp together)
+    owners = plan_owners([math.prod(e.sp.shape) for e in bucket.entries], bucket.world)
+    for e, owner in zip(bucket.entries, owners, strict=True):
+        e.owner = owner
+
+
+def _rows_of(e: _Entry, whole: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """Shard rank ``rank``'s rows of the whole (global) ``whole``: of its tp part, for a tensor parallel one."""
+    return e.sp.rows_of(e.sp.gathered_of_full(whole), rank)
 
 
 def _whole_spec(e: _Entry, state: dict[str, Any]) -> list[tuple[str, _Kind]]:
