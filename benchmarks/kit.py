@@ -229,6 +229,8 @@ DISPATCH = (OURS_FULLY_SHARD, FSDP2, OURS_FULLY_SHARD_BF16, FSDP2_BF16)  # ``dis
 GPU_FP32 = (FSDP2, OURS_FULLY_SHARD, OURS_FSDP, FSDP1, DDP)  # ``gpu.py``
 GPU_BF16 = (FSDP2_BF16, OURS_FULLY_SHARD_BF16, OURS_FSDP_BF16, FSDP1_BF16)
 TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
+# ``muon.py``: (system, optimizer set-up) rows; the first is the baseline of its ratios
+MATRIX_OPTIMIZER_ROWS = ((OURS_FULLY_SHARD, "adamw"), (OURS_FULLY_SHARD, "muon"), (FSDP2, "muon"))
 
 
 def system(name: str) -> System:
