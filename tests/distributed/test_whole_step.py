@@ -436,3 +436,55 @@ def test_matrix_optimizer_bitwise_on_dp_tp_mesh(pool4: WorkerPool, kind: str) ->
     every step are torch.equal to the unsharded optimizer's on the same gradients."""
     for rank, differ in enumerate(pool4.run(train_tp, kind)):
         assert differ == [], f"{kind}, 2x2 (dp, tp), rank {rank}: {differ}"
+
+
+# --- memory: one piece at a time in, whole tensors freed before the way back ------------------------------------
+
+
+def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], int]:
+    """For each all_to_all of the second step: (received bytes, whole parameters still alive); the elements of the
+    matrices this rank owns."""
+    import weakref
+    from unittest import mock
+
+    from fullshard.algorithms import whole_step
+
+    torch.manual_seed(0)
+    model = _shard(MLP(), "fully_shard")
+    muon = _optimizers(model, "muon")[0]
+    hook = whole_param_step(model, muon)
+    shapes = {n: p.shape for n, p in MLP().named_parameters()}
+    owned = sum(shapes[n].numel() for n, owner in hook.owners.items() if owner == rank)
+    wholes: list[weakref.ref] = []
+    calls: list[tuple[int, int]] = []
+    own, exchange = whole_step.WholeParamStep._own_whole, whole_step._all_to_all
+
+    def own_whole(self: object, e: object, pieces: list[torch.Tensor]) -> None:
+        own(self, e, pieces)
+        wholes.append(weakref.ref(e.whole))  # type: ignore[attr-defined]
+
+    def all_to_all(inp: torch.Tensor, out_splits: list[int], *args: object) -> torch.Tensor:
+        calls.append((sum(out_splits), sum(w() is not None for w in wholes)))
+        return exchange(inp, out_splits, *args)
+
+    with (
+        mock.patch.object(whole_step.WholeParamStep, "_own_whole", own_whole),
+        mock.patch.object(whole_step, "_all_to_all", all_to_all),
+    ):
+        for _ in range(2):
+            calls.clear()
+            model(torch.randn(3, 6)).sum().backward()
+            muon.step()
+            muon.zero_grad()
+    return calls, owned
+
+
+def test_exchange_holds_one_piece_and_frees_wholes_before_scattering(pool2: WorkerPool) -> None:
+    """The gather sends one piece (parameter, gradient, momentum) per all_to_all, so an owner never holds every
+    piece's received rows beside the whole tensors; the scatter's all_to_all runs once the whole parameters are
+    freed (their bytes are in its send buffer): the two halves of the step's peak above an element-wise step."""
+    for rank, (calls, owned) in enumerate(pool2.run(exchange_trace)):
+        assert len(calls) == 4, calls  # parameter, gradient, momentum in; parameter and momentum out
+        gathers, scatter = calls[:3], calls[3]
+        assert owned > 0 and [received for received, _ in gathers] == [4 * owned] * 3, (rank, owned, calls)
+        assert scatter[1] == 0, f"rank {rank}: {scatter[1]} whole parameters alive during the scatter"

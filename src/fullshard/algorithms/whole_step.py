@@ -8,15 +8,15 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 - **Owners.** Each sharded parameter gets one owner among its shard group's ranks, largest parameters first,
   each to the rank with the fewest elements so far (the same answer on every rank: it depends on shapes only).
-- **Before the step** (a step pre-hook), one ``all_to_all_single`` per shard group sends every owner the rows
-  the other ranks hold of its parameters: the parameter, its gradient and its per-element states. The owner
-  puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter`` with its whole
-  gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's place; other
-  ranks take the parameter out of their groups for this step.
+- **Before the step** (a step pre-hook), ``all_to_all_single`` per shard group (one per piece) sends every
+  owner the rows the other ranks hold of its parameters: the parameter, its gradient and its per-element
+  states. The owner puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter``
+  with its whole gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's
+  place; other ranks take the parameter out of their groups for this step.
 - **The step** is the optimizer's own, unchanged, on whole tensors: the same kernels on the same inputs as the
   unsharded run, so its results are bitwise the unsharded run's whenever the gradients are (by construction,
   on any CPU; the gradients are bitwise equal in world-size-invariant mode).
-- **After the step** (a post-hook), a second ``all_to_all_single`` sends each rank its rows of the updated
+- **After the step** (a post-hook), one more ``all_to_all_single`` sends each rank its rows of the updated
   parameter and per-element states, and every rank the owner's other state (0-dim ``step`` counters,
   Adafactor's row and column statistics, a preconditioner): at rest a per-element state is a shard, like
   AdamW's, and every other state is whole and equal on every rank. Which state names are whole is recorded in
@@ -26,11 +26,16 @@ so that each of its sharded parameters is stepped whole, by one rank:
 - The first time a parameter's state appears (or whenever it holds non-tensor values) its owner sends the
   names, shapes and dtypes with one ``all_gather_object``; afterwards the layout is known on every rank.
 
-Memory: parameters, gradients and state stay sharded between steps; during the step an owner holds its own
-parameters whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are
-balanced). Traffic per step: about the parameter, gradient and per-element state bytes gathered and the
-parameter and state bytes scattered, once each. Parameters outside every unit are whole on every rank and
-stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+[Note: exchange memory]
+Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
+whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced). The gather
+runs one ``all_to_all`` per piece (parameter, gradient, each per-element state), so beside the whole tensors an
+owner holds one piece's received rows at a time, not every piece's; the scatter copies the owner's rows into
+its send buffer and frees the whole tensors before its ``all_to_all``, and each rank copies what it receives
+straight into its shards and states (bytes, no intermediate tensor). Traffic per step: the parameter, gradient
+and per-element state bytes gathered and the parameter and state bytes scattered, once each. Parameters outside
+every unit are whole on every rank and stepped by every rank, as without this hook. Element-wise optimizers
+(AdamW, SGD) never need it.
 
 Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
 tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
@@ -46,7 +51,6 @@ after the first step is refused by the owner (the others then wait in the collec
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,35 +202,37 @@ class WholeParamStep:
         bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
-        # to each owner, in entry order: this rank's rows of the parameter, gradient, per-element states
-        send = [
-            [_as_bytes(t) for e in bucket.stepping if e.owner == o for t in self._local_pieces(e)]
-            for o in range(bucket.world)
-        ]
+        dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
         mine = [e for e in bucket.stepping if e.owner == bucket.rank]
-        sizes = {
-            (i, r): [_nbytes(e, r, d) for d in self._piece_dtypes(e)]
-            for i, e in enumerate(mine)
-            for r in range(bucket.world)
-        }
-        out_splits = [sum(sum(sizes[(i, r)]) for i in range(len(mine))) for r in range(bucket.world)]
-        in_splits = [sum(t.numel() for t in pieces) for pieces in send]
-        received = _all_to_all([t for pieces in send for t in pieces], out_splits, in_splits, bucket)
-        chunks: dict[tuple[int, int], list[torch.Tensor]] = {}
-        offset = 0
-        for r in range(bucket.world):  # rank-major, then entry, then piece
-            for i in range(len(mine)):
-                for k, n in enumerate(sizes[(i, r)]):
-                    chunks.setdefault((i, k), []).append(received.narrow(0, offset, n))
-                    offset += n
-        for i, e in enumerate(mine):
-            # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
-            # (of a tensor parallel parameter: its tp part, made whole by a gather over tp)
-            wholes = [
-                e.sp.full_of_gathered(torch.cat(chunks[(i, k)]).view(d).view(e.sp.gathered_shape))
-                for k, d in enumerate(self._piece_dtypes(e))
-            ]
-            self._own_whole(e, wholes)
+        wholes: list[list[torch.Tensor]] = [[] for _ in mine]
+        # One all_to_all per piece (parameter, gradient, each per-element state), so that an owner holds one
+        # piece's received rows at a time beside the whole tensors already built (see [Note: exchange memory]).
+        for k in range(max((len(d) for d in dtypes.values()), default=0)):
+            has = [e for e in bucket.stepping if len(dtypes[id(e.param)]) > k]
+            # to each owner, in entry order: this rank's rows of piece k
+            send = [_as_bytes(self._local_pieces(e)[k]) for o in range(bucket.world) for e in has if e.owner == o]
+            in_splits = [sum(_nbytes(e, bucket.rank, dtypes[id(e.param)][k]) for e in has if e.owner == o)
+                         for o in range(bucket.world)]  # fmt: skip
+            mine_k = [i for i, e in enumerate(mine) if len(dtypes[id(e.param)]) > k]
+            sizes = {(i, r): _nbytes(mine[i], r, dtypes[id(mine[i].param)][k]) for i in mine_k
+                     for r in range(bucket.world)}  # fmt: skip
+            out_splits = [sum(sizes[(i, r)] for i in mine_k) for r in range(bucket.world)]
+            received = _all_to_all(_concat(send), out_splits, in_splits, bucket)
+            del send
+            chunks: dict[int, list[torch.Tensor]] = {i: [] for i in mine_k}
+            offset = 0
+            for r in range(bucket.world):  # rank-major, then entry
+                for i in mine_k:
+                    chunks[i].append(received.narrow(0, offset, sizes[(i, r)]))
+                    offset += sizes[(i, r)]
+            for i in mine_k:
+                # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
+                # (of a tensor parallel parameter: its tp part, made whole by a gather over tp)
+                e, d = mine[i], dtypes[id(mine[i].param)][k]
+                wholes[i].append(e.sp.full_of_gathered(torch.cat(chunks[i]).view(d).view(e.sp.gathered_shape)))
+            del received, chunks
+        for e, pieces in zip(mine, wholes, strict=True):
+            self._own_whole(e, pieces)
         return [id(e.param) for e in bucket.stepping]
 
     def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
@@ -295,7 +301,7 @@ class WholeParamStep:
                     spec = dict(self._specs.get(id(e.param), []))
                     for name, kind in spec.items():
                         if kind[0] == "rows" and name in state:
-                            state[name] = _rows_like(e.param, _rows_of(e, state[name]).clone(), None)
+                            state[name] = _rows_like(e.param, _rows_of(e, state[name]).clone())
                     if state:
                         self.optimizer.state[e.param] = state
                     e.whole = None
@@ -306,8 +312,9 @@ class WholeParamStep:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._groups is None:
             return
-        wholes = {id(e.param): e.whole for b in self._buckets for e in b.entries if e.whole is not None}
-        states = {key: optimizer.state.pop(w, {}) for key, w in wholes.items() if w is not None}
+        stepped = [e for b in self._buckets for e in b.entries if e.whole is not None]
+        states = {id(e.param): optimizer.state.pop(e.whole, {}) for e in stepped}
+        del stepped
         for group, params in zip(optimizer.param_groups, self._groups, strict=True):
             group["params"] = params
         self._groups = None
@@ -331,6 +338,12 @@ class WholeParamStep:
                             send.append(_as_bytes(_rows_of(e, state[name], r)))
                         elif kind[0] == "whole":
                             send.append(_as_bytes(state[name]))
+        inp = _concat(send)
+        del send
+        for e in entries:  # the whole tensors are in ``inp`` now: free them before the exchange
+            if e.whole is not None:
+                e.whole = None
+                states.pop(id(e.param), None)
         dtypes = {id(e.param): self._scatter_dtypes(e) for e in entries}
         me = bucket.rank
         in_splits = [
@@ -341,7 +354,8 @@ class WholeParamStep:
             sum(_nbytes(e, me, d, kind) for e in entries if e.owner == o for d, kind in dtypes[id(e.param)])
             for o in range(bucket.world)
         ]
-        received = _all_to_all(send, out_splits, in_splits, bucket)
+        received = _all_to_all(inp, out_splits, in_splits, bucket)
+        del inp
         offset = 0
         for o in range(bucket.world):
             for e in entries:
@@ -350,7 +364,7 @@ class WholeParamStep:
                 pieces = []
                 for d, kind in dtypes[id(e.param)]:
                     n = _nbytes(e, me, d, kind)
-                    pieces.append(received.narrow(0, offset, n).clone().view(d))
+                    pieces.append(received.narrow(0, offset, n))  # bytes, copied into place by _take_pieces
                     offset += n
                 self._take_pieces(e, pieces)
         bucket.stepping = []
@@ -386,10 +400,10 @@ class WholeParamStep:
         return pieces
 
     def _take_pieces(self, e: _Entry, pieces: list[torch.Tensor]) -> None:
-        """This rank's rows of the stepped parameter and its state, from the owner."""
+        """This rank's rows of the stepped parameter and its state, from the owner (``pieces``: their bytes)."""
         local = local_tensor(e.param)
         with torch.no_grad():
-            local.copy_(pieces[0].view(local.shape))
+            _copy_bytes(local, pieces[0])
         old = self.optimizer.state.get(e.param, {})
         state: dict[str, Any] = {}
         it = iter(pieces[1:])
@@ -397,9 +411,14 @@ class WholeParamStep:
             if kind[0] == "value":
                 state[name] = kind[1]
             elif kind[0] == "whole":
-                state[name] = next(it).view(kind[2])
+                state[name] = next(it).clone().view(kind[1]).view(kind[2])
             else:
-                state[name] = _rows_like(e.param, next(it).view(local.shape), old.get(name))
+                rows, previous = next(it), old.get(name)
+                if _fits(previous, local.shape, kind[1]):
+                    _copy_bytes(local_tensor(previous), rows)
+                    state[name] = previous
+                else:
+                    state[name] = _rows_like(e.param, rows.clone().view(kind[1]).view(local.shape))
         if state:
             self.optimizer.state[e.param] = state
 
@@ -479,16 +498,29 @@ def _set_whole_names(
     lists[i] = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
 
 
-def _rows_like(param: torch.Tensor, rows: torch.Tensor, old: Any) -> torch.Tensor:
-    """``rows`` as the optimizer holds a per-element state of ``param`` (into the old tensor where it fits)."""
-    if isinstance(old, torch.Tensor) and local_tensor(old).shape == rows.shape and old.dtype == rows.dtype:
-        local_tensor(old).copy_(rows)
-        return old
+def _rows_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the optimizer holds a per-element state of ``param`` (a ``DTensor`` like it, if it is one)."""
     if isinstance(param, DTensor):
         return DTensor.from_local(
             rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
     return rows
+
+
+def _fits(old: Any, shape: torch.Size, dtype: torch.dtype) -> bool:
+    return isinstance(old, torch.Tensor) and local_tensor(old).shape == shape and old.dtype == dtype
+
+
+def _copy_bytes(dst: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy ``data`` (``dst``'s bytes, uint8) into ``dst`` without an intermediate tensor where ``dst`` allows."""
+    if dst.is_contiguous():
+        dst.reshape(-1).view(torch.uint8).copy_(data)
+    else:  # a Shard(d) parameter's movedim view
+        dst.copy_(data.clone().view(dst.dtype).view(dst.shape))
+
+
+def _concat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -504,11 +536,7 @@ def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -
     return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
 
 
-def _all_to_all(
-    send: Iterable[torch.Tensor], out_splits: list[int], in_splits: list[int], bucket: _Bucket
-) -> torch.Tensor:
-    pieces = list(send)
-    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+def _all_to_all(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket) -> torch.Tensor:
     if bucket.world == 1:
         return inp
     out = torch.empty(sum(out_splits), dtype=torch.uint8, device=inp.device)
