@@ -441,8 +441,8 @@ def test_matrix_optimizer_bitwise_on_dp_tp_mesh(pool4: WorkerPool, kind: str) ->
 # --- memory: one piece at a time in, whole tensors freed before the way back ------------------------------------
 
 
-def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], int]:
-    """For each all_to_all of the second step: (received bytes, whole parameters still alive); the elements of the
+def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """For each all_to_all of the second step: (received bytes, whole parameters still alive); the sizes of the
     matrices this rank owns."""
     import weakref
     from unittest import mock
@@ -454,10 +454,10 @@ def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], int]:
     muon = _optimizers(model, "muon")[0]
     hook = whole_param_step(model, muon)
     shapes = {n: p.shape for n, p in MLP().named_parameters()}
-    owned = sum(shapes[n].numel() for n, owner in hook.owners.items() if owner == rank)
+    owned = [shapes[n].numel() for n, owner in hook.owners.items() if owner == rank]
     wholes: list[weakref.ref] = []
     calls: list[tuple[int, int]] = []
-    own, exchange = whole_step.WholeParamStep._own_whole, whole_step._all_to_all
+    own, exchange, into = whole_step.WholeParamStep._own_whole, whole_step._all_to_all, whole_step._all_to_all_into
 
     def own_whole(self: object, e: object, pieces: list[torch.Tensor]) -> None:
         own(self, e, pieces)
@@ -467,9 +467,14 @@ def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], int]:
         calls.append((sum(out_splits), sum(w() is not None for w in wholes)))
         return exchange(inp, out_splits, *args)
 
+    def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], *args: object) -> None:
+        calls.append((sum(out_splits), -1))
+        into(out, inp, out_splits, *args)
+
     with (
         mock.patch.object(whole_step.WholeParamStep, "_own_whole", own_whole),
         mock.patch.object(whole_step, "_all_to_all", all_to_all),
+        mock.patch.object(whole_step, "_all_to_all_into", all_to_all_into),
     ):
         for _ in range(2):
             calls.clear()
@@ -480,11 +485,15 @@ def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], int]:
 
 
 def test_exchange_holds_one_piece_and_frees_wholes_before_scattering(pool2: WorkerPool) -> None:
-    """The gather sends one piece (parameter, gradient, momentum) per all_to_all, so an owner never holds every
-    piece's received rows beside the whole tensors; the scatter's all_to_all runs once the whole parameters are
-    freed (their bytes are in its send buffer): the two halves of the step's peak above an element-wise step."""
-    for rank, (calls, owned) in enumerate(pool2.run(exchange_trace)):
-        assert len(calls) == 4, calls  # parameter, gradient, momentum in; parameter and momentum out
-        gathers, scatter = calls[:3], calls[3]
-        assert owned > 0 and [received for received, _ in gathers] == [4 * owned] * 3, (rank, owned, calls)
+    """The gather receives one piece (parameter, gradient, momentum) of one matrix per all_to_all, straight into its
+    whole tensor, so an owner holds no received buffer beside the whole tensors; the scatter's all_to_all runs once
+    the whole parameters are freed (their bytes are in its send buffer): the two halves of the step's peak above
+    an element-wise step."""
+    traces = pool2.run(exchange_trace)
+    slots = max(len(owned) for _, owned in traces)  # the most matrices one rank owns
+    for rank, (calls, owned) in enumerate(traces):
+        assert len(calls) == 3 * slots + 1, calls  # parameter, gradient, momentum in, per slot; one call out
+        gathers, scatter = calls[:-1], calls[-1]
+        received = sorted(b for b, _ in gathers if b)
+        assert received == sorted(4 * n for n in owned for _ in range(3)), (rank, owned, calls)
         assert scatter[1] == 0, f"rank {rank}: {scatter[1]} whole parameters alive during the scatter"

@@ -204,35 +204,31 @@ class WholeParamStep:
             self._specs[id(e.param)] = self._rest_spec(e)
         dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
         mine = [e for e in bucket.stepping if e.owner == bucket.rank]
-        wholes: list[list[torch.Tensor]] = [[] for _ in mine]
-        # One all_to_all per piece (parameter, gradient, each per-element state), so that an owner holds one
-        # piece's received rows at a time beside the whole tensors already built (see [Note: exchange memory]).
+        wholes: dict[int, list[torch.Tensor]] = {id(e): [] for e in mine}
+        owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
+        # One all_to_all per piece (parameter, gradient, each per-element state) and slot: in call (k, j) every
+        # owner receives piece k of its j-th parameter straight into that piece's whole tensor (rank r's rows at
+        # rank r's place: the dim-0 layout), so nothing is received beside the whole tensors (see [Note: exchange
+        # memory]).
         for k in range(max((len(d) for d in dtypes.values()), default=0)):
-            has = [e for e in bucket.stepping if len(dtypes[id(e.param)]) > k]
-            # to each owner, in entry order: this rank's rows of piece k
-            send = [_as_bytes(self._local_pieces(e)[k]) for o in range(bucket.world) for e in has if e.owner == o]
-            in_splits = [sum(_nbytes(e, bucket.rank, dtypes[id(e.param)][k]) for e in has if e.owner == o)
-                         for o in range(bucket.world)]  # fmt: skip
-            mine_k = [i for i, e in enumerate(mine) if len(dtypes[id(e.param)]) > k]
-            sizes = {(i, r): _nbytes(mine[i], r, dtypes[id(mine[i].param)][k]) for i in mine_k
-                     for r in range(bucket.world)}  # fmt: skip
-            out_splits = [sum(sizes[(i, r)] for i in mine_k) for r in range(bucket.world)]
-            received = _all_to_all(_concat(send), out_splits, in_splits, bucket)
-            del send
-            chunks: dict[int, list[torch.Tensor]] = {i: [] for i in mine_k}
-            offset = 0
-            for r in range(bucket.world):  # rank-major, then entry
-                for i in mine_k:
-                    chunks[i].append(received.narrow(0, offset, sizes[(i, r)]))
-                    offset += sizes[(i, r)]
-            for i in mine_k:
-                # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
-                # (of a tensor parallel parameter: its tp part, made whole by a gather over tp)
-                e, d = mine[i], dtypes[id(mine[i].param)][k]
-                wholes[i].append(e.sp.full_of_gathered(torch.cat(chunks[i]).view(d).view(e.sp.gathered_shape)))
-            del received, chunks
-        for e, pieces in zip(mine, wholes, strict=True):
-            self._own_whole(e, pieces)
+            for j in range(max(len(o) for o in owned)):
+                to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
+                send = [_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())]
+                in_splits = [_nbytes(to[o], bucket.rank, dtypes[id(to[o].param)][k]) if o in to else 0
+                             for o in range(bucket.world)]  # fmt: skip
+                e = to.get(bucket.rank)
+                if e is None:
+                    _all_to_all_into(torch.empty(0, dtype=torch.uint8), _concat(send), [0] * bucket.world, in_splits,
+                                     bucket)  # fmt: skip
+                    continue
+                d = dtypes[id(e.param)][k]
+                whole = torch.empty(e.sp.gathered_shape, dtype=d)
+                out_splits = [_nbytes(e, r, d) for r in range(bucket.world)]
+                _all_to_all_into(_as_bytes(whole), _concat(send), out_splits, in_splits, bucket)
+                # of a tensor parallel parameter: its tp part, made whole by a gather over tp
+                wholes[id(e)].append(e.sp.full_of_gathered(whole))
+        for e in mine:
+            self._own_whole(e, wholes.pop(id(e)))
         return [id(e.param) for e in bucket.stepping]
 
     def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
@@ -534,6 +530,16 @@ def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -
             numel *= d
         return numel * dtype.itemsize
     return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
+
+
+def _all_to_all_into(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket
+) -> None:
+    """``all_to_all_single`` of bytes into ``out`` (a view of the tensors it fills)."""
+    if bucket.world == 1:
+        out.copy_(inp)
+    else:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
 
 
 def _all_to_all(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket) -> torch.Tensor:
