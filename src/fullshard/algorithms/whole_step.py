@@ -213,7 +213,8 @@ class WholeParamStep:
         for k in range(max((len(d) for d in dtypes.values()), default=0)):
             for j in range(max(len(o) for o in owned)):
                 to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
-                send = [_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())]
+                # rows in the layout's dim order (a Shard(d) parameter's dim d first: see [Note: Shard(d)])
+                send = [_as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())]
                 in_splits = [_nbytes(to[o], bucket.rank, dtypes[id(to[o].param)][k]) if o in to else 0
                              for o in range(bucket.world)]  # fmt: skip
                 e = to.get(bucket.rank)
@@ -222,11 +223,12 @@ class WholeParamStep:
                                      bucket)  # fmt: skip
                     continue
                 d = dtypes[id(e.param)][k]
-                whole = torch.empty(e.sp.gathered_shape, dtype=d)
+                whole = torch.empty(e.sp.layout.shape, dtype=d)  # the layout's dim order
                 out_splits = [_nbytes(e, r, d) for r in range(bucket.world)]
                 _all_to_all_into(_as_bytes(whole), _concat(send), out_splits, in_splits, bucket)
-                # of a tensor parallel parameter: its tp part, made whole by a gather over tp
-                wholes[id(e)].append(e.sp.full_of_gathered(whole))
+                # in the parameter's dim order, plain (a copy only for Shard(d), d > 0); of a tensor parallel
+                # parameter: its tp part, made whole by a gather over tp
+                wholes[id(e)].append(e.sp.full_of_gathered(e.sp.unmove(whole).contiguous()))
         for e in mine:
             self._own_whole(e, wholes.pop(id(e)))
         return [id(e.param) for e in bucket.stepping]
@@ -414,7 +416,9 @@ class WholeParamStep:
                     _copy_bytes(local_tensor(previous), rows)
                     state[name] = previous
                 else:
-                    state[name] = _rows_like(e.param, rows.clone().view(kind[1]).view(local.shape))
+                    new = torch.empty_like(local, dtype=kind[1])  # the shard's strides (Shard(d): a movedim view)
+                    _copy_bytes(new, rows)
+                    state[name] = _rows_like(e.param, new)
         if state:
             self.optimizer.state[e.param] = state
 
