@@ -82,7 +82,6 @@ class Timers:
         with (
             mock.patch.object(hook, "_gather", self.wrap(GATHER, hook._gather)),
             mock.patch.object(hook, "_scatter", self.wrap(SCATTER, hook._scatter)),
-            mock.patch.object(whole_step, "_all_to_all", self.wrap("all_to_all", whole_step._all_to_all)),
             mock.patch.object(whole_step, "_all_to_all_into", self.wrap("all_to_all", whole_step._all_to_all_into)),
             mock.patch.object(
                 muon_module, "_zeropower_via_newtonschulz", self.wrap(NS, muon_module._zeropower_via_newtonschulz)

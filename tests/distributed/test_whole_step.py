@@ -463,23 +463,18 @@ def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], list[i
     owned = [shapes[n].numel() for n, owner in hook.owners.items() if owner == rank]
     wholes: list[weakref.ref] = []
     calls: list[tuple[int, int]] = []
-    own, exchange, into = whole_step.WholeParamStep._own_whole, whole_step._all_to_all, whole_step._all_to_all_into
+    own, into = whole_step.WholeParamStep._own_whole, whole_step._all_to_all_into
 
     def own_whole(self: object, e: object, pieces: list[torch.Tensor]) -> None:
         own(self, e, pieces)
         wholes.append(weakref.ref(e.whole))  # type: ignore[attr-defined]
 
-    def all_to_all(inp: torch.Tensor, out_splits: list[int], *args: object) -> torch.Tensor:
-        calls.append((sum(out_splits), sum(w() is not None for w in wholes)))
-        return exchange(inp, out_splits, *args)
-
     def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], *args: object) -> None:
-        calls.append((sum(out_splits), -1))
+        calls.append((sum(out_splits), sum(w() is not None for w in wholes)))
         into(out, inp, out_splits, *args)
 
     with (
         mock.patch.object(whole_step.WholeParamStep, "_own_whole", own_whole),
-        mock.patch.object(whole_step, "_all_to_all", all_to_all),
         mock.patch.object(whole_step, "_all_to_all_into", all_to_all_into),
     ):
         for _ in range(2):
@@ -490,16 +485,19 @@ def exchange_trace(rank: int, world: int) -> tuple[list[tuple[int, int]], list[i
     return calls, owned
 
 
-def test_exchange_holds_one_piece_and_frees_wholes_before_scattering(pool2: WorkerPool) -> None:
+def test_exchange_holds_one_piece_and_frees_wholes_as_it_scatters(pool2: WorkerPool) -> None:
     """The gather receives one piece (parameter, gradient, momentum) of one matrix per all_to_all, straight into its
-    whole tensor, so an owner holds no received buffer beside the whole tensors; the scatter's all_to_all runs once
-    the whole parameters are freed (their bytes are in its send buffer): the two halves of the step's peak above
-    an element-wise step."""
+    whole tensor, so an owner holds no received buffer beside the whole tensors; the scatter sends one piece
+    (parameter, momentum) of one matrix per owner and call, and frees an owner's whole tensors slot by slot: the
+    step's memory above an element-wise step is the whole tensors, falling as they are sent back."""
     traces = pool2.run(exchange_trace)
     slots = max(len(owned) for _, owned in traces)  # the most matrices one rank owns
     for rank, (calls, owned) in enumerate(traces):
-        assert len(calls) == 3 * slots + 1, calls  # parameter, gradient, momentum in, per slot; one call out
-        gathers, scatter = calls[:-1], calls[-1]
+        assert len(calls) == 3 * slots + 2 * slots, calls  # 3 pieces in, 2 out, per slot
+        gathers, scatters = calls[: 3 * slots], calls[3 * slots :]
         received = sorted(b for b, _ in gathers if b)
         assert received == sorted(4 * n for n in owned for _ in range(3)), (rank, owned, calls)
-        assert scatter[1] == 0, f"rank {rank}: {scatter[1]} whole parameters alive during the scatter"
+        assert all(alive == 0 for _, alive in gathers), (rank, calls)  # none left from the step before
+        # slot j's two calls: the whole tensors of slots j.. are alive, those before freed
+        alive = [alive for _, alive in scatters]
+        assert alive == [max(len(owned) - j, 0) for j in range(slots) for _ in range(2)], (rank, owned, calls)

@@ -325,46 +325,45 @@ class WholeParamStep:
     def _scatter(self, bucket: _Bucket, states: dict[int, dict[str, Any]]) -> None:
         entries = bucket.stepping
         self._exchange_specs(bucket, entries, states)
-        send = []
-        for r in range(bucket.world):
-            for e in entries:
-                if e.owner == bucket.rank and e.whole is not None:
-                    state = states[id(e.param)]
-                    send.append(_as_bytes(_rows_of(e, e.whole.detach(), r)))
-                    for name, kind in self._specs[id(e.param)]:
-                        if kind[0] == "rows":
-                            send.append(_as_bytes(_rows_of(e, state[name], r)))
-                        elif kind[0] == "whole":
-                            send.append(_as_bytes(state[name]))
-        inp = _concat(send)
-        del send
-        for e in entries:  # the whole tensors are in ``inp`` now: free them before the exchange
-            if e.whole is not None:
-                e.whole = None
-                states.pop(id(e.param), None)
-        dtypes = {id(e.param): self._scatter_dtypes(e) for e in entries}
+        pieces = {id(e.param): self._scatter_pieces(e) for e in entries}
+        owned = [[e for e in entries if e.owner == o] for o in range(bucket.world)]
         me = bucket.rank
-        in_splits = [
-            sum(_nbytes(e, r, d, kind) for e in entries if e.owner == me for d, kind in dtypes[id(e.param)])
-            for r in range(bucket.world)
-        ]
-        out_splits = [
-            sum(_nbytes(e, me, d, kind) for e in entries if e.owner == o for d, kind in dtypes[id(e.param)])
-            for o in range(bucket.world)
-        ]
-        received = _all_to_all(inp, out_splits, in_splits, bucket)
-        del inp
-        offset = 0
-        for o in range(bucket.world):
-            for e in entries:
-                if e.owner != o:
-                    continue
-                pieces = []
-                for d, kind in dtypes[id(e.param)]:
-                    n = _nbytes(e, me, d, kind)
-                    pieces.append(received.narrow(0, offset, n))  # bytes, copied into place by _take_pieces
-                    offset += n
-                self._take_pieces(e, pieces)
+        # One all_to_all per owner slot and piece (parameter, then each state in spec order): in call (j, k) every
+        # owner sends every rank its rows of piece k of its j-th parameter (a whole state: all of it); once a slot
+        # is sent its whole tensors are freed and its pieces copied into place (see [Note: exchange memory]).
+        for j in range(max((len(es) for es in owned), default=0)):
+            slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+            got: dict[int, list[torch.Tensor]] = {id(e.param): [] for e in slot.values()}
+            for k in range(max(len(pieces[id(e.param)]) for e in slot.values())):
+                at = {o: e for o, e in slot.items() if len(pieces[id(e.param)]) > k}
+                send, in_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+                mine = at.get(me)
+                if mine is not None and mine.whole is not None:
+                    name, d, kind = pieces[id(mine.param)][k]
+                    src = mine.whole.detach() if name is None else states[id(mine.param)][name]
+                    if kind[0] == "whole":
+                        send = _concat([_as_bytes(src)] * bucket.world)
+                    else:
+                        send = _concat([_as_bytes(_rows_of(mine, src, r)) for r in range(bucket.world)])
+                    in_splits = [_nbytes(mine, r, d, kind) for r in range(bucket.world)]
+                out_splits = [
+                    _nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
+                    for o in range(bucket.world)
+                ]
+                out = torch.empty(sum(out_splits), dtype=torch.uint8)
+                _all_to_all_into(out, send, out_splits, in_splits, bucket)
+                del send
+                offset = 0
+                for o in range(bucket.world):
+                    if o in at:  # bytes, copied into place by _take_pieces
+                        got[id(at[o].param)].append(out.narrow(0, offset, out_splits[o]))
+                        offset += out_splits[o]
+            mine_j = slot.get(me)
+            if mine_j is not None:  # sent: free the whole tensors
+                mine_j.whole = None
+                states.pop(id(mine_j.param), None)
+            for e in slot.values():
+                self._take_pieces(e, got.pop(id(e.param)))
         bucket.stepping = []
 
     def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
@@ -391,10 +390,11 @@ class WholeParamStep:
             self._specs[id(e.param)] = merged[e.fqn]
             _set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
 
-    def _scatter_dtypes(self, e: _Entry) -> list[tuple[torch.dtype, _Kind]]:
+    def _scatter_pieces(self, e: _Entry) -> list[tuple[str | None, torch.dtype, _Kind]]:
+        """What the owner sends back of ``e``, in order: (state name, or None for the parameter; dtype; kind)."""
         spec = self._specs[id(e.param)]
-        pieces: list[tuple[torch.dtype, _Kind]] = [(e.param.dtype, ("rows", e.param.dtype))]
-        pieces += [(kind[1], kind) for _, kind in spec if kind[0] in ("rows", "whole")]
+        pieces: list[tuple[str | None, torch.dtype, _Kind]] = [(None, e.param.dtype, ("rows", e.param.dtype))]
+        pieces += [(name, kind[1], kind) for name, kind in spec if kind[0] in ("rows", "whole")]
         return pieces
 
     def _take_pieces(self, e: _Entry, pieces: list[torch.Tensor]) -> None:
@@ -544,14 +544,6 @@ def _all_to_all_into(
         out.copy_(inp)
     else:
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
-
-
-def _all_to_all(inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket) -> torch.Tensor:
-    if bucket.world == 1:
-        return inp
-    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=inp.device)
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
-    return out
 
 
 def _refuse_on_shards(optimizer: torch.optim.Optimizer) -> None:
