@@ -8,15 +8,16 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 - **Owners.** Each sharded parameter gets one owner among its shard group's ranks, largest parameters first,
   each to the rank with the fewest elements so far (the same answer on every rank: it depends on shapes only).
-- **Before the step** (a step pre-hook), ``all_to_all_single`` per shard group (one per piece) sends every
-  owner the rows the other ranks hold of its parameters: the parameter, its gradient and its per-element
+- **Before the step** (a step pre-hook), ``all_to_all_single`` per shard group (one per piece and owner slot)
+  sends every owner the rows the other ranks hold of its parameters: the parameter, its gradient and its per-element
   states. The owner puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter``
   with its whole gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's
   place; other ranks take the parameter out of their groups for this step.
 - **The step** is the optimizer's own, unchanged, on whole tensors: the same kernels on the same inputs as the
   unsharded run, so its results are bitwise the unsharded run's whenever the gradients are (by construction,
   on any CPU; the gradients are bitwise equal in world-size-invariant mode).
-- **After the step** (a post-hook), one more ``all_to_all_single`` sends each rank its rows of the updated
+- **After the step** (a post-hook), ``all_to_all_single`` again (one per owner slot and piece) sends each rank
+  its rows of the updated
   parameter and per-element states, and every rank the owner's other state (0-dim ``step`` counters,
   Adafactor's row and column statistics, a preconditioner): at rest a per-element state is a shard, like
   AdamW's, and every other state is whole and equal on every rank. Which state names are whole is recorded in
@@ -28,14 +29,16 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 [Note: exchange memory]
 Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
-whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced). The gather
-runs one ``all_to_all`` per piece (parameter, gradient, each per-element state), so beside the whole tensors an
-owner holds one piece's received rows at a time, not every piece's; the scatter copies the owner's rows into
-its send buffer and frees the whole tensors before its ``all_to_all``, and each rank copies what it receives
-straight into its shards and states (bytes, no intermediate tensor). Traffic per step: the parameter, gradient
-and per-element state bytes gathered and the parameter and state bytes scattered, once each. Parameters outside
-every unit are whole on every rank and stepped by every rank, as without this hook. Element-wise optimizers
-(AdamW, SGD) never need it.
+whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced), and
+nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
+owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
+that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
+nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
+parameter's piece, then frees that parameter's whole tensors, and every rank copies the bytes it received for
+slot ``j`` straight into its shards and states. The calls are many but small (``3`` then ``2`` per owned matrix
+for Muon). Traffic per step: the parameter, gradient and per-element state bytes gathered and the parameter and
+state bytes scattered, once each. Parameters outside every unit are whole on every rank and stepped by every
+rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
 
 Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
 tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
