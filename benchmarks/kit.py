@@ -274,6 +274,8 @@ LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
     SHORT_FSDP2: lora_torch_fsdp2,
 }
 LORA_BASELINE = SHORT_FSDP2
+# ``muon.py``: (system, optimizer set-up) rows; the first is the baseline of its ratios
+MATRIX_OPTIMIZER_ROWS = ((OURS_FULLY_SHARD, "adamw"), (OURS_FULLY_SHARD, "muon"), (FSDP2, "muon"))
 
 
 def system(name: str) -> System:

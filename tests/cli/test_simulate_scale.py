@@ -61,3 +61,15 @@ def test_small_plans_match_the_formulas(tmp_path: Path) -> None:
             )
         formula = sum(plan["comm_formula"].values())
         assert 0.5 * formula < sum(plan["comm_bytes"].values()) < 1.5 * formula  # padding is large on a tiny model
+        # whole_param_step + Muon on the blocks' matrices: every matrix owned by one rank, Newton-Schulz FLOPs
+        # summed over owners = the unsharded optimizer's, the owners balanced to within one matrix
+        w = plan["whole_step"]
+        matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+        assert w["matrices"] == len(matrices) == 4 * cfg.n_layer
+        ns = [5 * 2 * (2 * min(p.shape) ** 2 * max(p.shape) + min(p.shape) ** 3) for p in matrices]
+        assert w["ns_flops_total"] == sum(ns)
+        assert sum(ns) / shards <= w["ns_flops_max"] <= sum(ns) / shards + max(ns)
+        numel = [p.numel() for p in matrices]
+        assert w["held_bytes_max"] <= 12 * (sum(numel) / shards + max(numel))
+        assert w["gather_bytes_max"] * 2 == w["scatter_bytes_max"] * 3  # (param, grad, momentum) in, 2 of them out
+        assert 0 < w["exchange_bytes_mean"] <= 5 * 4 * sum(numel) / shards

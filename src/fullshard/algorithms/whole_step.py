@@ -8,15 +8,16 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 - **Owners.** Each sharded parameter gets one owner among its shard group's ranks, largest parameters first,
   each to the rank with the fewest elements so far (the same answer on every rank: it depends on shapes only).
-- **Before the step** (a step pre-hook), one ``all_to_all_single`` per shard group sends every owner the rows
-  the other ranks hold of its parameters: the parameter, its gradient and its per-element states. The owner
-  puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter`` with its whole
-  gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's place; other
-  ranks take the parameter out of their groups for this step.
+- **Before the step** (a step pre-hook), ``all_to_all_single`` per shard group (one per piece and owner slot)
+  sends every owner the rows the other ranks hold of its parameters: the parameter, its gradient and its per-element
+  states. The owner puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter``
+  with its whole gradient and whole state, and swaps it into the optimizer's param groups in the sharded one's
+  place; other ranks take the parameter out of their groups for this step.
 - **The step** is the optimizer's own, unchanged, on whole tensors: the same kernels on the same inputs as the
   unsharded run, so its results are bitwise the unsharded run's whenever the gradients are (by construction,
   on any CPU; the gradients are bitwise equal in world-size-invariant mode).
-- **After the step** (a post-hook), a second ``all_to_all_single`` sends each rank its rows of the updated
+- **After the step** (a post-hook), ``all_to_all_single`` again (one per owner slot and piece) sends each rank
+  its rows of the updated
   parameter and per-element states, and every rank the owner's other state (0-dim ``step`` counters,
   Adafactor's row and column statistics, a preconditioner): at rest a per-element state is a shard, like
   AdamW's, and every other state is whole and equal on every rank. Which state names are whole is recorded in
@@ -26,20 +27,33 @@ so that each of its sharded parameters is stepped whole, by one rank:
 - The first time a parameter's state appears (or whenever it holds non-tensor values) its owner sends the
   names, shapes and dtypes with one ``all_gather_object``; afterwards the layout is known on every rank.
 
-Memory: parameters, gradients and state stay sharded between steps; during the step an owner holds its own
-parameters whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are
-balanced). Traffic per step: about the parameter, gradient and per-element state bytes gathered and the
-parameter and state bytes scattered, once each. Parameters outside every unit are whole on every rank and
-stepped by every rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+[Note: exchange memory]
+Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
+whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced), and
+nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
+owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
+that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
+nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
+parameter's piece, then frees that parameter's whole tensors, and every rank copies the bytes it received for
+slot ``j`` straight into its shards and states. The calls are many but small (``3`` then ``2`` per owned matrix
+for Muon). Traffic per step: the parameter, gradient and per-element state bytes gathered and the parameter and
+state bytes scattered, once each. Parameters outside every unit are whole on every rank and stepped by every
+rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+
+Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
+tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
+tp rank) make each piece whole with a gather over tp, and all of them step the same whole matrix (the same
+kernels on the same bytes: bitwise equal results), each keeping its own tp part for the scatter over dp. The
+step's compute is therefore repeated on every tp rank (``tp`` times the work of a 1-D mesh of ``dp`` ranks).
 
 Limits: every rank must have a gradient for the same parameters (sharded gradients are, after any backward);
-tensor parallel parameters and ``step(closure)`` are refused; an optimizer whose state changes names or shapes
+``step(closure)`` is refused; an optimizer whose state changes names or shapes
 after the first step is refused by the owner (the others then wait in the collective until its timeout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +69,7 @@ __all__ = [
     "WHOLE_STATES_KEY",
     "WholeParamStep",
     "is_matrix_optimizer",
+    "plan_owners",
     "register_matrix_optimizer",
     "whole_param_step",
 ]
@@ -152,12 +167,6 @@ class WholeParamStep:
                     )
                 if info.sp is None:
                     continue  # outside every unit: whole on every rank, stepped by every rank
-                if info.sp.tp is not None:
-                    raise ValueError(
-                        f"whole_param_step: parameter {info.fqn!r} is tensor parallel; whole-parameter steps "
-                        "support data-parallel sharding only (1-D meshes, HSDP). Keep tensor parallel parameters "
-                        "in an element-wise optimizer (AdamW)."
-                    )
                 shard = info.unit.shard_group
                 bucket = buckets.setdefault(
                     id(shard.shard_pg), _Bucket(shard.shard_pg, shard.shard_size, shard.shard_rank)
@@ -196,31 +205,35 @@ class WholeParamStep:
         bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
-        # to each owner, in entry order: this rank's rows of the parameter, gradient, per-element states
-        send = [
-            [_as_bytes(t) for e in bucket.stepping if e.owner == o for t in self._local_pieces(e)]
-            for o in range(bucket.world)
-        ]
+        dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
         mine = [e for e in bucket.stepping if e.owner == bucket.rank]
-        sizes = {
-            (i, r): [_nbytes(e, r, d) for d in self._piece_dtypes(e)]
-            for i, e in enumerate(mine)
-            for r in range(bucket.world)
-        }
-        out_splits = [sum(sum(sizes[(i, r)]) for i in range(len(mine))) for r in range(bucket.world)]
-        in_splits = [sum(t.numel() for t in pieces) for pieces in send]
-        received = _all_to_all([t for pieces in send for t in pieces], out_splits, in_splits, bucket)
-        chunks: dict[tuple[int, int], list[torch.Tensor]] = {}
-        offset = 0
-        for r in range(bucket.world):  # rank-major, then entry, then piece
-            for i in range(len(mine)):
-                for k, n in enumerate(sizes[(i, r)]):
-                    chunks.setdefault((i, k), []).append(received.narrow(0, offset, n))
-                    offset += n
-        for i, e in enumerate(mine):
-            # a piece's whole tensor is its rows from every rank, in rank order (dim-0 chunks): a byte copy
-            wholes = [torch.cat(chunks[(i, k)]).view(d).view(e.sp.shape) for k, d in enumerate(self._piece_dtypes(e))]
-            self._own_whole(e, wholes)
+        wholes: dict[int, list[torch.Tensor]] = {id(e): [] for e in mine}
+        owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
+        # One all_to_all per piece (parameter, gradient, each per-element state) and slot: in call (k, j) every
+        # owner receives piece k of its j-th parameter straight into that piece's whole tensor (rank r's rows at
+        # rank r's place: the dim-0 layout), so nothing is received beside the whole tensors (see [Note: exchange
+        # memory]).
+        for k in range(max((len(d) for d in dtypes.values()), default=0)):
+            for j in range(max(len(o) for o in owned)):
+                to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
+                # rows in the layout's dim order (a Shard(d) parameter's dim d first: see [Note: Shard(d)])
+                send = [_as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())]
+                in_splits = [_nbytes(to[o], bucket.rank, dtypes[id(to[o].param)][k]) if o in to else 0
+                             for o in range(bucket.world)]  # fmt: skip
+                e = to.get(bucket.rank)
+                if e is None:
+                    _all_to_all_into(torch.empty(0, dtype=torch.uint8), _concat(send), [0] * bucket.world, in_splits,
+                                     bucket)  # fmt: skip
+                    continue
+                d = dtypes[id(e.param)][k]
+                whole = torch.empty(e.sp.layout.shape, dtype=d)  # the layout's dim order
+                out_splits = [_nbytes(e, r, d) for r in range(bucket.world)]
+                _all_to_all_into(_as_bytes(whole), _concat(send), out_splits, in_splits, bucket)
+                # in the parameter's dim order, plain (a copy only for Shard(d), d > 0); of a tensor parallel
+                # parameter: its tp part, made whole by a gather over tp
+                wholes[id(e)].append(e.sp.full_of_gathered(e.sp.unmove(whole).contiguous()))
+        for e in mine:
+            self._own_whole(e, wholes.pop(id(e)))
         return [id(e.param) for e in bucket.stepping]
 
     def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
@@ -289,7 +302,7 @@ class WholeParamStep:
                     spec = dict(self._specs.get(id(e.param), []))
                     for name, kind in spec.items():
                         if kind[0] == "rows" and name in state:
-                            state[name] = _rows_like(e.param, e.sp.rows_of(state[name]).clone(), None)
+                            state[name] = _rows_like(e.param, _rows_of(e, state[name]).clone())
                     if state:
                         self.optimizer.state[e.param] = state
                     e.whole = None
@@ -300,8 +313,9 @@ class WholeParamStep:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._groups is None:
             return
-        wholes = {id(e.param): e.whole for b in self._buckets for e in b.entries if e.whole is not None}
-        states = {key: optimizer.state.pop(w, {}) for key, w in wholes.items() if w is not None}
+        stepped = [e for b in self._buckets for e in b.entries if e.whole is not None]
+        states = {id(e.param): optimizer.state.pop(e.whole, {}) for e in stepped}
+        del stepped
         for group, params in zip(optimizer.param_groups, self._groups, strict=True):
             group["params"] = params
         self._groups = None
@@ -314,39 +328,45 @@ class WholeParamStep:
     def _scatter(self, bucket: _Bucket, states: dict[int, dict[str, Any]]) -> None:
         entries = bucket.stepping
         self._exchange_specs(bucket, entries, states)
-        send = []
-        for r in range(bucket.world):
-            for e in entries:
-                if e.owner == bucket.rank and e.whole is not None:
-                    state = states[id(e.param)]
-                    send.append(_as_bytes(e.sp.rows_of(e.whole.detach(), r)))
-                    for name, kind in self._specs[id(e.param)]:
-                        if kind[0] == "rows":
-                            send.append(_as_bytes(e.sp.rows_of(state[name], r)))
-                        elif kind[0] == "whole":
-                            send.append(_as_bytes(state[name]))
-        dtypes = {id(e.param): self._scatter_dtypes(e) for e in entries}
+        pieces = {id(e.param): self._scatter_pieces(e) for e in entries}
+        owned = [[e for e in entries if e.owner == o] for o in range(bucket.world)]
         me = bucket.rank
-        in_splits = [
-            sum(_nbytes(e, r, d, kind) for e in entries if e.owner == me for d, kind in dtypes[id(e.param)])
-            for r in range(bucket.world)
-        ]
-        out_splits = [
-            sum(_nbytes(e, me, d, kind) for e in entries if e.owner == o for d, kind in dtypes[id(e.param)])
-            for o in range(bucket.world)
-        ]
-        received = _all_to_all(send, out_splits, in_splits, bucket)
-        offset = 0
-        for o in range(bucket.world):
-            for e in entries:
-                if e.owner != o:
-                    continue
-                pieces = []
-                for d, kind in dtypes[id(e.param)]:
-                    n = _nbytes(e, me, d, kind)
-                    pieces.append(received.narrow(0, offset, n).clone().view(d))
-                    offset += n
-                self._take_pieces(e, pieces)
+        # One all_to_all per owner slot and piece (parameter, then each state in spec order): in call (j, k) every
+        # owner sends every rank its rows of piece k of its j-th parameter (a whole state: all of it); once a slot
+        # is sent its whole tensors are freed and its pieces copied into place (see [Note: exchange memory]).
+        for j in range(max((len(es) for es in owned), default=0)):
+            slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+            got: dict[int, list[torch.Tensor]] = {id(e.param): [] for e in slot.values()}
+            for k in range(max(len(pieces[id(e.param)]) for e in slot.values())):
+                at = {o: e for o, e in slot.items() if len(pieces[id(e.param)]) > k}
+                send, in_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+                mine = at.get(me)
+                if mine is not None and mine.whole is not None:
+                    name, d, kind = pieces[id(mine.param)][k]
+                    src = mine.whole.detach() if name is None else states[id(mine.param)][name]
+                    if kind[0] == "whole":
+                        send = _concat([_as_bytes(src)] * bucket.world)
+                    else:
+                        send = _concat([_as_bytes(_rows_of(mine, src, r)) for r in range(bucket.world)])
+                    in_splits = [_nbytes(mine, r, d, kind) for r in range(bucket.world)]
+                out_splits = [
+                    _nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
+                    for o in range(bucket.world)
+                ]
+                out = torch.empty(sum(out_splits), dtype=torch.uint8)
+                _all_to_all_into(out, send, out_splits, in_splits, bucket)
+                del send
+                offset = 0
+                for o in range(bucket.world):
+                    if o in at:  # bytes, copied into place by _take_pieces
+                        got[id(at[o].param)].append(out.narrow(0, offset, out_splits[o]))
+                        offset += out_splits[o]
+            mine_j = slot.get(me)
+            if mine_j is not None:  # sent: free the whole tensors
+                mine_j.whole = None
+                states.pop(id(mine_j.param), None)
+            for e in slot.values():
+                self._take_pieces(e, got.pop(id(e.param)))
         bucket.stepping = []
 
     def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
@@ -373,17 +393,18 @@ class WholeParamStep:
             self._specs[id(e.param)] = merged[e.fqn]
             _set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
 
-    def _scatter_dtypes(self, e: _Entry) -> list[tuple[torch.dtype, _Kind]]:
+    def _scatter_pieces(self, e: _Entry) -> list[tuple[str | None, torch.dtype, _Kind]]:
+        """What the owner sends back of ``e``, in order: (state name, or None for the parameter; dtype; kind)."""
         spec = self._specs[id(e.param)]
-        pieces: list[tuple[torch.dtype, _Kind]] = [(e.param.dtype, ("rows", e.param.dtype))]
-        pieces += [(kind[1], kind) for _, kind in spec if kind[0] in ("rows", "whole")]
+        pieces: list[tuple[str | None, torch.dtype, _Kind]] = [(None, e.param.dtype, ("rows", e.param.dtype))]
+        pieces += [(name, kind[1], kind) for name, kind in spec if kind[0] in ("rows", "whole")]
         return pieces
 
     def _take_pieces(self, e: _Entry, pieces: list[torch.Tensor]) -> None:
-        """This rank's rows of the stepped parameter and its state, from the owner."""
+        """This rank's rows of the stepped parameter and its state, from the owner (``pieces``: their bytes)."""
         local = local_tensor(e.param)
         with torch.no_grad():
-            local.copy_(pieces[0].view(local.shape))
+            _copy_bytes(local, pieces[0])
         old = self.optimizer.state.get(e.param, {})
         state: dict[str, Any] = {}
         it = iter(pieces[1:])
@@ -391,9 +412,16 @@ class WholeParamStep:
             if kind[0] == "value":
                 state[name] = kind[1]
             elif kind[0] == "whole":
-                state[name] = next(it).view(kind[2])
+                state[name] = next(it).clone().view(kind[1]).view(kind[2])
             else:
-                state[name] = _rows_like(e.param, next(it).view(local.shape), old.get(name))
+                rows, previous = next(it), old.get(name)
+                if _fits(previous, local.shape, kind[1]):
+                    _copy_bytes(local_tensor(previous), rows)
+                    state[name] = previous
+                else:
+                    new = torch.empty_like(local, dtype=kind[1])  # the shard's strides (Shard(d): a movedim view)
+                    _copy_bytes(new, rows)
+                    state[name] = _rows_like(e.param, new)
         if state:
             self.optimizer.state[e.param] = state
 
@@ -414,14 +442,29 @@ def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Whol
     return installed if installed is not None else WholeParamStep(model, optimizer)
 
 
+def plan_owners(numels: list[int], world: int) -> list[int]:
+    """The owner of each of parameters of ``numels`` elements among ``world`` ranks: largest first, each to the
+    rank with the fewest elements so far (ties: lowest rank). ``benchmarks/simulate.py`` plans with it too."""
+    load = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
 def _assign_owners(bucket: _Bucket) -> None:
-    """Largest parameters first, each to the rank with the fewest elements so far (ties: lowest rank)."""
-    load = [0] * bucket.world
-    order = sorted(range(len(bucket.entries)), key=lambda i: (-bucket.entries[i].sp.layout.numel, i))
-    for i in order:
-        rank = min(range(bucket.world), key=lambda r: (load[r], r))
-        bucket.entries[i].owner = rank
-        load[rank] += bucket.entries[i].sp.layout.numel
+    # global shapes: a tensor parallel parameter's tp part may differ in size across tp ranks (uneven splits),
+    # and the ranks of a tp group must agree on the owners (they gather over tp together)
+    owners = plan_owners([math.prod(e.sp.shape) for e in bucket.entries], bucket.world)
+    for e, owner in zip(bucket.entries, owners, strict=True):
+        e.owner = owner
+
+
+def _rows_of(e: _Entry, whole: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+    """Shard rank ``rank``'s rows of the whole (global) ``whole``: of its tp part, for a tensor parallel one."""
+    return e.sp.rows_of(e.sp.gathered_of_full(whole), rank)
 
 
 def _whole_spec(e: _Entry, state: dict[str, Any]) -> list[tuple[str, _Kind]]:
@@ -458,16 +501,29 @@ def _set_whole_names(
     lists[i] = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
 
 
-def _rows_like(param: torch.Tensor, rows: torch.Tensor, old: Any) -> torch.Tensor:
-    """``rows`` as the optimizer holds a per-element state of ``param`` (into the old tensor where it fits)."""
-    if isinstance(old, torch.Tensor) and local_tensor(old).shape == rows.shape and old.dtype == rows.dtype:
-        local_tensor(old).copy_(rows)
-        return old
+def _rows_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the optimizer holds a per-element state of ``param`` (a ``DTensor`` like it, if it is one)."""
     if isinstance(param, DTensor):
         return DTensor.from_local(
             rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
     return rows
+
+
+def _fits(old: Any, shape: torch.Size, dtype: torch.dtype) -> bool:
+    return isinstance(old, torch.Tensor) and local_tensor(old).shape == shape and old.dtype == dtype
+
+
+def _copy_bytes(dst: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy ``data`` (``dst``'s bytes, uint8) into ``dst`` without an intermediate tensor where ``dst`` allows."""
+    if dst.is_contiguous():
+        dst.reshape(-1).view(torch.uint8).copy_(data)
+    else:  # a Shard(d) parameter's movedim view
+        dst.copy_(data.clone().view(dst.dtype).view(dst.shape))
+
+
+def _concat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -483,16 +539,14 @@ def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -
     return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
 
 
-def _all_to_all(
-    send: Iterable[torch.Tensor], out_splits: list[int], in_splits: list[int], bucket: _Bucket
-) -> torch.Tensor:
-    pieces = list(send)
-    inp = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+def _all_to_all_into(
+    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket
+) -> None:
+    """``all_to_all_single`` of bytes into ``out`` (a view of the tensors it fills)."""
     if bucket.world == 1:
-        return inp
-    out = torch.empty(sum(out_splits), dtype=torch.uint8, device=inp.device)
-    dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
-    return out
+        out.copy_(inp)
+    else:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
 
 
 def _refuse_on_shards(optimizer: torch.optim.Optimizer) -> None:
