@@ -155,8 +155,7 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
                 differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
     for opt, ref_opt in zip(optimizers, ref_optimizers, strict=True):
         differ += _state_differs(model, opt, ref_opt)
-        if not entry.endswith("-dim1"):  # the rank-0 full optimizer state dict scatters Shard(1) states wrongly,
-            differ += _round_trip_differs(model, opt, rank)  # AdamW's too: an engine issue (optim_state.py)
+        differ += _round_trip_differs(model, opt, rank)  # Shard(1) included (its states were scattered wrongly)
     return differ
 
 

@@ -527,7 +527,9 @@ def _scatter_unit(
                 if p.sp is None:
                     raise AssertionError(f"[rank {global_rank()}] {p.fqn}: scattered without a unit")
                 rows = p.sp.rows_of(full_states[p.fqn][name], shard_rank)
-                flat.narrow(0, p.sp.offset, rows.numel()).copy_(rows.reshape(-1))
+                # a flat shard holds rows in the layout's dim order (``move``: Shard(d) puts dim d first), as
+                # ``local_view`` reads them back; flattening in the parameter's order scattered Shard(1) states wrong
+                flat.narrow(0, p.sp.offset, rows.numel()).copy_(p.sp.move(rows).reshape(-1))
             pieces.append(flat)
     dist.scatter(out, pieces, src=src, group=pg)
     return out
