@@ -371,3 +371,45 @@ def test_scheduler_follows_the_optimizers_skip_flag() -> None:
     optimizer._is_overflow = True  # the last step was skipped: the scheduler does not step either
     scheduler.step()
     assert scheduler.get_last_lr()[0] == 0.9 and accelerator.optimizer_step_was_skipped
+
+
+def test_extract_model_looks_through_a_compiled_wrapper_as_accelerate() -> None:
+    from accelerate.utils import extract_model_from_parallel as accelerate_extract
+
+    from fullshard.accelerate.utils import extract_model_from_parallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 4)
+    compiled = torch.compile(nn.DataParallel(model))
+    x = torch.randn(3, 2)
+    for keep in (True, False):
+        ours = extract_model_from_parallel(compiled, keep_torch_compile=keep)
+        theirs = accelerate_extract(torch.compile(nn.DataParallel(model)), keep_torch_compile=keep)
+        assert type(ours) is type(theirs) and getattr(ours, "_orig_mod", ours) is getattr(theirs, "_orig_mod", theirs)
+        assert torch.equal(ours(x), model(x))  # the compiled module calls the unwrapped model
+    assert compiled._orig_mod.module is model  # the wrapper given is left as it was
+    assert Accelerator().unwrap_model(compiled) is model  # keep_torch_compile=None: unwrapped, as Accelerate
+
+
+def test_accelerate_torch_device_names_the_device() -> None:
+    from fullshard.accelerate.state import PartialState
+
+    PartialState._reset_state()
+    with patch_environment(ACCELERATE_TORCH_DEVICE="cpu:3"):
+        assert str(Accelerator().device) == "cpu:3"
+        PartialState._reset_state()
+        assert str(PartialState().device) == "cpu:3"
+    PartialState._reset_state()
+    assert str(Accelerator().device) == "cpu"
+    bad = pytest.raises(ValueError, match=re.escape("ACCELERATE_TORCH_DEVICE='gpu7': not a torch device"))
+    with patch_environment(ACCELERATE_TORCH_DEVICE="gpu7"), bad:
+        Accelerator()
+
+
+def test_env_file_warnings_go_to_accelerates_logger(caplog) -> None:
+    from fullshard.accelerate.utils.environment import convert_dict_to_env_variables as mirrored
+
+    with caplog.at_level("WARNING", logger="accelerate.utils.environment"):
+        assert mirrored({"A": "1", "B": "<x"}) == ["A=1\n"]
+    assert [r.name for r in caplog.records] == ["accelerate.utils.environment"]
+    assert "B=<x" in caplog.records[0].getMessage()

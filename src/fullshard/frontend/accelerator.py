@@ -649,9 +649,9 @@ class Accelerator(runtime.ProcessView):
     def unwrap_model(
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool | None = None
     ) -> nn.Module:
-        """The user's module. ``keep_torch_compile`` changes nothing: a compiled model is compiled in place."""
-        del keep_torch_compile
-        return training.extract_model_from_parallel(model, keep_fp32_wrapper)
+        """The user's module (``extract_model_from_parallel``). The Accelerator compiles a model in place, so
+        ``keep_torch_compile`` (``None``: false, as Accelerate) only matters for a ``torch.compile(...)`` given."""
+        return training.extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` at the start of every ``save_state`` (``weights`` is ``[]``:
