@@ -413,3 +413,30 @@ def test_env_file_warnings_go_to_accelerates_logger(caplog) -> None:
         assert mirrored({"A": "1", "B": "<x"}) == ["A=1\n"]
     assert [r.name for r in caplog.records] == ["accelerate.utils.environment"]
     assert "B=<x" in caplog.records[0].getMessage()
+
+
+def test_build_device_mesh_asks_torch_for_the_mesh_accelerate_asks_for() -> None:
+    from unittest.mock import MagicMock, patch
+
+    from accelerate import ParallelismConfig as AccelerateConfig
+
+    from fullshard import ParallelismConfig
+
+    def calls(config_class: type) -> list:
+        seen: list = []
+
+        def init_mesh(device_type, mesh_shape, mesh_dim_names):
+            seen.append((device_type, tuple(mesh_shape), tuple(mesh_dim_names)))
+            mesh = MagicMock()
+            mesh.__getitem__.side_effect = lambda dims: MagicMock(
+                _flatten=lambda name: seen.append((tuple(dims), name))
+            )
+            return mesh
+
+        with patch("torch.distributed.device_mesh.init_device_mesh", side_effect=init_mesh):
+            config_class(dp_replicate_size=2, dp_shard_size=2, tp_size=2).build_device_mesh("cpu")
+        return seen
+
+    ours = calls(ParallelismConfig)
+    assert ours == calls(AccelerateConfig)
+    assert ours[0] == ("cpu", (2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
