@@ -440,3 +440,21 @@ def test_build_device_mesh_asks_torch_for_the_mesh_accelerate_asks_for() -> None
     ours = calls(ParallelismConfig)
     assert ours == calls(AccelerateConfig)
     assert ours[0] == ("cpu", (2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+
+
+def test_prepared_loader_is_a_data_loader_shard_and_pickles_with_the_accelerator() -> None:
+    from fullshard import skip_first_batches
+
+    loader = DataLoader(torch.arange(10), batch_size=2)
+    accelerator = Accelerator()
+    prepared, _ = accelerator.prepare(loader, skip_first_batches(loader, 2))
+    assert isinstance(prepared, DataLoaderShard) and isinstance(
+        accelerator.skip_first_batches(prepared), DataLoaderShard
+    )
+    loaded = pickle.loads(pickle.dumps(accelerator))._dataloaders
+    expected = [b.tolist() for b in loader]
+    assert [b.tolist() for b in loaded[0]] == [b.tolist() for b in prepared] == expected
+    assert [b.tolist() for b in loaded[1]] == expected[2:] and len(loaded[1]) == len(prepared) - 2
+    batches = iter(prepared)
+    flags = [prepared.end_of_dataloader for _ in batches]
+    assert flags == [False] * 4 + [True] and prepared.end_of_dataloader is False
