@@ -428,9 +428,7 @@ def test_build_device_mesh_asks_torch_for_the_mesh_accelerate_asks_for() -> None
         def init_mesh(device_type, mesh_shape, mesh_dim_names):
             seen.append((device_type, tuple(mesh_shape), tuple(mesh_dim_names)))
             mesh = MagicMock()
-            mesh.__getitem__.side_effect = lambda dims: MagicMock(
-                _flatten=lambda name: seen.append((tuple(dims), name))
-            )
+            mesh.__getitem__.side_effect = lambda dims: MagicMock(_flatten=lambda name: seen.append((dims, name)))
             return mesh
 
         with patch("torch.distributed.device_mesh.init_device_mesh", side_effect=init_mesh):

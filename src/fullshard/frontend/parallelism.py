@@ -182,7 +182,7 @@ class ParallelismConfig:
         for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                            ("dp_cp", self.dp_cp_dim_names)):  # fmt: skip
             if dims:
-                mesh[tuple(dims)]._flatten(flat)
+                mesh[dims]._flatten(flat)  # the list, as Accelerate indexes it
         return mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh | None:
