@@ -456,3 +456,25 @@ def test_prepared_loader_is_a_data_loader_shard_and_pickles_with_the_accelerator
     batches = iter(prepared)
     flags = [prepared.end_of_dataloader for _ in batches]
     assert flags == [False] * 4 + [True] and prepared.end_of_dataloader is False
+
+
+def test_module_unwrapped_from_a_one_process_wrapper_computes_with_its_weights() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 4)
+    reference = copy.deepcopy(model)
+    accelerator = Accelerator()
+    prepared = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.SGD(prepared.parameters(), lr=0.1))
+    x = torch.randn(10, 2)
+    accelerator.backward(prepared(x).sum())
+    optimizer.step()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).sum().backward()
+    reference_optimizer.step()
+    out = prepared(x)
+    torch.testing.assert_close(out, reference(x))
+    unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert torch.equal(unwrapped(x), out)  # the one rank's shards are the whole (updated) weights
+    assert torch.equal(pickle.loads(pickle.dumps(unwrapped))(x), out)
