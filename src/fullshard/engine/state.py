@@ -99,8 +99,10 @@ def unit_state(module: nn.Module) -> UnitState | None:
 
 
 def unit_states_in(module: nn.Module) -> list[UnitState]:
-    """The unit states in ``module``'s tree, pre-order (parents before children)."""
-    return [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
+    """The unit states in ``module``'s tree, pre-order (parents before children), each once (the modules of a
+    ``fully_shard([m0, m1])`` unit share one)."""
+    states = [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
+    return list({id(s): s for s in states}.values())
 
 
 @dataclass
@@ -196,6 +198,11 @@ class UnitState:
         self.ran_forward = False
         self.reduced = False
         self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
+        # [Note: a unit of several modules] fully_shard([m0, m1]): one group for the listed modules, each with the
+        # unit's hooks. A forward round gathers once at the first member's forward and reshards after the last
+        # member's (``members`` forwards); backward needs nothing more (the group's gradients come ready together).
+        self.members = [module]
+        self._round_left = 0
         if group is not None:
             group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
         # [Note: hooks outside compiled graphs] torch.compile must not trace the forward hooks: they issue
@@ -208,6 +215,11 @@ class UnitState:
         self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
         self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
         module.__dict__[_STATE_ATTR] = self
+
+    def attach(self, member: nn.Module) -> None:
+        """Make ``member`` one more module of this unit (see [Note: a unit of several modules])."""
+        self.members.append(member)
+        member.__dict__[_STATE_ATTR] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
         """Remember hooks registered for this unit, so that they can be removed."""
@@ -232,6 +244,12 @@ class UnitState:
 
     def _lazy_init(self) -> None:
         """Make this unit the root of every unit in its tree and check all ranks agree on them."""
+        if len(self.members) > 1:
+            raise ValueError(
+                f"fully_shard([{', '.join(type(m).__name__ for m in self.members)}]) ran forward as the root unit: a "
+                "unit of several modules must sit below a root. Apply fully_shard to a module that holds them all "
+                "(after the list), and call that module."
+            )
         states = unit_states_in(self.module)
         ctx = RootContext(self, states)
         names = {id(m): clean_key(n) for n, m in self.module.named_modules()}
@@ -291,6 +309,10 @@ class UnitState:
             # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
             self._unshard_now()
             return
+        if len(self.members) > 1 and self._round_left > 0:  # a later member of this unit's round: gathered already
+            self._unshard_now()
+            return
+        self._round_left = len(self.members)
         self.training_state = TrainingState.FORWARD
         self.ran_forward = True
         if self.group is not None:
@@ -299,6 +321,8 @@ class UnitState:
         if self.is_root:
             collective_check.note_forward()
             order.start_iteration()
+            for state in ctx.states:  # a round a member never closed (it did not run) ends with the iteration
+                state._round_left = len(state.members) if state is self else 0
         self._unshard_now()
         if not order.frozen:
             order.units.append(self)
@@ -335,6 +359,13 @@ class UnitState:
         if ctx is None or ctx.backward.in_backward:
             return output
         with trace.phase(trace.POST_FORWARD):
+            self._round_left -= 1
+            if len(self.members) > 1 and self._round_left > 0:  # members still to run forward: stay gathered
+                output = cast_floating(output, self.config.casts.output_dtype)
+                if torch.is_grad_enabled():
+                    _register_on_tensors(output, self._pre_backward_hook)
+                return output
+            self._round_left = 0
             if self.group is not None:
                 no_backward = not torch.is_grad_enabled()
                 if no_backward or (self.config.reshard_after_forward and not self.is_root):
