@@ -482,6 +482,13 @@ def _tied_list_unit(rank: int, world: int) -> dict[str, int]:
     ours = models["ours"]
     assert fully_shard.state(ours.emb) is fully_shard.state(ours.head) is not fully_shard.state(ours)
     assert ours.emb.weight is ours.head.weight and isinstance(ours.head, FSDPModule)
+    fresh = _TiedHead()  # the state dict loads into another model sharded the same way, to the same outputs
+    fully_shard([fresh.emb, fresh.head])
+    fully_shard(fresh)
+    fresh.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 16, (4, 3))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ours(x))
     gathers = []
     real = engine_group.foreach_all_gather
     with patch.object(engine_group, "foreach_all_gather", lambda *a, **k: gathers.append(1) or real(*a, **k)):
