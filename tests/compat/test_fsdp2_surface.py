@@ -489,6 +489,10 @@ def _tied_list_unit(rank: int, world: int) -> dict[str, int]:
     x = torch.randint(0, 16, (4, 3))
     with torch.no_grad():
         assert torch.equal(fresh(x), ours(x))
+    lone = _TiedHead()  # a list unit with no root above it is refused at its first forward, by name
+    fully_shard([lone.emb, lone.head])
+    with pytest.raises(ValueError, match=r"fully_shard\(\[Embedding, Linear\]\) ran forward as the root unit"):
+        lone(torch.zeros(1, 1, dtype=torch.long))
     gathers = []
     real = engine_group.foreach_all_gather
     with patch.object(engine_group, "foreach_all_gather", lambda *a, **k: gathers.append(1) or real(*a, **k)):

@@ -202,6 +202,7 @@ class UnitState:
         # unit's hooks. A forward round gathers once at the first member's forward and reshards after the last
         # member's (``members`` forwards); backward needs nothing more (the group's gradients come ready together).
         self.members = [module]
+        self.member_names = [label]  # class names, taken before fully_shard changes the classes
         self._round_left = 0
         if group is not None:
             group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
@@ -219,6 +220,7 @@ class UnitState:
     def attach(self, member: nn.Module) -> None:
         """Make ``member`` one more module of this unit (see [Note: a unit of several modules])."""
         self.members.append(member)
+        self.member_names.append(type(member).__name__)
         member.__dict__[_STATE_ATTR] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
@@ -246,7 +248,7 @@ class UnitState:
         """Make this unit the root of every unit in its tree and check all ranks agree on them."""
         if len(self.members) > 1:
             raise ValueError(
-                f"fully_shard([{', '.join(type(m).__name__ for m in self.members)}]) ran forward as the root unit: a "
+                f"fully_shard([{', '.join(self.member_names)}]) ran forward as the root unit: a "
                 "unit of several modules must sit below a root. Apply fully_shard to a module that holds them all "
                 "(after the list), and call that module."
             )
