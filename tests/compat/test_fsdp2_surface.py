@@ -443,6 +443,68 @@ def test_fully_shard_list_of_modules_matches_torch(pool2: WorkerPool) -> None:
     pool2.run(_list_of_modules)
 
 
+class _TiedHead(nn.Module):
+    """An embedding and an output head that share one weight, a layer between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(x))))
+
+
+def _tied_list_unit(rank: int, world: int) -> dict[str, int]:
+    from unittest.mock import patch
+
+    import fullshard.engine.group as engine_group
+
+    runs, models = {}, {}
+    for name, shard in (("ours", fully_shard), ("theirs", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = models[name] = _TiedHead()
+        shard([model.emb, model.head])  # torch's advice for a weight used by two modules: one unit for both
+        shard(model)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            torch.manual_seed(100 + 10 * step + rank)
+            loss = model(torch.randint(0, 16, (4, 3))).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        runs[name] = (losses, {k: v.full_tensor() for k, v in model.state_dict().items()})
+    _compare(runs["ours"], runs["theirs"])
+    ours = models["ours"]
+    assert fully_shard.state(ours.emb) is fully_shard.state(ours.head) is not fully_shard.state(ours)
+    assert ours.emb.weight is ours.head.weight and isinstance(ours.head, FSDPModule)
+    fresh = _TiedHead()  # the state dict loads into another model sharded the same way, to the same outputs
+    fully_shard([fresh.emb, fresh.head])
+    fully_shard(fresh)
+    fresh.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 16, (4, 3))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), ours(x))
+    lone = _TiedHead()  # a list unit with no root above it is refused at its first forward, by name
+    fully_shard([lone.emb, lone.head])
+    with pytest.raises(ValueError, match=r"fully_shard\(\[Embedding, Linear\]\) ran forward as the root unit"):
+        lone(torch.zeros(1, 1, dtype=torch.long))
+    gathers = []
+    real = engine_group.foreach_all_gather
+    with patch.object(engine_group, "foreach_all_gather", lambda *a, **k: gathers.append(1) or real(*a, **k)):
+        ours(torch.randint(0, 16, (4, 3))).sum().backward()
+    return {"gathers": len(gathers)}
+
+
+def test_fully_shard_list_is_one_unit_for_a_tied_weight_as_torch(pool2: WorkerPool) -> None:
+    # Forward: the root's gather, one for [emb, head] (not one per module); backward: [emb, head] again.
+    assert pool2.run(_tied_list_unit) == [{"gathers": 3}, {"gathers": 3}]
+
+
 def _placement_dcp(rank: int, world: int, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 

@@ -371,3 +371,110 @@ def test_scheduler_follows_the_optimizers_skip_flag() -> None:
     optimizer._is_overflow = True  # the last step was skipped: the scheduler does not step either
     scheduler.step()
     assert scheduler.get_last_lr()[0] == 0.9 and accelerator.optimizer_step_was_skipped
+
+
+def test_extract_model_looks_through_a_compiled_wrapper_as_accelerate() -> None:
+    from accelerate.utils import extract_model_from_parallel as accelerate_extract
+
+    from fullshard.accelerate.utils import extract_model_from_parallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 4)
+    compiled = torch.compile(nn.DataParallel(model))
+    x = torch.randn(3, 2)
+    for keep in (True, False):
+        ours = extract_model_from_parallel(compiled, keep_torch_compile=keep)
+        theirs = accelerate_extract(torch.compile(nn.DataParallel(model)), keep_torch_compile=keep)
+        assert type(ours) is type(theirs) and getattr(ours, "_orig_mod", ours) is getattr(theirs, "_orig_mod", theirs)
+        assert torch.equal(ours(x), model(x))  # the compiled module calls the unwrapped model
+    assert compiled._orig_mod.module is model  # the wrapper given is left as it was
+    assert Accelerator().unwrap_model(compiled) is model  # keep_torch_compile=None: unwrapped, as Accelerate
+
+
+def test_accelerate_torch_device_names_the_device() -> None:
+    from fullshard.accelerate.state import PartialState
+
+    PartialState._reset_state()
+    with patch_environment(ACCELERATE_TORCH_DEVICE="cpu:3"):
+        assert str(Accelerator().device) == "cpu:3"
+        PartialState._reset_state()
+        assert str(PartialState().device) == "cpu:3"
+    PartialState._reset_state()
+    assert str(Accelerator().device) == "cpu"
+    bad = pytest.raises(ValueError, match=re.escape("ACCELERATE_TORCH_DEVICE='gpu7': not a torch device"))
+    with patch_environment(ACCELERATE_TORCH_DEVICE="gpu7"), bad:
+        Accelerator()
+
+
+def test_env_file_warnings_go_to_accelerates_logger(caplog) -> None:
+    from fullshard.accelerate.utils.environment import convert_dict_to_env_variables as mirrored
+
+    with caplog.at_level("WARNING", logger="accelerate.utils.environment"):
+        assert mirrored({"A": "1", "B": "<x"}) == ["A=1\n"]
+    assert [r.name for r in caplog.records] == ["accelerate.utils.environment"]
+    assert "B=<x" in caplog.records[0].getMessage()
+
+
+def test_build_device_mesh_asks_torch_for_the_mesh_accelerate_asks_for() -> None:
+    from unittest.mock import MagicMock, patch
+
+    from accelerate import ParallelismConfig as AccelerateConfig
+
+    from fullshard import ParallelismConfig
+
+    def calls(config_class: type) -> list:
+        seen: list = []
+
+        def init_mesh(device_type, mesh_shape, mesh_dim_names):
+            seen.append((device_type, tuple(mesh_shape), tuple(mesh_dim_names)))
+            mesh = MagicMock()
+            mesh.__getitem__.side_effect = lambda dims: MagicMock(_flatten=lambda name: seen.append((dims, name)))
+            return mesh
+
+        with patch("torch.distributed.device_mesh.init_device_mesh", side_effect=init_mesh):
+            config_class(dp_replicate_size=2, dp_shard_size=2, tp_size=2).build_device_mesh("cpu")
+        return seen
+
+    ours = calls(ParallelismConfig)
+    assert ours == calls(AccelerateConfig)
+    assert ours[0] == ("cpu", (2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+
+
+def test_prepared_loader_is_a_data_loader_shard_and_pickles_with_the_accelerator() -> None:
+    from fullshard import skip_first_batches
+
+    loader = DataLoader(torch.arange(10), batch_size=2)
+    accelerator = Accelerator()
+    prepared, _ = accelerator.prepare(loader, skip_first_batches(loader, 2))
+    assert isinstance(prepared, DataLoaderShard) and isinstance(
+        accelerator.skip_first_batches(prepared), DataLoaderShard
+    )
+    loaded = pickle.loads(pickle.dumps(accelerator))._dataloaders
+    expected = [b.tolist() for b in loader]
+    assert [b.tolist() for b in loaded[0]] == [b.tolist() for b in prepared] == expected
+    assert [b.tolist() for b in loaded[1]] == expected[2:] and len(loaded[1]) == len(prepared) - 2
+    batches = iter(prepared)
+    flags = [prepared.end_of_dataloader for _ in batches]
+    assert flags == [False] * 4 + [True] and prepared.end_of_dataloader is False
+
+
+def test_module_unwrapped_from_a_one_process_wrapper_computes_with_its_weights() -> None:
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Linear(2, 4)
+    reference = copy.deepcopy(model)
+    accelerator = Accelerator()
+    prepared = accelerator.prepare(model)
+    optimizer = accelerator.prepare(torch.optim.SGD(prepared.parameters(), lr=0.1))
+    x = torch.randn(10, 2)
+    accelerator.backward(prepared(x).sum())
+    optimizer.step()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).sum().backward()
+    reference_optimizer.step()
+    out = prepared(x)
+    torch.testing.assert_close(out, reference(x))
+    unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert torch.equal(unwrapped(x), out)  # the one rank's shards are the whole (updated) weights
+    assert torch.equal(pickle.loads(pickle.dumps(unwrapped))(x), out)

@@ -104,8 +104,7 @@ def test_placeholders_refuse_and_environment_patch_restores() -> None:
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"dispatch_batches": True}, ValueError,
-         "DataLoaderConfiguration(dispatch_batches=True): fullshard does not dispatch batches from rank 0"),
+        ({"dispatch_batches": 1}, TypeError, "DataLoaderConfiguration(dispatch_batches=1): expected a bool or None."),
         ({"use_stateful_dataloader": "yes"}, TypeError,
          "DataLoaderConfiguration(use_stateful_dataloader='yes'): expected True or False."),
         ({"data_seed": 1.5}, TypeError, "DataLoaderConfiguration(data_seed=1.5): expected an int or None."),

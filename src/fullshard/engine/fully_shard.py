@@ -366,7 +366,8 @@ def fully_shard(
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
-    ``module`` may be a list of modules (each becomes a unit; see [Note: a list of modules]).
+    ``module`` may be a list of modules, which become one unit (one all-gather per forward, as torch; see
+    [Note: a unit of several modules] in ``state.py``); it must sit below a root unit.
 
     A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
     and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
@@ -388,25 +389,11 @@ def fully_shard(
     float32 or bfloat16 parameters and ``param_dtype`` (float16 is refused) and sums gradients in float32 whatever
     ``reduce_dtype`` says. See [Note: world-size invariance] in ``invariant.py``.
     """
+    given, members = module, []
     if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
-        # [Note: a list of modules] torch makes the listed modules one unit (one collective for all); fullshard
-        # makes each its own unit, bottom-up in the order given: the same values, a collective per module. Tied
-        # parameters across the listed modules are refused by the second unit, naming the fix (a common parent).
-        for m in module:
-            fully_shard(
-                m,
-                mesh=mesh,
-                reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=shard_placement_fn,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
-                ignored_params=ignored_params,
-                param_init_fn=param_init_fn,
-                sync_module_states=sync_module_states,
-                tp_mesh=tp_mesh,
-                invariant_micro_batches=invariant_micro_batches,
-            )
-        return module  # type: ignore[return-value]
+        # [Note: a unit of several modules] in engine/state.py: as torch, the listed modules are one unit (one
+        # group, one all-gather per forward); the first one carries the unit, the others join it.
+        module, members = _check_members(list(module))  # type: ignore[assignment]
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got {type(module).__name__}."
@@ -418,6 +405,12 @@ def fully_shard(
         )
     if unit_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
+    for m in [module, *members] if members else []:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: got a {type(m).__name__} "
+                "in the list. List the modules whose forward runs instead."
+            )
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         # The opening words are torch fully_shard's, which users' code matches on.
         raise ValueError(
@@ -457,23 +450,44 @@ def fully_shard(
         offload=offload,
         init=init,
         shard_placement_fn=shard_placement_fn,
+        members=members,
     )
     where = f"fully_shard({type(module).__name__})"
     if micro_batches is not None and state.group is not None:
         invariant.validate_group(state.group, micro_batches, where)
-    sd.install_state_dict_hooks(module, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
-    module.__class__ = _fsdp_class(type(module))
-    state.keep_hooks(
-        module.register_forward_pre_hook(
-            torch.compiler.disable(lambda m, args, kwargs: state.pre_forward(args, kwargs), recursive=True),
-            prepend=True,
-            with_kwargs=True,
-        ),
-        module.register_forward_hook(
-            torch.compiler.disable(lambda m, args, output: state.post_forward(output), recursive=True)
-        ),
-    )
-    return module
+    for m in [module, *members]:
+        sd.install_state_dict_hooks(m, state, default_type=StateDictType.SHARDED_STATE_DICT, segment="", where=where)
+        m.__class__ = _fsdp_class(type(m))
+        state.keep_hooks(
+            m.register_forward_pre_hook(
+                torch.compiler.disable(lambda m, args, kwargs: state.pre_forward(args, kwargs), recursive=True),
+                prepend=True,
+                with_kwargs=True,
+            ),
+            m.register_forward_hook(
+                torch.compiler.disable(lambda m, args, output: state.post_forward(output), recursive=True)
+            ),
+        )
+    return given
+
+
+def _check_members(modules: list[nn.Module]) -> tuple[nn.Module, list[nn.Module]]:
+    """The first listed module and the others, checked: distinct, none inside another, none a unit already."""
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard([...]): a module is listed twice. List each module once.")
+    for m in modules:
+        if unit_state(m) is not None:
+            raise ValueError(
+                f"fully_shard([...]): the listed {type(m).__name__} is a unit already; apply fully_shard once per "
+                "module."
+            )
+        for other in modules:
+            if other is not m and any(sub is other for sub in m.modules()):
+                raise ValueError(
+                    f"fully_shard([...]): the listed {type(other).__name__} is inside the listed {type(m).__name__}. "
+                    "List modules of which none holds another (or shard the inner one first, on its own)."
+                )
+    return modules[0], modules[1:]
 
 
 def _state_of(module: nn.Module) -> UnitState | None:

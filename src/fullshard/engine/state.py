@@ -99,8 +99,10 @@ def unit_state(module: nn.Module) -> UnitState | None:
 
 
 def unit_states_in(module: nn.Module) -> list[UnitState]:
-    """The unit states in ``module``'s tree, pre-order (parents before children)."""
-    return [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
+    """The unit states in ``module``'s tree, pre-order (parents before children), each once (the modules of a
+    ``fully_shard([m0, m1])`` unit share one)."""
+    states = [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
+    return list({id(s): s for s in states}.values())
 
 
 @dataclass
@@ -196,6 +198,12 @@ class UnitState:
         self.ran_forward = False
         self.reduced = False
         self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
+        # [Note: a unit of several modules] fully_shard([m0, m1]): one group for the listed modules, each with the
+        # unit's hooks. A forward round gathers once at the first member's forward and reshards after the last
+        # member's (``members`` forwards); backward needs nothing more (the group's gradients come ready together).
+        self.members = [module]
+        self.member_names = [label]  # class names, taken before fully_shard changes the classes
+        self._round_left = 0
         if group is not None:
             group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
         # [Note: hooks outside compiled graphs] torch.compile must not trace the forward hooks: they issue
@@ -208,6 +216,12 @@ class UnitState:
         self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
         self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
         module.__dict__[_STATE_ATTR] = self
+
+    def attach(self, member: nn.Module) -> None:
+        """Make ``member`` one more module of this unit (see [Note: a unit of several modules])."""
+        self.members.append(member)
+        self.member_names.append(type(member).__name__)
+        member.__dict__[_STATE_ATTR] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
         """Remember hooks registered for this unit, so that they can be removed."""
@@ -232,6 +246,12 @@ class UnitState:
 
     def _lazy_init(self) -> None:
         """Make this unit the root of every unit in its tree and check all ranks agree on them."""
+        if len(self.members) > 1:
+            raise ValueError(
+                f"fully_shard([{', '.join(self.member_names)}]) ran forward as the root unit: a "
+                "unit of several modules must sit below a root. Apply fully_shard to a module that holds them all "
+                "(after the list), and call that module."
+            )
         states = unit_states_in(self.module)
         ctx = RootContext(self, states)
         names = {id(m): clean_key(n) for n, m in self.module.named_modules()}
@@ -291,6 +311,10 @@ class UnitState:
             # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
             self._unshard_now()
             return
+        if len(self.members) > 1 and self._round_left > 0:  # a later member of this unit's round: gathered already
+            self._unshard_now()
+            return
+        self._round_left = len(self.members)
         self.training_state = TrainingState.FORWARD
         self.ran_forward = True
         if self.group is not None:
@@ -299,6 +323,8 @@ class UnitState:
         if self.is_root:
             collective_check.note_forward()
             order.start_iteration()
+            for state in ctx.states:  # a round a member never closed (it did not run) ends with the iteration
+                state._round_left = len(state.members) if state is self else 0
         self._unshard_now()
         if not order.frozen:
             order.units.append(self)
@@ -335,6 +361,13 @@ class UnitState:
         if ctx is None or ctx.backward.in_backward:
             return output
         with trace.phase(trace.POST_FORWARD):
+            self._round_left -= 1
+            if len(self.members) > 1 and self._round_left > 0:  # members still to run forward: stay gathered
+                output = cast_floating(output, self.config.casts.output_dtype)
+                if torch.is_grad_enabled():
+                    _register_on_tensors(output, self._pre_backward_hook)
+                return output
+            self._round_left = 0
             if self.group is not None:
                 no_backward = not torch.is_grad_enabled()
                 if no_backward or (self.config.reshard_after_forward and not self.is_root):
@@ -583,18 +616,51 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
 def guard_direct_calls(
     unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]
 ) -> list[RemovableHandle]:
-    """Make a forward of ``modules`` (inside the unit) fail clearly unless the unit's parameters are gathered."""
+    """Make a forward of ``modules`` (inside the unit) fail clearly unless the unit's parameters are gathered.
 
-    def make_hook(fqn: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if not group.full_views_registered and not group.summoned:
-                raise RuntimeError(
-                    f"{type(module).__name__} at {fqn!r} was called directly, but its parameters belong to the "
-                    f"sharded unit {unit_label!r} and are sharded right now, so it would compute with one rank's "
-                    f"slice of each weight. Call the unit's forward instead, wrap {fqn!r} as a unit of its own, or "
-                    "call it inside FullyShardedDataParallel.summon_full_params(model)."
-                )
+    Where the shards are the whole parameters at rest (one rank holds all of them, in the compute dtype, on the
+    device, as plain tensors: ``alias_full`` of an FSDP wrapper's unit), a direct call computes with the right
+    values and is let through, as torch's FSDP1 runs one rank as ``NO_SHARD`` (e.g. a module unwrapped from a
+    one-process wrapper). A pickled (or deep-copied) module keeps a guard that knows whether it held the whole
+    parameters when it was copied."""
+    return [module.register_forward_pre_hook(_DirectCallGuard(unit_label, group, fqn)) for fqn, module in modules]
 
-        return hook
 
-    return [module.register_forward_pre_hook(make_hook(fqn)) for fqn, module in modules]
+def _direct_call_error(module: nn.Module, fqn: str, unit_label: str) -> RuntimeError:
+    return RuntimeError(
+        f"{type(module).__name__} at {fqn!r} was called directly, but its parameters belong to the sharded unit "
+        f"{unit_label!r} and are sharded right now, so it would compute with one rank's slice of each weight. Call "
+        f"the unit's forward instead, wrap {fqn!r} as a unit of its own, or call it inside "
+        "FullyShardedDataParallel.summon_full_params(model)."
+    )
+
+
+class _DirectCallGuard:
+    """The forward pre-hook of :func:`guard_direct_calls` for one module."""
+
+    def __init__(self, unit_label: str, group: ParamGroup, fqn: str) -> None:
+        self.unit_label, self.group, self.fqn = unit_label, group, fqn
+
+    def _whole(self) -> bool:
+        group = self.group
+        return group.alias_full and not group.use_dtensor  # model.to(dtype) may change alias_full: asked each call
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not self._whole() and not self.group.full_views_registered and not self.group.summoned:
+            raise _direct_call_error(module, self.fqn, self.unit_label)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy holds tensors, not the unit: it computes right only if they were the whole parameters.
+        whole = self._whole() or self.group.full_views_registered or self.group.summoned
+        return (_CopiedGuard, (self.unit_label, self.fqn, whole))
+
+
+class _CopiedGuard:
+    """A :class:`_DirectCallGuard` in a copied module: passes if the copy holds whole parameters, else refuses."""
+
+    def __init__(self, unit_label: str, fqn: str, whole: bool) -> None:
+        self.unit_label, self.fqn, self.whole = unit_label, fqn, whole
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not self.whole:
+            raise _direct_call_error(module, self.fqn, self.unit_label)

@@ -101,10 +101,12 @@ class _DictUnit:
     consumed: set[str] = field(default_factory=set)  # clean keys taken by the running load
     buffer_dtypes: list[tuple[str, torch.dtype]] = field(default_factory=list)  # raw relative key, dtype
     _keys: list[tuple[ShardedParam, list[str]]] | None = None
+    module: nn.Module | None = None  # the module whose hooks these are (a unit of several modules has one each)
 
     def _paths(self) -> dict[int, list[str]]:
         paths: dict[int, list[str]] = {}
-        for path, module in self.state.module.named_modules(remove_duplicate=False):
+        root = self.module if self.module is not None else self.state.module
+        for path, module in root.named_modules(remove_duplicate=False):
             paths.setdefault(id(module), []).append(path + "." if path else "")
         return paths
 
@@ -142,7 +144,7 @@ def install_state_dict_hooks(
 ) -> None:
     """Attach the hooks of [Note: state dict hooks] to the unit ``module``; ``default_type`` is in force until set."""
     model_cfg, optim_cfg = _CONFIGS[default_type]
-    unit = _DictUnit(state, StateDictSettings(default_type, model_cfg(), optim_cfg()), segment, where)
+    unit = _DictUnit(state, StateDictSettings(default_type, model_cfg(), optim_cfg()), segment, where, module=module)
     unit.record_buffer_dtypes()
     module.__dict__[_UNIT_ATTR] = unit
     module.register_state_dict_post_hook(_post_state_dict)
@@ -160,7 +162,7 @@ def _unit(module: nn.Module) -> _DictUnit:
 
 
 def _units_in(module: nn.Module, caller: str) -> list[_DictUnit]:
-    units = [u for s in unit_states_in(module) if (u := s.module.__dict__.get(_UNIT_ATTR)) is not None]
+    units = [u for m in module.modules() if (u := m.__dict__.get(_UNIT_ATTR)) is not None]
     if not units:
         raise ValueError(
             f"{caller}(module={type(module).__name__}): the module holds no sharded unit. Pass the model after "

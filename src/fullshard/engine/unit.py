@@ -6,7 +6,7 @@ Both entry points (``FullyShardedDataParallel`` and ``fully_shard``) end here, s
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -261,11 +261,17 @@ def build_unit(
     offload: Offload | None = None,
     init: InitOptions | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    members: Sequence[nn.Module] = (),
 ) -> UnitState:
-    """Initialise ``module``'s own parameters if needed, shard them into a group, attach a :class:`UnitState`."""
+    """Initialise ``module``'s own parameters if needed, shard them into a group, attach a :class:`UnitState`.
+
+    ``members``: more modules whose own parameters join the group (``fully_shard([module, *members])``); their
+    parameters are named ``<i>.name`` in the group (``i``: the member's place in the list)."""
     init = init or InitOptions()
     label = label or type(module).__name__
     modules = own_modules(module, ignored)
+    for i, member in enumerate(members, start=1):
+        modules += [(f"<{i}>.{prefix}", m) for prefix, m in own_modules(member, ignored)]
     device = shard_group.device
     problem = _materialize(modules, device, init) if init.materializes else None
     sync = init.sync_module_states and dist.get_world_size() > 1
@@ -295,6 +301,8 @@ def build_unit(
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]
         handles = guard_direct_calls(label, group, guarded)
     state = UnitState(module, group, config, label, own_modules=[m for _, m in modules])
+    for member in members:
+        state.attach(member)
     state.keep_hooks(*handles)
     return state
 

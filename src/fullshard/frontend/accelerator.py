@@ -49,7 +49,7 @@ from fullshard.frontend.handlers import (
     process_group_kwargs,
     profiling,
 )
-from fullshard.frontend.loader_parts import dealt_as_accelerate, shard_loader
+from fullshard.frontend.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,
@@ -64,6 +64,22 @@ from fullshard.frontend.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 
 __all__ = ["Accelerator"]
+
+
+def _check_dispatch(invariant: bool, data_parallel: int, processes: int) -> None:
+    """``dispatch_batches=True`` sends rank 0's batches to every process: refused where ranks must get other
+    batches than their index says (world-size-invariant mode, tensor parallel groups sharing a batch)."""
+    if invariant:
+        raise ValueError(
+            "DataLoaderConfiguration(dispatch_batches=True) with invariant_micro_batches: world-size-invariant mode "
+            "deals each micro-batch by its index on every rank. Pass dispatch_batches=None (or False)."
+        )
+    if data_parallel != processes:
+        raise ValueError(
+            f"DataLoaderConfiguration(dispatch_batches=True) with a ParallelismConfig of {data_parallel} data "
+            f"parallel ranks among {processes} processes: dispatching sends every process its own part. Pass "
+            "dispatch_batches=None (or False); the ranks of one tensor parallel group then share their batches."
+        )
 
 
 def _check_device_placement(value: object, where: str) -> None:
@@ -393,6 +409,13 @@ class Accelerator(runtime.ProcessView):
         config = self.dataloader_config
         # Under a ParallelismConfig the ranks of one tp group share a batch (see parallelism.py).
         index, count = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)
+        if config.dispatch_batches:  # rank 0 reads every batch and sends each rank its part
+            _check_dispatch(self._invariant is not None, count, self.num_processes)
+            prepared = dispatch_loader(
+                data_loader, device=self.device, split_batches=config.split_batches, non_blocking=config.non_blocking
+            )
+            self._objects.dataloaders.append(prepared)
+            return prepared
         if self._invariant is None and dealt_as_accelerate(data_loader):  # a stream, or batches of any size
             prepared = shard_loader(
                 data_loader, num_processes=count, process_index=index, device=self.device,
@@ -649,9 +672,9 @@ class Accelerator(runtime.ProcessView):
     def unwrap_model(
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool | None = None
     ) -> nn.Module:
-        """The user's module. ``keep_torch_compile`` changes nothing: a compiled model is compiled in place."""
-        del keep_torch_compile
-        return training.extract_model_from_parallel(model, keep_fp32_wrapper)
+        """The user's module (``extract_model_from_parallel``). The Accelerator compiles a model in place, so
+        ``keep_torch_compile`` (``None``: false, as Accelerate) only matters for a ``torch.compile(...)`` given."""
+        return training.extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
         """Call ``hook(models, weights, output_dir)`` at the start of every ``save_state`` (``weights`` is ``[]``:

@@ -38,12 +38,14 @@ step's partial gradient sums, which ``save_state`` writes beside it; see ``state
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from fullshard.frontend.invariance import CallerSteps, check_sampler, micro_batch_seed
+from fullshard.frontend.gradient_state import GradientState
+from fullshard.frontend.invariance import check_sampler, micro_batch_seed
+from fullshard.frontend.loader_parts import DataLoaderShard
 from fullshard.frontend.ops import send_to_device
 from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 
@@ -62,91 +64,6 @@ RNG_TYPES = ("generator", "torch", "cuda")
 # DataLoader arguments a prepared loader inherits from the original (the batching ones are replaced).
 _INHERITED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
               "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")  # fmt: skip
-
-
-class GradientState:
-    """What the prepared objects share about the current step (Accelerate's ``GradientState``), one per process.
-
-    Like Accelerate's, every instance shares one state: ``GradientState()`` with no argument is the state the
-    Accelerator and its loaders use (``accelerator.gradient_accumulation_steps = 4`` shows as ``num_steps`` there),
-    and ``_reset_state()`` forgets it. Given fields (as the ``Accelerator`` gives them when it is built), the shared
-    state starts over from the defaults plus those fields; ``gradient_accumulation_plugin=`` sets the step count and
-    the switches from a ``GradientAccumulationPlugin``, as in Accelerate.
-
-    - ``sync_gradients``: this step reduces gradients and the optimizer steps (not an accumulation step).
-    - ``end_of_dataloader``: the batch being processed is the last of the active prepared loader.
-    - ``remainder``: real samples in that last global batch (``-1``: unknown or none padded).
-    - ``metric_rows``: world-size-invariant mode, a batch of a padded last global batch: each rank's number of
-      real samples in its current batch (``None`` otherwise); ``gather_for_metrics`` keeps those.
-    - ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``: a ``GradientAccumulationPlugin``'s
-      switches (see ``handlers/grad.py``).
-    - ``caller_steps``: world-size-invariant mode, the micro-batches of a loop that accumulates itself (see
-      [Note: the Trainer in invariant mode] in ``invariance.py``); ``None`` in the default mode.
-    """
-
-    _shared_state: ClassVar[dict[str, Any]] = {}
-    _DEFAULTS: ClassVar[dict[str, Any]] = {
-        "num_steps": 1, "sync_gradients": True, "end_of_dataloader": False, "remainder": -1, "metric_rows": None,
-        "step": 0, "sync_with_dataloader": True, "sync_each_batch": False, "adjust_scheduler": True,
-        "caller_steps": None,
-    }  # fmt: skip
-
-    num_steps: int
-    sync_gradients: bool
-    end_of_dataloader: bool
-    remainder: int
-    metric_rows: tuple[int, ...] | None
-    step: int
-    sync_with_dataloader: bool
-    sync_each_batch: bool
-    adjust_scheduler: bool
-    caller_steps: CallerSteps | None
-
-    def __init__(self, gradient_accumulation_plugin: Any = None, **fields: Any) -> None:
-        unknown = sorted(set(fields) - set(self._DEFAULTS))
-        if unknown:
-            raise TypeError(f"GradientState({unknown[0]}=...): not a field; the fields are {sorted(self._DEFAULTS)}.")
-        self.__dict__ = GradientState._shared_state
-        if fields or not self.__dict__:
-            self.__dict__.clear()
-            self.__dict__.update(self._DEFAULTS, **fields)
-        if gradient_accumulation_plugin is not None:
-            plugin = gradient_accumulation_plugin
-            self.num_steps = plugin.num_steps
-            for name in ("sync_with_dataloader", "sync_each_batch", "adjust_scheduler"):
-                setattr(self, name, getattr(plugin, name))
-
-    @staticmethod
-    def _reset_state() -> None:
-        """Forget the shared state: the next ``GradientState()`` starts from the defaults."""
-        GradientState._shared_state.clear()
-
-    @property
-    def initialized(self) -> bool:
-        return bool(self.__dict__)
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={self.__dict__.get(k)!r}" for k in self._DEFAULTS)
-        return f"GradientState({fields})"
-
-    def _set_sync_gradients(self, sync_gradients: bool) -> None:
-        """Accelerate's setter, which transformers' Trainer calls before each micro-batch (it accumulates gradients
-        itself); in world-size-invariant mode it also checks the step's length and seeds the micro-batch's RNG."""
-        if self.caller_steps is not None:
-            self.caller_steps.announce(sync_gradients)
-        self.sync_gradients = sync_gradients
-
-    def _set_end_of_dataloader(self, end_of_dataloader: bool) -> None:
-        self.end_of_dataloader = end_of_dataloader
-
-    def _set_remainder(self, remainder: int) -> None:
-        self.remainder = remainder
-
-    @property
-    def plugin_kwargs(self) -> dict[str, bool]:
-        """The ``GradientAccumulationPlugin`` switches, by name, as Accelerate's ``GradientState`` keeps them."""
-        return {"sync_with_dataloader": self.sync_with_dataloader, "sync_each_batch": self.sync_each_batch,
-                "adjust_scheduler": self.adjust_scheduler}  # fmt: skip
 
 
 class ShardBatchSampler:
@@ -338,12 +255,14 @@ def synchronize_rng_state(rng_type: Any = None, generator: torch.Generator | Non
     synchronize_rng_states([kind], generator)
 
 
-class ShardedDataLoader(DataLoader):
+class ShardedDataLoader(DataLoaderShard):
     """A ``DataLoader`` over this rank's batches that moves them to ``device`` and reports the last batch.
 
-    While the last batch is being processed ``gradient_state.end_of_dataloader`` is ``True`` and
-    ``gradient_state.remainder`` says how many samples of the last global batch are real. ``skip_batches``
-    (a :func:`skip_first_batches` view) skips that many batches of every epoch it iterates.
+    While the last batch is being processed ``end_of_dataloader`` (here and on ``gradient_state``) is ``True``
+    and ``gradient_state.remainder`` says how many samples of the last global batch are real. ``skip_batches``
+    (a :func:`skip_first_batches` view) skips that many batches of every epoch it iterates. It is a kind of
+    Accelerate's ``DataLoaderShard`` (``isinstance`` holds, as for Accelerate's prepared loaders), dealt by
+    :class:`ShardBatchSampler` instead.
     """
 
     def __init__(
@@ -360,7 +279,7 @@ class ShardedDataLoader(DataLoader):
         skip_batches: int = 0,
         **kwargs: Any,
     ):
-        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        DataLoader.__init__(self, dataset, batch_sampler=batch_sampler, **kwargs)  # not DataLoaderShard's dealing
         self.device = device
         self.gradient_state = gradient_state
         self.split_batches = split_batches
@@ -372,6 +291,17 @@ class ShardedDataLoader(DataLoader):
     @property
     def remainder(self) -> int:
         return self.batch_sampler.remainder
+
+    @property
+    def synchronized_generator(self) -> torch.Generator | None:
+        """The generator of the sample order, which every rank draws alike (Accelerate's name for it)."""
+        return self.batch_sampler.order.generator
+
+    _drop_last = property(lambda self: self.batch_sampler.drop_last)
+    _non_blocking = property(lambda self: self.non_blocking)
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
 
     @property
     def iteration(self) -> int:
@@ -409,19 +339,20 @@ class ShardedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         state, dealer = self.gradient_state, self.batch_sampler
-        state.end_of_dataloader = False
+        state.end_of_dataloader = self.end_of_dataloader = False
         synchronize_rng_states(self.rng_types, dealer.order.generator)
         dealer.begin_epoch(self.skip_batches)
         self._forward_set_epoch(dealer.epoch)
         if dealer.invariant:  # see [Note: invariant training through the Accelerator]
             dealer.seed_rng(None)
         resumed = (dealer.start or dealer.position) and self.generator is None
-        iterator = self._resumed_iterator() if resumed else super().__iter__()
+        iterator = self._resumed_iterator() if resumed else DataLoader.__iter__(self)
         current = next(iterator, _END)
         while current is not _END:
             upcoming = next(iterator, _END)
             if upcoming is _END:
                 state.end_of_dataloader, state.remainder = True, self.remainder
+                self.end_of_dataloader = True
                 dealer.at_last_batch = True
             if dealer.invariant:  # this micro-batch's randomness, whatever the rank and world size
                 state.metric_rows = dealer.metric_rows(dealer.position)
@@ -432,10 +363,27 @@ class ShardedDataLoader(DataLoader):
             yield current if self.device is None else send_to_device(current, self.device, self.non_blocking)
             current = upcoming
         state.end_of_dataloader, state.metric_rows = False, None
+        self.end_of_dataloader = False
         dealer.end_epoch()
 
     def __len__(self) -> int:
         return max(len(self.batch_sampler) - self.skip_batches, 0)
+
+    def _skipping(self, num_batches: int) -> ShardedDataLoader:
+        """A view without the first ``num_batches`` of each epoch, sharing this loader's dealer
+        (:func:`skip_first_batches`)."""
+        return ShardedDataLoader(
+            self.dataset,
+            device=self.device,
+            gradient_state=self.gradient_state,
+            batch_sampler=self.batch_sampler,
+            split_batches=self.split_batches,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+            rng_types=self.rng_types,
+            skip_batches=num_batches,
+            **_inherited_kwargs(self),
+        )
 
     def _resumed_iterator(self) -> Iterator[Any]:
         """The DataLoader iterator of an epoch resumed part-way, without touching the global torch RNG.
@@ -446,7 +394,7 @@ class ShardedDataLoader(DataLoader):
         """
         self.generator = torch.Generator().manual_seed(self.batch_sampler.epoch)
         try:
-            return super().__iter__()
+            return DataLoader.__iter__(self)
         finally:
             self.generator = None
 
@@ -572,21 +520,8 @@ def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
     """
     if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
         raise ValueError(f"skip_first_batches(num_batches={num_batches!r}): expected an int >= 0.")
-    if callable(getattr(loader, "_skipping", None)):  # Accelerate's DataLoaderShard / DataLoaderDispatcher
+    if callable(getattr(loader, "_skipping", None)):  # a prepared loader, Accelerate's DataLoaderShard / Dispatcher
         return loader._skipping(num_batches)
-    if isinstance(loader, ShardedDataLoader):
-        return ShardedDataLoader(
-            loader.dataset,
-            device=loader.device,
-            gradient_state=loader.gradient_state,
-            batch_sampler=loader.batch_sampler,
-            split_batches=loader.split_batches,
-            non_blocking=loader.non_blocking,
-            use_stateful_dataloader=loader.use_stateful_dataloader,
-            rng_types=loader.rng_types,
-            skip_batches=num_batches,
-            **_inherited_kwargs(loader),
-        )
     if loader.batch_size is None or isinstance(loader.dataset, IterableDataset):
         raise ValueError(
             f"skip_first_batches({type(loader).__name__}): only a prepared loader, or a DataLoader with a "

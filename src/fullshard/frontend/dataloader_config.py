@@ -5,8 +5,10 @@ is touched):
 
 - ``split_batches``: each global batch is the original loader's batch, cut into ``num_processes`` pieces
   (the batch size must divide by the number of processes); otherwise each rank gets whole batches.
-- ``dispatch_batches``: ``None`` or ``False`` (every rank reads its own share). ``True`` (rank 0 reads and
-  broadcasts) is refused: fullshard deals batches by index from every rank's copy of the dataset.
+- ``dispatch_batches``: ``None`` or ``False``: every rank reads its own share of the dataset by index. ``True``:
+  rank 0 iterates the loader and sends each rank its batch of every round (its slice of each batch with
+  ``split_batches``), as Accelerate's ``DataLoaderDispatcher`` (for data only rank 0 can read); refused in
+  world-size-invariant mode and with tensor parallel groups.
 - ``even_batches``: complete the last global batch with samples from the start of the epoch.
 - ``use_seedable_sampler`` / ``data_seed``: a shuffling loader deals the permutation of ``data_seed + epoch``
   (``data_seed`` defaults to ``torch.initial_seed()``); otherwise one generator continues from epoch to epoch.
@@ -45,12 +47,6 @@ class DataLoaderConfiguration:
                     raise TypeError(f"DataLoaderConfiguration(dispatch_batches={value!r}): expected a bool or None.")
             elif not isinstance(value, bool):
                 raise TypeError(f"DataLoaderConfiguration({f.name}={value!r}): expected True or False.")
-        if self.dispatch_batches:
-            raise ValueError(
-                "DataLoaderConfiguration(dispatch_batches=True): fullshard does not dispatch batches from rank 0; "
-                "every rank reads its own share of the dataset by index. Pass dispatch_batches=None (or False) "
-                "with a map-style Dataset."
-            )
 
 
 def resolve_dataloader_config(

@@ -105,15 +105,17 @@ def clear_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
+def convert_dict_to_env_variables(current_env: dict[str, str], *, logger: logging.Logger | None = None) -> list[str]:
     """``KEY=value\\n`` lines for an environment file; an empty key or value, or one holding ``; < >``, a space or
-    a newline, is left out with a warning naming it."""
+    a newline, is left out with a warning naming it (on ``logger``, by default this module's)."""
     lines = []
     for key, value in current_env.items():
         if key and value and not any(c in key + value for c in ";\n<> "):
             lines.append(f"{key}={value}\n")
         else:
-            _logger.warning(f"convert_dict_to_env_variables: skipping {key}={value}: empty, or a forbidden character.")
+            (logger or _logger).warning(
+                f"convert_dict_to_env_variables: skipping {key}={value}: empty, or a forbidden character."
+            )
     return lines
 
 

@@ -1,8 +1,8 @@
 """Accelerate's data-loading building blocks (``accelerate.data_loader``), for code that builds its own loaders.
 
 The Accelerator's own loaders are :class:`~fullshard.frontend.data.ShardedDataLoader` (see [Note: batch dealing]
-in ``data.py``); these are the pieces Accelerate exports, with its semantics, for scripts and libraries that use
-them directly:
+in ``data.py``), a kind of :class:`DataLoaderShard`; these are the pieces Accelerate exports, with its semantics,
+for scripts and libraries that use them directly:
 
 - :class:`BatchSamplerShard`: rank ``k`` of ``n`` gets batches ``k, k + n, ...`` of a batch sampler (or the
   ``k``-th ``1/n`` of every batch with ``split_batches``). With ``even_batches`` (and no ``drop_last``) the last
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from fullshard.frontend.data import GradientState
-from fullshard.frontend.ops import send_to_device
+from fullshard.frontend.gradient_state import GradientState
+from fullshard.frontend.ops import concatenate, send_to_device, slice_tensors
 
 __all__ = [
     "BatchSamplerShard",
@@ -43,6 +43,7 @@ __all__ = [
     "SkipBatchSampler",
     "SkipDataLoader",
     "dealt_as_accelerate",
+    "dispatch_loader",
     "loader_kwargs",
     "shard_loader",
 ]
@@ -393,6 +394,17 @@ class DataLoaderShard(DataLoaderStateMixin, DataLoader):
 _END = object()
 
 
+def _batch_size(batch: Any) -> int:
+    """The number of samples in ``batch``: the first dimension of its first tensor (or its length)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], (torch.Tensor, dict, list, tuple)):
+        return _batch_size(batch[0])
+    return len(batch)
+
+
 def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     """The arguments that rebuild ``loader``'s batching and workers."""
     names = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "generator", "persistent_workers")
@@ -407,9 +419,12 @@ def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
 
 
 class DataLoaderDispatcher(DataLoaderShard):
-    """The main process iterates the loader; each global batch (``num_processes`` batches, or one batch cut in
-    ``num_processes`` with ``split_batches``) is sent to every rank, which keeps its part. A short last round is
-    completed from the epoch's first batches unless ``_drop_last``; one process iterates as a plain loader."""
+    """The main process iterates the loader and sends every rank each round, which keeps its slice, as
+    Accelerate's ``DataLoaderDispatcher``: a round is ``num_processes`` batches put end to end (one batch with
+    ``split_batches``), and rank ``k`` keeps its ``k``-th ``1/num_processes`` of it. The last round may be short:
+    unless ``_drop_last`` it is dispatched too, each rank keeping ``size // num_processes`` samples, and when
+    that does not divide, the round is completed with the first ``num_processes`` samples of the epoch and each
+    rank keeps one more. Only the main process reads the dataset; one process iterates as a plain loader."""
 
     def __init__(self, dataset: Any, split_batches: bool = False, **kwargs: Any) -> None:
         super().__init__(dataset, **kwargs)
@@ -420,36 +435,44 @@ class DataLoaderDispatcher(DataLoaderShard):
             return dist.get_world_size(), dist.get_rank()
         return 1, 0
 
+    @property
+    def total_batch_size(self) -> int:
+        """Samples per round over all ranks (the loader's batch size with ``split_batches``)."""
+        size = self.batch_size or getattr(self.batch_sampler, "batch_size", None) or 1
+        return size if self.split_batches else size * self._world()[0]
+
+    def _rounds(self, n: int, rank: int) -> Iterator[Any]:
+        """Every round (rank 0's batches put end to end), sent to all ranks."""
+        source = DataLoader.__iter__(self) if rank == 0 else None
+        wanted = 1 if self.split_batches else n
+        while True:
+            payload: list[Any] = [None]
+            if rank == 0:
+                got = [b for b in (next(source, _END) for _ in range(wanted)) if b is not _END]  # type: ignore[arg-type]
+                if got and (len(got) == wanted or not self._drop_last):
+                    payload = [concatenate(got)]
+            dist.broadcast_object_list(payload, src=0)
+            if payload[0] is None:
+                return
+            yield payload[0]
+
     def _batches(self) -> Iterator[Any]:
         n, rank = self._world()
         if n == 1:
             yield from DataLoader.__iter__(self)
             return
-        source = DataLoader.__iter__(self) if rank == 0 else None
-        first: list[Any] = []
-        while True:
-            payload: list[Any] = [None]
-            if rank == 0:
-                wanted = 1 if self.split_batches else n
-                got = [b for b in (next(source, _END) for _ in range(wanted)) if b is not _END]  # type: ignore[arg-type]
-                first = first or got
-                if got and len(got) < wanted and not self._drop_last:
-                    got += _cycled(first, 0, wanted - len(got))
-                payload = [got if len(got) == wanted else None]
-            dist.broadcast_object_list(payload, src=0)
-            if payload[0] is None:
-                return
-            yield self._part(payload[0], n, rank)
-
-    def _part(self, batches: list[Any], n: int, rank: int) -> Any:
-        if not self.split_batches:
-            return batches[rank]
-        from fullshard.frontend.ops import slice_tensors
-
-        batch = batches[0]
-        size = len(batch) if not isinstance(batch, dict) else len(next(iter(batch.values())))
-        width = size // n
-        return slice_tensors(batch, slice(rank * width, (rank + 1) * width))
+        rounds = self._rounds(n, rank)
+        current, head = next(rounds, None), None
+        while current is not None:
+            following, batch = next(rounds, None), current
+            if head is None:  # the epoch's first samples, to complete a last round that does not divide
+                head = slice_tensors(batch, slice(0, n))
+            size = _batch_size(batch)
+            width = size // n
+            if following is None and size % n and not self._drop_last:
+                batch, width = concatenate([batch, head]), width + 1
+            yield slice_tensors(batch, slice(rank * width, (rank + 1) * width))
+            current = following
 
     def __len__(self) -> int:
         n, _ = self._world()
@@ -522,6 +545,17 @@ def shard_loader(
     if num_processes > 1:
         shard = BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches, even_batches)
     return DataLoaderShard(loader.dataset, batch_sampler=shard, **common, **kwargs)
+
+
+def dispatch_loader(
+    loader: DataLoader, *, device: torch.device | None, split_batches: bool = False, non_blocking: bool = False
+) -> DataLoaderDispatcher:
+    """``loader`` dispatched (``dispatch_batches=True``): the main process iterates it and sends every rank its
+    batch of each round (or its slice of each batch with ``split_batches``); see :class:`DataLoaderDispatcher`."""
+    return DataLoaderDispatcher(
+        loader.dataset, split_batches=split_batches, device=device, _drop_last=loader.drop_last,
+        _non_blocking=non_blocking, **loader_kwargs(loader),
+    )  # fmt: skip
 
 
 def _shards_natively(dataset: Any, num_processes: int, split_batches: bool) -> bool:

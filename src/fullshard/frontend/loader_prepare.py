@@ -50,11 +50,9 @@ def prepare_data_loader(
     k = process_index if process_index is not None else (dist.get_rank() if grouped else 0)
     target = (device or PartialState().device) if put_on_device else None
     if dispatch_batches:
-        kwargs = loader_parts.loader_kwargs(dataloader)
-        return loader_parts.DataLoaderDispatcher(
-            dataloader.dataset, split_batches=split_batches, device=target, _drop_last=dataloader.drop_last,
-            _non_blocking=non_blocking, **kwargs,
-        )  # fmt: skip
+        return loader_parts.dispatch_loader(
+            dataloader, device=target, split_batches=split_batches, non_blocking=non_blocking
+        )
     if loader_parts.dealt_as_accelerate(dataloader):
         return loader_parts.shard_loader(
             dataloader, num_processes=n, process_index=k, device=target, split_batches=split_batches,

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed import device_mesh as _torch_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.frontend import env
 
@@ -175,11 +176,13 @@ class ParallelismConfig:
         if not layout:
             return None
         names, shape = layout
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        # Looked up on torch's module at each call, as Accelerate does, so a test that patches
+        # torch.distributed.device_mesh.init_device_mesh sees the mesh fullshard asks for.
+        mesh = _torch_mesh.init_device_mesh(device_type, shape, mesh_dim_names=names)
         for flat, dims in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                            ("dp_cp", self.dp_cp_dim_names)):  # fmt: skip
             if dims:
-                mesh[tuple(dims)]._flatten(flat)
+                mesh[dims]._flatten(flat)  # the list, as Accelerate indexes it
         return mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> DeviceMesh | None:

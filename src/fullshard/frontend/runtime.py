@@ -21,6 +21,11 @@ attempt starts from an empty key space. A group the script initialised itself do
 Every collective of the group gives up after ``timeout`` (``InitProcessGroupKwargs(timeout=...)``, else
 ``FULLSHARD_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT`), so a desynchronised or dead peer ends in an
 error instead of torch's 30-minute wait (gloo's default).
+
+[Note: device]
+A process computes on the CPU (``cpu=True``, or no CUDA) or on ``cuda:<local rank % devices>``. As in
+Accelerate, ``ACCELERATE_TORCH_DEVICE`` (e.g. ``cuda:1``) names the device instead; the process group's backend
+then follows it (NCCL for a CUDA device, gloo otherwise).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = ["DEFAULT_TIMEOUT", "ProcessState", "ProcessView", "init_process_state
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 TIMEOUT_VAR = "FULLSHARD_TIMEOUT"
+DEVICE_VAR = "ACCELERATE_TORCH_DEVICE"
 
 _OWNED_GROUP = False
 
@@ -109,7 +115,25 @@ class ProcessView:
         self._process.print(*args, **kwargs)
 
 
-def _pick_device(cpu: bool, local_rank: int) -> torch.device:
+def _named_device() -> torch.device | None:
+    """The device ``ACCELERATE_TORCH_DEVICE`` names, or ``None`` when it is unset; see [Note: device]."""
+    raw = os.environ.get(DEVICE_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        return torch.device(raw)
+    except RuntimeError:
+        raise ValueError(
+            f"{DEVICE_VAR}={raw!r}: not a torch device. Name one as torch.device takes it (cpu, cuda, cuda:1), or "
+            "unset the variable to let fullshard pick this process's device."
+        ) from None
+
+
+def _pick_device(cpu: bool, local_rank: int, named: torch.device | None = None) -> torch.device:
+    if named is not None:
+        if named.type == "cuda":
+            torch.cuda.set_device(named)
+        return named
     if cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
@@ -146,7 +170,8 @@ def init_process_state(
     in the environment the global rank stands for the local one (all ranks on one machine).
     """
     global _OWNED_GROUP
-    use_cuda = not cpu and torch.cuda.is_available()
+    named = _named_device()
+    use_cuda = named.type == "cuda" if named is not None else not cpu and torch.cuda.is_available()
     if not dist.is_initialized():
         backend = backend or ("nccl" if use_cuda else "gloo")
         kwargs: dict[str, Any] = {"timeout": resolve_timeout(timeout)}
@@ -163,7 +188,7 @@ def init_process_state(
         _OWNED_GROUP = True
     backend = str(dist.get_backend())
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    device = _pick_device(not use_cuda or "nccl" not in backend, local_rank)
+    device = _pick_device(not use_cuda or "nccl" not in backend, local_rank, named)
     return ProcessState(
         process_index=dist.get_rank(),
         num_processes=dist.get_world_size(),

@@ -22,6 +22,7 @@ from fullshard.engine import (
     unit_states_in,
 )
 from fullshard.frontend import invariance, ops
+from fullshard.frontend.compile import is_compiled_module
 from fullshard.frontend.data import GradientState
 from fullshard.frontend.enums import PrecisionType
 
@@ -132,11 +133,20 @@ def wrap_forward_for_precision(
     model.forward = forward_in_precision  # type: ignore[method-assign]
 
 
-def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True, **_: Any) -> nn.Module:
-    """The user's module: the one a ``FullyShardedDataParallel`` wraps (``fully_shard`` modules are themselves).
+def extract_model_from_parallel(
+    model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool | None = True, **_: Any
+) -> nn.Module:
+    """The user's module: the one a ``FullyShardedDataParallel`` (or DDP, ``DataParallel``) wraps; ``fully_shard``
+    modules are themselves.
 
+    A ``torch.compile(wrapper)`` (an ``OptimizedModule``) is looked through: without ``keep_torch_compile`` the
+    module inside the wrappers is returned; with it, that module compiled with the same settings (a new
+    ``OptimizedModule``, so the one given keeps calling its wrapper), as Accelerate's ``keep_torch_compile``.
     Without ``keep_fp32_wrapper`` the autocast wrapper of mixed precision is removed from ``forward``.
     """
+    compiled = model if is_compiled_module(model) else None
+    if compiled is not None:
+        model = compiled._orig_mod
     while isinstance(model, (FullyShardedDataParallel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     patched = model.__dict__.get("forward")
@@ -146,6 +156,10 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
             del model.forward  # back to the class's method
         else:
             model.forward = original  # type: ignore[method-assign]
+    if keep_torch_compile and compiled is not None:
+        if compiled._orig_mod is model:
+            return compiled
+        return type(compiled)(model, compiled.dynamo_ctx)
     return model
 
 
