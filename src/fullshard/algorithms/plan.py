@@ -27,9 +27,9 @@ from fullshard.engine import (
     MixedPrecisionPolicy,
     UnitPlan,
     fully_shard,
+    is_unit,
     plan_units,
     plan_wrapper_units,
-    unit_state,
     wrap_units,
 )
 
@@ -74,9 +74,7 @@ def plan_sharding(
         mixed = precision if isinstance(precision, MixedPrecision) else None
         units = plan_wrapper_units(model, auto_wrap_policy, mixed, ignored_modules)
     else:
-        units = plan_units(
-            model, auto_wrap_policy, ignored_modules=ignored_modules, is_unit=lambda m: unit_state(m) is not None
-        )
+        units = plan_units(model, auto_wrap_policy, ignored_modules=ignored_modules, is_unit=is_unit)
     blocks = tuple(u.module for u in units if FULL_PRECISION_OUTPUT not in u.overrides)
     return ShardingPlan(
         version=version,

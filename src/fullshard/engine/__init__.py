@@ -37,9 +37,16 @@ from fullshard.engine.fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from fullshard.engine.grad_norm import clip_grad_norm_
+from fullshard.engine.grad_norm import clip_grad_norm_, clip_module_grad_norm_
 from fullshard.engine.invariant import ENV as INVARIANT_ENV
-from fullshard.engine.invariant import pending_micro_batches, restore_step_in_progress, step_in_progress
+from fullshard.engine.invariant import (
+    invariant_micro_batches,
+    invariant_per_rank,
+    micro_batches_per_rank,
+    pending_micro_batches,
+    restore_step_in_progress,
+    step_in_progress,
+)
 from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
 from fullshard.engine.layout import ShardLayout
 from fullshard.engine.names import clean_key
@@ -53,7 +60,7 @@ from fullshard.engine.optim_state import (
     scatter_states,
 )
 from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
-from fullshard.engine.state import gradient_sync, unit_state, unit_states_in
+from fullshard.engine.state import gradient_sync, has_units, is_unit
 from fullshard.engine.state_dict import expected_entries, mismatches, state_dict_type
 from fullshard.engine.summon import summon_full_params
 from fullshard.engine.unit import InitOptions
@@ -126,17 +133,18 @@ __all__ = [
     "ShardLayout",
     "clean_key",
     "gradient_sync",
+    "has_units",
+    "is_unit",
     "local_tensor",
     "owner_label",
     "replacement_for",
     "retired_data_ptr",
-    "unit_state",
-    "unit_states_in",
     # state dicts, full parameters, gradients
     "StateSpec",
     "WHOLE_STATES_KEY",
     "add_step_check",
     "clip_grad_norm_",
+    "clip_module_grad_norm_",
     "expected_entries",
     "mismatches",
     "model_params",
@@ -149,7 +157,11 @@ __all__ = [
     # world-size-invariant mode's G, as the entry points read it (invariant.py; the front end's plugin)
     "INVARIANT_ENV",
     "resolve_invariant_micro_batches",
-    # a step saved part-way in invariant mode: its partial sums (the front end's save_state / load_state)
+    # a model sharded in invariant mode, as plain values: G, G/N (computed here only), the step in progress
+    # (micro-batches folded, their partial sums: the front end's save_state / load_state)
+    "invariant_micro_batches",
+    "invariant_per_rank",
+    "micro_batches_per_rank",
     "pending_micro_batches",
     "step_in_progress",
     "restore_step_in_progress",

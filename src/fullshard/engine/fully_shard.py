@@ -215,10 +215,7 @@ class FSDPModule:
         fullshard's addition to torch's ``FSDPModule`` (where ``torch.nn.utils.clip_grad_norm_`` over the ``DTensor``
         parameters does it). In world-size-invariant mode the norm is the same, bitwise, on every world size (torch's
         function over the ``DTensor`` parameters sums per-rank partial norms: not invariant)."""
-        states = unit_states_in(self)  # type: ignore[arg-type]
-        managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
-        others = [p for p in self.parameters() if id(p) not in managed]  # type: ignore[attr-defined]
-        return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+        return grad_norm.clip_module_grad_norm_(self, max_norm, norm_type)  # type: ignore[arg-type]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``to_empty``, ``.to``, ``.cuda``), then take the moved sharded parameters back

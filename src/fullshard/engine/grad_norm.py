@@ -15,12 +15,22 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fullshard.engine import invariant
 from fullshard.engine.param import local_tensor
-from fullshard.engine.state import UnitState
+from fullshard.engine.state import UnitState, unit_states_in
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "clip_module_grad_norm_"]
+
+
+def clip_module_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of every parameter of ``module`` (its units' sharded parameters and any others it holds)
+    to a global norm, as :func:`clip_grad_norm_`; return the norm before clipping."""
+    states = unit_states_in(module)
+    managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
+    others = [p for p in module.parameters() if id(p) not in managed]
+    return clip_grad_norm_(states, others, max_norm, norm_type)
 
 
 def clip_grad_norm_(

@@ -62,10 +62,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fullshard.engine import collective_check, trace
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, rank_major
 from fullshard.engine.group import ParamGroup
+from fullshard.engine.names import STATE_ATTR
 from fullshard.engine.param import local_tensor
 
 __all__ = [
@@ -79,6 +81,9 @@ __all__ = [
     "check_ready_to_clip",
     "fold_backward",
     "fold_leftovers",
+    "invariant_micro_batches",
+    "invariant_per_rank",
+    "micro_batches_per_rank",
     "pending_micro_batches",
     "restore_step_in_progress",
     "step_in_progress",
@@ -122,6 +127,17 @@ def resolve(micro_batches: int | None, where: str) -> int | None:
             "two (1, 2, 4, 8, ...), a multiple of every world size it will run on."
         )
     return value
+
+
+def micro_batches_per_rank(micro_batches: int, data_parallel_size: int) -> int:
+    """``G/N``: the micro-batches each of ``N = data_parallel_size`` ranks runs per optimizer step, when the step is
+    ``G = micro_batches`` of them. The one place that divides; the entry points and the front end refuse a ``G``
+    that ``N`` does not divide before they get here, each in its own words."""
+    if data_parallel_size < 1 or micro_batches % data_parallel_size:
+        raise ValueError(
+            f"invariant_micro_batches={micro_batches} is not a multiple of the data-parallel size {data_parallel_size}."
+        )
+    return micro_batches // data_parallel_size
 
 
 def validate_group(group: ParamGroup, micro_batches: int, where: str) -> None:
@@ -233,18 +249,54 @@ def _tree(group: ParamGroup) -> TreeSum:
     return tree
 
 
-def pending_micro_batches(group: ParamGroup) -> int:
+def _folded(group: ParamGroup) -> int:
     """Micro-batches folded into ``group``'s stack and not reduced yet (0 right after a step's last one)."""
     tree = _TREES.get(group)
     return 0 if tree is None else tree.count
 
 
-def step_in_progress(states: Sequence[Any]) -> list[dict[str, Any]] | None:
+# --- a sharded model in invariant mode, as other packages see it: plain values ---------------------------------
+
+
+def _units(module: nn.Module) -> list[Any]:
+    """The ``UnitState``s in ``module``'s tree, pre-order, each once: ``state.unit_states_in`` (``state`` imports
+    this module, so it cannot be imported here)."""
+    states = [s for m in module.modules() if (s := m.__dict__.get(STATE_ATTR)) is not None]
+    return list({id(s): s for s in states}.values())
+
+
+def invariant_micro_batches(module: nn.Module) -> int | None:
+    """``G`` of ``module`` when it is sharded in world-size-invariant mode (every unit in it has
+    ``invariant_micro_batches``); ``None`` in the default mode or when nothing in it is sharded."""
+    modes = [s.config.invariant_micro_batches for s in _units(module)]
+    return modes[0] if modes and None not in modes else None
+
+
+def invariant_per_rank(module: nn.Module) -> int | None:
+    """``G/N`` of ``module`` in world-size-invariant mode: micro-batches per rank and optimizer step, ``N`` its
+    units' data-parallel size; ``None`` in the default mode or when no unit of it holds parameters."""
+    if invariant_micro_batches(module) is None:
+        return None
+    return next((_per_rank(s) for s in _units(module) if s.group is not None), None)
+
+
+def _per_rank(state: Any) -> int:
+    return micro_batches_per_rank(state.config.invariant_micro_batches, state.group.shard_group.data_parallel_size)
+
+
+def pending_micro_batches(module: nn.Module) -> int:
+    """Micro-batches of the step in progress folded by ``module``'s units and not reduced yet (the most any unit
+    holds; 0 at a step boundary and in the default mode)."""
+    return max((_folded(s.group) for s in _units(module) if s.group is not None), default=0)
+
+
+def step_in_progress(module: nn.Module) -> list[dict[str, Any]] | None:
     """The partial sums of a step part-way through (micro-batches folded, not reduced yet), one entry per unit of
-    ``states`` in order: ``{"unit", "count", "levels", "sums"}`` (``unit``: the module's class name; the sums copied
+    ``module`` in order: ``{"unit", "count", "levels", "sums"}`` (``unit``: the module's class name; the sums copied
     to the CPU); ``None`` when no unit has a micro-batch pending (a step boundary). What ``save_state`` writes
     mid-step: the sums are this rank's unsharded ones, so only the same world size can go on from them."""
-    if not any(s.group is not None and pending_micro_batches(s.group) for s in states):
+    states = _units(module)
+    if not any(s.group is not None and _folded(s.group) for s in states):
         return None
     saved = []
     for state in states:
@@ -256,9 +308,10 @@ def step_in_progress(states: Sequence[Any]) -> list[dict[str, Any]] | None:
     return saved
 
 
-def restore_step_in_progress(states: Sequence[Any], saved: list[dict[str, Any]] | None, where: str) -> None:
+def restore_step_in_progress(module: nn.Module, saved: list[dict[str, Any]] | None, where: str) -> None:
     """Put back what :func:`step_in_progress` returned (``None``: a step boundary, every unit's stack emptied) into
     the same units on the same world size: the next backward passes finish the step as the saving run did."""
+    states = _units(module)
     for i, state in enumerate(states):
         group: ParamGroup | None = state.group
         entry = saved[i] if saved is not None and i < len(saved) else {"count": 0, "levels": [], "sums": []}
@@ -292,7 +345,7 @@ def fold_backward(state: Any) -> None:
         return
     state.reduced = True
     tree = _tree(group)
-    per_rank = state.config.invariant_micro_batches // group.shard_group.data_parallel_size
+    per_rank = _per_rank(state)
     last = tree.count + 1 == per_rank
     if last and not state.requires_gradient_sync:
         raise RuntimeError(
@@ -377,9 +430,9 @@ def check_ready_to_clip(states: Sequence[Any]) -> None:
     when units are sharded over different process groups (the fixed pieces assume one)."""
     groups: list[ParamGroup] = [s.group for s in states if s.group is not None]
     for group in groups:
-        if pending_micro_batches(group):
+        if _folded(group):
             raise RuntimeError(
-                f"clip_grad_norm_ with {pending_micro_batches(group)} micro-batches of unit {group.label!r} folded "
+                f"clip_grad_norm_ with {_folded(group)} micro-batches of unit {group.label!r} folded "
                 "but not reduced yet: in world-size-invariant mode run G/N micro-batches per rank before clipping."
             )
     _shard_pg(groups)

@@ -38,13 +38,13 @@ from fullshard.engine import collective_check, invariant, trace
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
-from fullshard.engine.names import clean_key
+from fullshard.engine.names import STATE_ATTR, clean_key
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.reassign import adopt_replaced_params
 from fullshard.engine.spare import SpareStorage
 from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
-__all__ = ["TrainingState", "UnitConfig", "UnitState", "unit_state", "unit_states_in"]
+__all__ = ["TrainingState", "UnitConfig", "UnitState", "has_units", "is_unit", "unit_state", "unit_states_in"]
 
 MAX_REDUCTIONS_IN_FLIGHT: int | None = None
 """Reductions a backward leaves running while the next units compute (``None``: by backend, see
@@ -86,23 +86,26 @@ class UnitConfig:
     invariant_micro_batches: int | None = None
 
 
-# A unit's state lives in its module's __dict__, under this name. Not in a module-level WeakKeyDictionary: the
-# state refers to its module (and its hooks' closures do), so such a dictionary's value would keep its own key
-# alive, and no sharded model, its parameters or its optimizer's view of them, would ever be freed. Held by the
-# module, the two form a cycle that the garbage collector frees with the module.
-_STATE_ATTR = "_fullshard_unit_state"
-
-
 def unit_state(module: nn.Module) -> UnitState | None:
     """The unit state of ``module`` if it is a unit (an FSDP wrapper or a ``fully_shard`` module)."""
-    return module.__dict__.get(_STATE_ATTR)
+    return module.__dict__.get(STATE_ATTR)
 
 
 def unit_states_in(module: nn.Module) -> list[UnitState]:
     """The unit states in ``module``'s tree, pre-order (parents before children), each once (the modules of a
     ``fully_shard([m0, m1])`` unit share one)."""
-    states = [s for m in module.modules() if (s := m.__dict__.get(_STATE_ATTR)) is not None]
+    states = [s for m in module.modules() if (s := m.__dict__.get(STATE_ATTR)) is not None]
     return list({id(s): s for s in states}.values())
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` itself is a unit (a ``FullyShardedDataParallel`` wrapper or a ``fully_shard`` module)."""
+    return unit_state(module) is not None
+
+
+def has_units(module: nn.Module) -> bool:
+    """Whether any module in ``module``'s tree is a unit (a model never sharded has none)."""
+    return any(is_unit(m) for m in module.modules())
 
 
 @dataclass
@@ -215,13 +218,13 @@ class UnitState:
         # would break it); the FSDP class's forward calls these two methods, where a break is unavoidable.
         self.pre_forward = torch.compiler.disable(self.pre_forward, recursive=True)  # type: ignore[method-assign]
         self.post_forward = torch.compiler.disable(self.post_forward, recursive=True)  # type: ignore[method-assign]
-        module.__dict__[_STATE_ATTR] = self
+        module.__dict__[STATE_ATTR] = self
 
     def attach(self, member: nn.Module) -> None:
         """Make ``member`` one more module of this unit (see [Note: a unit of several modules])."""
         self.members.append(member)
         self.member_names.append(type(member).__name__)
-        member.__dict__[_STATE_ATTR] = self
+        member.__dict__[STATE_ATTR] = self
 
     def keep_hooks(self, *handles: RemovableHandle) -> None:
         """Remember hooks registered for this unit, so that they can be removed."""

@@ -239,10 +239,7 @@ class FullyShardedDataParallel(nn.Module):
         state = self._unit
         if state.ctx is not None and not state.is_root:
             raise RuntimeError("clip_grad_norm_ must be called on the root FullyShardedDataParallel module.")
-        states = unit_states_in(self)
-        managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
-        others = [p for p in self.parameters() if id(p) not in managed]
-        return grad_norm.clip_grad_norm_(states, others, max_norm, norm_type)
+        return grad_norm.clip_module_grad_norm_(self, max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Reduce gradients with ``hook`` instead of the built-in reduce-scatter / all-reduce, in every unit.
@@ -339,7 +336,7 @@ def plan_wrapper_units(
     """The submodules of ``module`` that become nested wrappers, innermost first: those ``policy`` selects, and
     under mixed precision the modules it must keep in full precision (see :func:`_keep_full_precision`)."""
     return plan_units(
-        module, _keep_full_precision(policy, mp), ignored_modules=ignored, is_unit=lambda m: unit_state(m) is not None
+        module, _keep_full_precision(policy, mp), ignored_modules=ignored, is_unit=is_unit
     )
 
 

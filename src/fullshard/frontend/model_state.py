@@ -26,11 +26,11 @@ from fullshard.algorithms.optim_init import init_optimizer_state as engine_init_
 from fullshard.engine import (
     FullStateDictConfig,
     StateDictType,
+    has_units,
     optim_state_dict,
     optim_state_dict_to_load,
     scatter_full_optim_state_dict,
     state_dict_type,
-    unit_states_in,
 )
 from fullshard.frontend.optim import AcceleratedOptimizer
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -65,11 +65,6 @@ def finish_model_load(model: nn.Module, plugin: FullyShardedDataParallelPlugin, 
     """After ``state`` (from :func:`sharded_model_state_dict`) was filled in place, hand it to the model."""
     with _as(model, plugin, StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state)
-
-
-def has_units(model: nn.Module) -> bool:
-    """Whether any module of ``model`` is sharded (a model never prepared has none)."""
-    return bool(unit_states_in(model))
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from torch import nn
 from fullshard.algorithms.full_load import load_full_state_dict
 from fullshard.algorithms.plan import ShardingPlan, apply_plan, plan_sharding
 from fullshard.algorithms.whole_step import is_matrix_optimizer, whole_param_step
-from fullshard.engine import InitOptions, replacement_for, retired_data_ptr, unit_state
+from fullshard.engine import InitOptions, is_unit, replacement_for, retired_data_ptr
 from fullshard.frontend import env
 from fullshard.frontend.adapters import save_adapters_whole
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
@@ -67,7 +67,7 @@ def disable_fsdp_ram_efficient_loading() -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is already a unit (a ``FullyShardedDataParallel`` or a ``fully_shard`` module)."""
-    return unit_state(model) is not None
+    return is_unit(model)
 
 
 def _check_plugin(plugin: object, where: str) -> FullyShardedDataParallelPlugin:

@@ -16,10 +16,9 @@ from torch import nn
 from fullshard.engine import (
     FSDPModule,
     FullyShardedDataParallel,
-    clip_grad_norm_,
+    clip_module_grad_norm_,
     gradient_sync,
     local_tensor,
-    unit_states_in,
 )
 from fullshard.frontend import invariance, ops
 from fullshard.frontend.compile import is_compiled_module
@@ -80,10 +79,7 @@ def clip_grad_norm(
         if wanted and wanted <= mine:
             if isinstance(model, FullyShardedDataParallel):
                 return model.clip_grad_norm_(max_norm, norm_type)
-            states = unit_states_in(model)
-            managed = {id(sp.sharded_param) for s in states if s.group for sp in s.group.params}
-            others = [p for p in model.parameters() if id(p) not in managed]
-            return clip_grad_norm_(states, others, max_norm, norm_type)
+            return clip_module_grad_norm_(model, max_norm, norm_type)
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
 
