@@ -1,7 +1,7 @@
 """World-size-invariant mode through the Accelerator (issue 27 §1): an ordinary Accelerate loop (``prepare``,
 ``accumulate``, ``backward``, ``clip_grad_norm_``, ``step``, a scheduler) with dropout gives ``torch.equal`` weights
 and clipping norms on 1, 2 and 4 ranks; see [Note: invariant training through the Accelerator] in
-``frontend/invariance.py``.
+``frontend/invariant.py``.
 
 Set up: a small model with dropout after every hidden layer (odd widths; its largest weight spans several norm
 pieces), a shuffled map-style dataset whose size leaves the last global batch incomplete (completed from the

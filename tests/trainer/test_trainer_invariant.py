@@ -11,7 +11,7 @@ Check: ``torch.equal`` final weights and equal gradient norms at every step acro
 runs; its loss is not compared: the Trainer's evaluation loss depends on N in any mode); the refusals name the
 value to use. In process: which seed ``_set_sync_gradients`` gives a micro-batch, whether the loop
 fetches the step's micro-batches ahead (as the Trainer does) or one at a time.
-See [Note: the Trainer in invariant mode] in ``src/fullshard/frontend/invariance.py``.
+See [Note: the Trainer in invariant mode] in ``src/fullshard/frontend/invariant.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from fullshard.frontend.data import GradientState
-from fullshard.frontend.invariance import CallerSteps, InvariantRun
+from fullshard.frontend.invariant import CallerSteps, InvariantRun
 
 pytest.importorskip("transformers")
 

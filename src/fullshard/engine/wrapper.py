@@ -39,7 +39,7 @@ from fullshard.engine.mesh import build_shard_group, require_process_group
 from fullshard.engine.names import WRAPPED_NAME, clean_key
 from fullshard.engine.param import owner_label
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
-from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, unit_state, unit_states_in
+from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, is_unit, unit_states_in
 from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device, resolve_ignored
 from fullshard.engine.wrap import UnitPlan, plan_units
 
@@ -335,9 +335,7 @@ def plan_wrapper_units(
 ) -> list[UnitPlan]:
     """The submodules of ``module`` that become nested wrappers, innermost first: those ``policy`` selects, and
     under mixed precision the modules it must keep in full precision (see :func:`_keep_full_precision`)."""
-    return plan_units(
-        module, _keep_full_precision(policy, mp), ignored_modules=ignored, is_unit=is_unit
-    )
+    return plan_units(module, _keep_full_precision(policy, mp), ignored_modules=ignored, is_unit=is_unit)
 
 
 def wrap_units(root: nn.Module, plans: list[UnitPlan], kwargs: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
 from fullshard.frontend import (
     env,
-    invariance,
+    invariant,
     memory,
     model_state,
     ops,
@@ -197,14 +197,12 @@ class Accelerator(runtime.ProcessView):
         if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
             self.parallelism_config._validate_accelerator(self)
             self.torch_device_mesh = self.parallelism_config.get_device_mesh(self.device.type)
-        # World-size-invariant mode: G/N micro-batches per rank and step (see invariance.py).
+        # World-size-invariant mode: G/N micro-batches per rank and step (see invariant.py).
         dp_size = data_parallel_position(self.parallelism_config, self.process_index, self.num_processes)[1]
-        self._invariant = invariance.configure(
-            self.fsdp_plugin.invariant_micro_batches, dp_size, accumulation.num_steps
-        )
+        self._invariant = invariant.configure(self.fsdp_plugin.invariant_micro_batches, dp_size, accumulation.num_steps)
         if self._invariant is not None:
             self.gradient_state.num_steps = self._invariant.per_rank
-            self.gradient_state.caller_steps = invariance.CallerSteps(self._invariant)
+            self.gradient_state.caller_steps = invariant.CallerSteps(self._invariant)
         self._accumulating = False
         self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
@@ -461,7 +459,7 @@ class Accelerator(runtime.ProcessView):
         if isinstance(obj, AcceleratedScheduler):
             return obj
         optimizers = [o for o in self._objects.optimizers if o.optimizer is obj.optimizer or o is obj.optimizer]
-        # Scheduler steps per optimizer step; world-size-invariant mode: one, on every N (see invariance.py).
+        # Scheduler steps per optimizer step; world-size-invariant mode: one, on every N (see invariant.py).
         steps = 1 if self.split_batches or self._invariant is not None else self.num_processes
         wrapped = AcceleratedScheduler(obj, optimizers, self.gradient_state, steps, self.step_scheduler_with_optimizer)
         self._objects.schedulers.append(wrapped)
@@ -474,20 +472,11 @@ class Accelerator(runtime.ProcessView):
 
         World-size-invariant mode: outside ``accumulate()`` with ``G/N > 1`` only in a loop that announces its
         micro-batches (transformers' Trainer), and scaled by the steps the Accelerator was created with; see
-        [Note: the Trainer in invariant mode] in ``invariance.py``.
+        [Note: the Trainer in invariant mode] in ``invariant.py``.
         """
-        run, steps = self._invariant, self.gradient_accumulation_steps
-        caller = self.gradient_state.caller_steps
-        if run is not None and not self._accumulating and caller is not None and caller.active:
-            steps = run.requested_steps  # the loop accumulates itself, as in Accelerate
-        elif run is not None and run.per_rank > 1 and not self._accumulating:
-            raise RuntimeError(
-                f"Accelerator.backward outside accumulate() in world-size-invariant mode (invariant_micro_batches="
-                f"{run.micro_batches} on {run.data_parallel_size} ranks: {run.per_rank} micro-batches per rank and "
-                "step): the optimizer would step on every micro-batch. Run each batch inside "
-                "`with accelerator.accumulate(model):` (transformers' Trainer, which accumulates itself, is "
-                "supported: see docs/accelerate.md)."
-            )
+        steps = invariant.loss_divisor(
+            self._invariant, self.gradient_accumulation_steps, self._accumulating, self.gradient_state.caller_steps
+        )
         loss = loss / steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fullshard.frontend.gradient_state import GradientState
-from fullshard.frontend.invariance import check_sampler, micro_batch_seed
+from fullshard.frontend.invariant import check_sampler, micro_batch_seed
 from fullshard.frontend.loader_parts import DataLoaderShard
 from fullshard.frontend.ops import send_to_device
 from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
@@ -70,7 +70,7 @@ class ShardBatchSampler:
     """The index lists rank ``rank`` of ``num_processes`` iterates in one epoch; see [Note: batch dealing].
 
     ``per_rank`` (world-size-invariant mode, see [Note: invariant training through the Accelerator] in
-    ``invariance.py``; ``None``: the default dealing): a global batch is ``per_rank * num_processes`` batches, and
+    ``invariant.py``; ``None``: the default dealing): a global batch is ``per_rank * num_processes`` batches, and
     each rank gets ``per_rank`` consecutive ones of it (rank ``i``: batches ``i * per_rank ..``), in order; the
     loader seeds each batch's randomness from ``micro_seed``.
 
@@ -472,7 +472,7 @@ def prepare_data_loader(
     """This rank's share of ``loader`` (see [Note: batch dealing]); the original loader is left unchanged.
 
     ``invariant_micro_batches=G``: dealt for world-size-invariant training, ``G / num_processes`` micro-batches
-    per rank and step (see [Note: invariant training through the Accelerator] in ``invariance.py``).
+    per rank and step (see [Note: invariant training through the Accelerator] in ``invariant.py``).
     A collective when the sample order needs one (a seedable sampler's seed comes from rank 0), and in
     world-size-invariant mode (the base seed comes from rank 0).
     """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fullshard.frontend.invariance import CallerSteps
+from fullshard.frontend.invariant import CallerSteps
 
 __all__ = ["GradientState"]
 
@@ -30,7 +30,7 @@ class GradientState:
     - ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``: a ``GradientAccumulationPlugin``'s
       switches (see ``handlers/grad.py``).
     - ``caller_steps``: world-size-invariant mode, the micro-batches of a loop that accumulates itself (see
-      [Note: the Trainer in invariant mode] in ``invariance.py``); ``None`` in the default mode.
+      [Note: the Trainer in invariant mode] in ``invariant.py``); ``None`` in the default mode.
     """
 
     _shared_state: ClassVar[dict[str, Any]] = {}

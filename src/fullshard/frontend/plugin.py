@@ -154,7 +154,7 @@ class FullyShardedDataParallelPlugin:
     a multiple of every world size the run will use): the weights after every step are bitwise the same on any
     number of ranks. ``None`` (the default) or 0: off. Read from ``FSDP_INVARIANT_MICRO_BATCHES``, else the
     engine's ``FULLSHARD_INVARIANT_MICRO_BATCHES``. The Accelerator then deals micro-batches, accumulates
-    ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariance.py``)."""
+    ``G / N`` of them per rank and seeds each one's randomness (see ``frontend/invariant.py``)."""
     whole_param_step: bool | None = None
     """fullshard's addition: ``prepare`` steps a matrix optimizer (``torch.optim.Muon``, ``torch.optim.Adafactor``,
     a class given to ``fullshard.register_matrix_optimizer``) on whole parameters, each on one owning rank, so its

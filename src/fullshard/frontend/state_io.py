@@ -69,7 +69,7 @@ from fullshard.checkpoint import (
 from fullshard.engine import (
     StateDictType,
 )
-from fullshard.frontend import model_state, resume_layout
+from fullshard.frontend import invariant, model_state, resume_layout
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
 
@@ -186,7 +186,7 @@ def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
         if objects.scaler is not None:
             states[SCALER_NAME] = objects.scaler.state_dict()
     states[rng_state_file_name(rank)] = _rng_state()
-    step = resume_layout.step_to_save(objects.models)
+    step = invariant.step_to_save(objects.models)
     if step is not None:
         states[step_in_progress_file_name(rank)] = step
     return states
@@ -230,7 +230,7 @@ def save_state(
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
-    resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
+    invariant.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where)
     tx.begin()
     _run_hooks(tx, before)
@@ -272,7 +272,7 @@ def start_save_state(
     background.wait()
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
     _check(objects, where)
-    resume_layout.check_step_to_save(objects.models, objects.gradient_state, where)
+    invariant.check_step_to_save(objects.models, objects.gradient_state, where)
     tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
     tx.begin()
     _run_hooks(tx, before)  # before returning, as the synchronous save
@@ -383,8 +383,9 @@ def load_state(
     folder = folder_for_load(input_dir, where)
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     without_rng = _check_before_loading(folder, objects, full, verify, where)
-    resume_layout.check_step_to_load(folder, objects.models, where)
-    resume_layout.warn_world_size_change(where, resume_layout.saved_world_size(folder), without_rng, objects.models)
+    saved_world_size = resume_layout.saved_world_size(folder)
+    invariant.check_step_to_load(folder, saved_world_size, objects.models, where)
+    resume_layout.warn_world_size_change(where, saved_world_size, without_rng, objects.models)
     small = _read_small_files(folder, objects)  # all read (and agreed on) before anything is modified
     _load_models_and_optimizers(folder, objects, plugin, full, strict)
     for scheduler, state in zip(objects.schedulers, small["schedulers"], strict=True):
@@ -395,7 +396,7 @@ def load_state(
         obj.load_state_dict(state)
     if objects.scaler is not None:
         objects.scaler.load_state_dict(small["scaler"])
-    resume_layout.restore_step(objects.models, objects.gradient_state, small["step"], where)
+    invariant.restore_step(objects.models, objects.gradient_state, small["step"], where)
     if small["rng"] is not None:
         _set_rng_state(small["rng"])
 

@@ -20,7 +20,7 @@ from fullshard.engine import (
     gradient_sync,
     local_tensor,
 )
-from fullshard.frontend import invariance, ops
+from fullshard.frontend import invariant, ops
 from fullshard.frontend.compile import is_compiled_module
 from fullshard.frontend.data import GradientState
 from fullshard.frontend.enums import PrecisionType
@@ -163,7 +163,7 @@ def truncate_for_metrics(data: Any, state: GradientState, *, objects: bool) -> A
     """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data.py``; in
     world-size-invariant mode they are spread over the last ``G/N`` batches of every rank: ``metric_rows``)."""
     if state.metric_rows is not None:
-        return invariance.keep_rows(data, state.metric_rows, objects=objects)
+        return invariant.keep_rows(data, state.metric_rows, objects=objects)
     if not state.end_of_dataloader or state.remainder <= 0:
         return data
     if objects:

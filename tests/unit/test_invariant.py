@@ -1,7 +1,7 @@
 """World-size-invariant mode's front end, single-process parts: the plugin's ``invariant_micro_batches`` and its
 variables, the dealing of micro-batches (the same micro-batch ``g`` on every world size), the padding rows
 ``gather_for_metrics`` drops, and a loader position carried to another world size; see
-[Note: invariant training through the Accelerator] in ``frontend/invariance.py``."""
+[Note: invariant training through the Accelerator] in ``frontend/invariant.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from fullshard import FullyShardedDataParallelPlugin as Plugin
-from fullshard.frontend import env, invariance
+from fullshard.frontend import env, invariant
 from fullshard.frontend.data import ShardBatchSampler
 
 
@@ -72,13 +72,13 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch, kwargs: dict, variables: dict
 
 
 def test_accelerator_configuration() -> None:
-    assert invariance.configure(None, 2, 5) is None
-    assert invariance.configure(8, 2, 1).per_rank == 4
-    assert invariance.configure(8, 2, 4).per_rank == 4
+    assert invariant.configure(None, 2, 5) is None
+    assert invariant.configure(8, 2, 1).per_rank == 4
+    assert invariant.configure(8, 2, 4).per_rank == 4
     with pytest.raises(ValueError, match="invariant_micro_batches=2 is not a multiple of the data-parallel size 4"):
-        invariance.configure(2, 4, 1)
+        invariant.configure(2, 4, 1)
     with pytest.raises(ValueError, match=r"sets gradient_accumulation_steps to that itself"):
-        invariance.configure(8, 2, 8)
+        invariant.configure(8, 2, 8)
 
 
 # --- dealing -------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_metric_rows_keep_each_real_sample_once() -> None:
             rows = dealers[0].metric_rows(position)
             batches = [list(d)[position] for d in dealers]
             gathered = [i for b in batches for i in b]
-            kept += gathered if rows is None else invariance.keep_rows(gathered, rows, objects=True)
+            kept += gathered if rows is None else invariant.keep_rows(gathered, rows, objects=True)
         assert sorted(kept) == list(range(SAMPLES)), world
 
 

@@ -1,4 +1,8 @@
-"""World-size-invariant training through the ``Accelerator``: the front end's part (the engine's: ``engine/invariant``).
+"""World-size-invariant mode through the ``Accelerator``: the front end's part of it, all here (the engine's:
+``engine/invariant.py``, reached through ``fullshard.engine``'s surface only). The run's ``G`` and ``G/N``
+(:func:`configure`), the loss division and what ``backward`` refuses (:func:`loss_divisor`), a loop that accumulates
+itself (:class:`CallerSteps`), each micro-batch's seed, a padded last global batch's rows, and a step saved or
+loaded part-way (:func:`step_to_save`, :func:`check_step_to_save`, :func:`check_step_to_load`, :func:`restore_step`).
 
 [Note: invariant training through the Accelerator]
 The engine makes the reduction and the clipping norm independent of the number of ranks ``N`` (see
@@ -80,13 +84,38 @@ import collections
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from fullshard.checkpoint import load_small_file, step_in_progress_file_name
+from fullshard.engine import (
+    invariant_micro_batches,
+    invariant_per_rank,
+    micro_batches_per_rank,
+    pending_micro_batches,
+    restore_step_in_progress,
+    step_in_progress,
+)
 from fullshard.frontend import ops
 
-__all__ = ["CallerSteps", "InvariantRun", "check_sampler", "configure", "keep_rows", "micro_batch_seed"]
+__all__ = [
+    "CallerSteps",
+    "InvariantRun",
+    "check_sampler",
+    "check_step_to_load",
+    "check_step_to_save",
+    "configure",
+    "invariant_mode",
+    "keep_rows",
+    "loss_divisor",
+    "micro_batch_seed",
+    "restore_step",
+    "step_to_save",
+]
 
 
 @dataclass(frozen=True)
@@ -99,7 +128,7 @@ class InvariantRun:
 
     @property
     def per_rank(self) -> int:
-        return self.micro_batches // self.data_parallel_size
+        return micro_batches_per_rank(self.micro_batches, self.data_parallel_size)
 
 
 def configure(micro_batches: int | None, data_parallel_size: int, accumulation_steps: int) -> InvariantRun | None:
@@ -124,6 +153,26 @@ def configure(micro_batches: int | None, data_parallel_size: int, accumulation_s
             "it at 1 (the default), or drop invariant_micro_batches."
         )
     return run
+
+
+def loss_divisor(run: InvariantRun | None, steps: int, accumulating: bool, caller: CallerSteps | None) -> int:
+    """What ``Accelerator.backward`` divides the loss by: ``steps`` (its ``gradient_accumulation_steps``, ``G/N`` in
+    world-size-invariant mode), or, in a loop that announces its micro-batches itself (``caller`` active, outside
+    ``accumulate()``), the steps the Accelerator was created with (see [Note: the Trainer in invariant mode]).
+    Refuses ``backward`` outside ``accumulate()`` in any other loop when ``G/N > 1``."""
+    if run is None or accumulating:
+        return steps
+    if caller is not None and caller.active:
+        return run.requested_steps  # the loop accumulates itself, as in Accelerate
+    if run.per_rank > 1:
+        raise RuntimeError(
+            f"Accelerator.backward outside accumulate() in world-size-invariant mode (invariant_micro_batches="
+            f"{run.micro_batches} on {run.data_parallel_size} ranks: {run.per_rank} micro-batches per rank and "
+            "step): the optimizer would step on every micro-batch. Run each batch inside "
+            "`with accelerator.accumulate(model):` (transformers' Trainer, which accumulates itself, is "
+            "supported: see docs/accelerate.md)."
+        )
+    return steps
 
 
 def micro_batch_seed(base: int, epoch: int, index: int) -> int:
@@ -198,3 +247,79 @@ def check_sampler(sampler: object, micro_batches: int) -> None:
             "per_device_train_batch_size * gradient_accumulation_steps samples, which depends on the number of ranks, "
             "so the sample order would too. Use train_sampling_strategy='random' (the default) or 'sequential'."
         )
+
+
+# --- a step saved part-way: save_state / load_state (state_io.py) call these --------------------------------------
+
+
+def invariant_mode(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded in world-size-invariant mode (``invariant_micro_batches``)."""
+    return invariant_micro_batches(model) is not None
+
+
+def step_to_save(models: list[nn.Module]) -> dict[str, Any] | None:
+    """World-size-invariant mode saved part-way through a step (micro-batches folded, not reduced): this rank's
+    partial gradient sums per model (see ``engine/invariant.py``), and how many micro-batches of how many;
+    ``None`` at a step boundary or in the default mode."""
+    sums = [step_in_progress(m) if invariant_mode(m) else None for m in models]
+    counts = {e["count"] for saved in sums if saved is not None for e in saved if e["count"]}
+    if not counts:
+        return None
+    per_rank = next((n for m in models if (n := invariant_per_rank(m)) is not None), 0)
+    return {"micro_batches": max(counts), "per_rank": per_rank, "models": sums}
+
+
+def check_step_to_save(models: list[nn.Module], gradient_state: Any, where: str) -> None:
+    """Refuse a world-size-invariant save made part-way through a step that could not resume as this run goes on:
+    ``accumulate()`` counted another number of this step's micro-batches than the units folded (saved after
+    ``accumulate()`` was entered and before its ``backward``)."""
+    models = [m for m in models if invariant_mode(m)]
+    if not models or gradient_state is None:
+        return
+    folded = max(pending_micro_batches(m) for m in models)
+    counted = gradient_state.step % gradient_state.num_steps
+    if counted != folded:
+        raise ValueError(
+            f"{where}: world-size-invariant mode, part-way through a step: accumulate() counted {counted} "
+            f"micro-batches of this step but {folded} went through backward, so the resumed run would not finish the "
+            "step as this one does. Call save_state after accelerator.backward (inside or after `with "
+            "accelerator.accumulate(model):`), or at a step boundary (after optimizer.step())."
+        )
+
+
+def check_step_to_load(folder: Path, saved: int, models: list[nn.Module], where: str) -> None:
+    """Refuse, before anything is loaded, a checkpoint saved part-way through a world-size-invariant step on
+    another number of processes (``saved``, not this run's: its partial sums are per rank of that layout), or into
+    a model that is not in world-size-invariant mode. The same answer on every rank: rank 0's file decides."""
+    first = folder / step_in_progress_file_name(0)
+    if not first.is_file():
+        return
+    world = dist.get_world_size()
+    if saved == world and models and all(invariant_mode(m) for m in models):
+        return
+    step = load_small_file(first)
+    done, per_rank = int(step["micro_batches"]), int(step["per_rank"])
+    if saved != world:
+        raise ValueError(
+            f"{where}: the checkpoint was saved {done} micro-batches into a step of {per_rank} per rank, on {saved} "
+            f"processes in world-size-invariant mode; those micro-batches' gradients are partial sums of that "
+            f"layout, so it resumes only on {saved} processes, not {world}. Resume it on {saved} processes (then "
+            "save again at a step boundary), or save the state after optimizer.step() (outside accumulate(), when "
+            "accelerator.sync_gradients is True) to resume on any number."
+        )
+    raise ValueError(
+        f"{where}: the checkpoint was saved {done} micro-batches into a world-size-invariant step, but the models "
+        "are not all in world-size-invariant mode, which would drop those micro-batches' gradients. Prepare them "
+        "with the same FullyShardedDataParallelPlugin(invariant_micro_batches=...) as the run that saved it."
+    )
+
+
+def restore_step(models: list[nn.Module], gradient_state: Any, step: dict[str, Any] | None, where: str) -> None:
+    """Put back the partial gradient sums and the accumulation count of a step saved part-way (``step``), or start
+    every world-size-invariant model at a step boundary (``None``)."""
+    saved = step["models"] if step is not None else [None] * len(models)
+    invariant_models = [(m, s) for m, s in zip(models, saved, strict=True) if invariant_mode(m)]
+    for model, sums in invariant_models:
+        restore_step_in_progress(model, sums, where)
+    if invariant_models and gradient_state is not None:
+        gradient_state.step = int(step["micro_batches"]) if step is not None else 0
