@@ -144,7 +144,7 @@ def _gathered_at_once(rank: int, world: int, limit: bool) -> dict[str, object]:
     x, y = make_batch(model.cfg, 2, 0)
     for _ in range(2):
         model(x, y).backward()
-    ctx = model.unit_state.ctx
+    ctx = unit_state(model).ctx
     order = [s.label for s in ctx.order.units]
     return {"max": ctx.max_gathered, "order": order}
 

@@ -9,6 +9,7 @@ checkpoint names likewise from ``fullshard.checkpoint`` and its ``__all__``."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -441,3 +442,254 @@ def test_checker_finds_a_spelled_suffix(tmp_path: Path) -> None:
     bad.write_text('"""Staged in ``dir.incomplete``."""\n\ndef f(p):\n    return p.with_name(f"{p.name}.incomplete")\n')
     found = [c for c in _string_constants(bad) if ".incomplete" in c]
     assert found == [".incomplete"]  # the f-string's piece; the docstring is prose
+
+
+# --- engine objects: the layers above algorithms/ hold none that is not on the engine's surface ----------------
+#
+# Importing names from the surface only is not enough: a surface function that returned a unit's state would hand
+# the front end every internal object behind it (``state.group.shard_group.data_parallel_size``). Two checks close
+# that: the surface hands out no object of an engine class that is not on it (the return annotations of its
+# functions and of its classes' public members), and the code above algorithms/ reads no attribute that only the
+# engine's internal classes define (``sp.sharded_param``), nor a chain of them (``s.config.invariant_micro_batches``:
+# ``invariant_micro_batches`` is also the plugin's field, so the chain tells). algorithms/ works on the engine's
+# objects by design (docs/design.md), testing/ may use anything, and checkpoint/ imports no engine.
+
+ABOVE_ALGORITHMS = ("frontend", "accelerate", "cli", "utils")  # and the top-level modules
+# An attribute of the engine's internal classes that the layers above may read on their own objects -> why. It
+# stays checked as a link of a chain (``state.config.invariant_micro_batches``). Keep this short.
+ENGINE_ATTRIBUTE_EXEMPTIONS = {
+    "config": "a transformers model's configuration (getattr(model, 'config', None)), not a unit's UnitConfig",
+}
+
+
+def _engine_classes() -> dict[str, ast.ClassDef]:
+    return {
+        node.name: node
+        for path in sorted(ENGINE.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def _members(cls: ast.ClassDef) -> tuple[set[str], set[str], set[str]]:
+    """``cls``'s methods and properties; its data attributes (class-level names, ``self.x = ...`` anywhere in it);
+    of the latter, those set at class level (an enum's members, a dataclass's fields). Dunders aside."""
+    methods, data, class_level = set(), set(), set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            methods.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            class_level.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            class_level.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    data |= class_level
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        data.update(
+            t.attr
+            for t in targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+        )
+    dunder = {n for n in methods | data if n.startswith("__") and n.endswith("__")}
+    return methods - dunder, data - dunder - methods, class_level - dunder
+
+
+def _common_attributes() -> set[str]:
+    """What a module, a tensor or a DTensor answers to: a name the engine's classes share with those says nothing."""
+    from torch import Tensor, nn
+    from torch.distributed.tensor import DTensor
+
+    return set(dir(nn.Module)) | set(vars(nn.Module())) | set(dir(Tensor)) | set(dir(DTensor))
+
+
+@functools.cache
+def _engine_attributes(sources: tuple[Path, ...]) -> tuple[set[str], set[str], set[str], set[str]]:
+    """(methods, data attributes) that only the engine's internal classes (and the private state of its surface
+    classes) define: no class in ``sources`` (the code outside engine/), no public member of a surface class, no
+    module or tensor; the internal classes' data attributes that may start a chain; and every member of theirs,
+    which may end one."""
+    surface = _engine_surface()
+    internal_methods, internal_data, public, private = set(), set(), set(), set()
+    for name, cls in _engine_classes().items():
+        methods, data, class_level = _members(cls)
+        if name in surface:
+            public |= {n for n in methods | data if not n.startswith("_")} | class_level
+            private |= {n for n in methods | data if n.startswith("_")} - class_level
+        else:
+            internal_methods |= methods
+            internal_data |= data
+    outside = set()
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods, data, _ = _members(node)
+                outside |= methods | data
+    shared = outside | public | _common_attributes()
+    private_methods = {n for n in private if any(n in _members(c)[0] for c in _engine_classes().values())}
+    return (
+        (internal_methods | private_methods) - shared,
+        (internal_data | private - private_methods) - shared,
+        internal_data - public - _common_attributes(),
+        internal_methods | internal_data,
+    )
+
+
+def _outside_engine_sources() -> tuple[Path, ...]:
+    return tuple(p for p in _sources() if ENGINE not in p.parents)
+
+
+def _engine_attribute_reads(
+    path: Path, methods: set[str], data: set[str], chain: set[str], members: set[str]
+) -> list[str]:
+    """``line: expression`` for each read in ``path`` of an attribute in ``methods`` or ``data`` (a data attribute
+    that is called is some other object's method: ``match.group(0)``), or of any engine attribute on a ``chain``
+    attribute (``state.config.x``), ``getattr(obj, "name")`` included; a name bound by ``import`` (a module, such
+    as ``dist.group``) is no engine object."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules = {
+        (a.asname or a.name).split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+        if isinstance(n, ast.Import) or not (n.module or "").startswith("fullshard")
+    }
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            receiver, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            receiver, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if isinstance(receiver, ast.Name) and receiver.id in modules:
+            continue
+        own = name in methods or (name in data and id(node) not in called)
+        chained = isinstance(receiver, ast.Attribute) and receiver.attr in chain and name in members
+        if own or chained:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _checked_reads(path: Path) -> list[str]:
+    """:func:`_engine_attribute_reads` of ``path`` as the layers above algorithms/ are checked (exemptions applied)."""
+    methods, data, chain, members = _engine_attributes(_outside_engine_sources())
+    exempt = set(ENGINE_ATTRIBUTE_EXEMPTIONS)
+    return _engine_attribute_reads(path, methods - exempt, data - exempt, chain, members)
+
+
+def _above_algorithms() -> list[Path]:
+    return [
+        p
+        for p in _sources()
+        if (len(p.relative_to(SRC).parts) == 1 and p.stem not in NEUTRAL)
+        or p.relative_to(SRC).parts[0] in ABOVE_ALGORITHMS
+    ]
+
+
+def _surface_definitions() -> dict[str, ast.FunctionDef | ast.ClassDef]:
+    """Each name of the engine's surface -> its definition (``from fullshard.engine.x import a as b``: ``a`` in x)."""
+    found: dict[str, ast.FunctionDef | ast.ClassDef] = {}
+    for node in ast.parse((ENGINE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            tree = ast.parse((ENGINE / f"{node.module.rsplit('.', 1)[1]}.py").read_text())
+            defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+            found.update({a.asname or a.name: defs[a.name] for a in node.names if a.name in defs})
+    return found
+
+
+def _hands_out(returns: ast.expr | None, internal: set[str]) -> set[str]:
+    """The internal engine classes named in a return annotation (``None``: not annotated)."""
+    if returns is None:
+        return {"<no return annotation>"}
+    return {n.id for n in ast.walk(returns) if isinstance(n, ast.Name) and n.id in internal} | {
+        n.attr for n in ast.walk(returns) if isinstance(n, ast.Attribute) and n.attr in internal
+    }
+
+
+def _engine_names_imported(paths: list[Path]) -> set[str]:
+    return {
+        alias.name
+        for path in paths
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module == "fullshard.engine"
+        for alias in node.names
+    }
+
+
+def test_engine_surface_hands_out_no_internal_object_above_algorithms() -> None:
+    """algorithms/ works on the engine's objects (``model_params``, the comm hooks' work handles); what the layers
+    above it import from the surface hands out plain values, or objects of classes on the surface."""
+    # - Set up: the engine's classes that are not on its surface; the surface names the layers above import
+    internal = set(_engine_classes()) - _engine_surface()
+    used = _engine_names_imported(_above_algorithms())
+    # - Check: those functions, and those classes' public methods and properties, return none of the internal ones
+    bad = []
+    for name, node in sorted(_surface_definitions().items()):
+        if name not in used:
+            continue
+        if isinstance(node, ast.FunctionDef):
+            bad.extend(f"{name}() -> {t}" for t in sorted(_hands_out(node.returns, internal)))
+        else:
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef) and not member.name.startswith("_") and member.returns:
+                    bad.extend(f"{name}.{member.name} -> {t}" for t in sorted(_hands_out(member.returns, internal)))
+    assert internal and not bad, (
+        f"the engine's surface hands out engine objects that are not on it: {bad}; return plain values (a bool, a "
+        "number, the parameters), or put the class on the surface"
+    )
+
+
+@pytest.mark.parametrize("path", _above_algorithms(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_reads_of_engine_internals_above_algorithms(path: Path) -> None:
+    bad = _checked_reads(path)
+    assert not bad, (
+        f"{path} reads attributes that only the engine's internal objects have: {bad}; ask the engine's surface "
+        "for the value instead (a function in fullshard.engine's __all__ that returns it)"
+    )
+
+
+def test_engine_attribute_exemptions_are_still_needed() -> None:
+    methods, data, chain, members = _engine_attributes(_outside_engine_sources())
+    reads = [r for p in _above_algorithms() for r in _engine_attribute_reads(p, methods, data, chain, members)]
+    for name in ENGINE_ATTRIBUTE_EXEMPTIONS:
+        assert name in methods | data, f"{name!r} is no engine-only attribute any more: drop its exemption"
+        assert any(f".{name}" in r or f"'{name}'" in r for r in reads), f"nothing reads {name!r}: drop its exemption"
+
+
+def test_checker_finds_reads_of_engine_internals(tmp_path: Path) -> None:
+    # - Set up: the reaches the front end once made, and look-alikes that are not engine objects
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import re\nimport torch.distributed as dist\n"
+        "def f(s, sp, model, plugin, text):\n"
+        "    n = s.config.invariant_micro_batches // s.group.shard_group.data_parallel_size\n"
+        "    managed = [p.sharded_param for p in s.group.params]\n"
+        "    g = getattr(s, 'group')\n"
+        "    ok = (plugin.invariant_micro_batches, model.config.vocab_size, dist.group.WORLD,\n"
+        "          re.match('a', text).group(0), model.module.training)\n"
+    )
+    # - Run
+    found = _checked_reads(bad)
+    # - Check: each reach is named, and no look-alike is
+    assert {f for f in found if f.startswith("4:")} >= {
+        "4: s.config.invariant_micro_batches",
+        "4: s.group",
+        "4: s.group.shard_group",
+        "4: s.group.shard_group.data_parallel_size",
+    }
+    assert {"5: p.sharded_param", "5: s.group.params", "6: getattr(s, 'group')"} <= set(found)
+    assert not [f for f in found if f.startswith(("7:", "8:"))], found
+
+
+def test_checker_finds_a_surface_that_hands_out_an_engine_object() -> None:
+    tree = ast.parse("def unit_state(m) -> UnitState | None: ...\ndef f(m): ...\ndef g(m) -> int: ...\n")
+    returns = [n.returns for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert [_hands_out(r, {"UnitState"}) for r in returns] == [{"UnitState"}, {"<no return annotation>"}, set()]

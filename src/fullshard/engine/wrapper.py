@@ -271,10 +271,6 @@ class FullyShardedDataParallel(nn.Module):
             if unit.ran_forward or unit.ctx is not None:
                 raise RuntimeError("register_comm_hook must be called before the first forward.")
 
-    @property
-    def unit_state(self) -> UnitState:
-        return self._unit
-
     # --- state dicts (see fullshard.engine.state_dict and fullshard.engine.optim_state) --------------
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
