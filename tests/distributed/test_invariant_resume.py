@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fullshard import Accelerator, DataLoaderConfiguration
+from fullshard.engine import invariant_micro_batches, invariant_per_rank, pending_micro_batches
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.utils import set_seed
 from tests.distributed.test_invariant_accelerator import EPOCHS, MAX_NORM, MICRO, DropNet, _dataset, _plugin
@@ -54,7 +55,8 @@ def train(rank: int, world: int, version: int, root: str, mode: str, save_at: in
     """``mode``: "straight" (2 epochs), "save" (the same, saving to ``root`` after ``save_at`` steps), "save
     mid-step" (saving one micro-batch into the next step instead; 2 micro-batches a step on 2 ranks), "save before
     backward" (refused) or "resume" (``load_state(root)``, then on to the end of the second epoch). Returns rank 0's
-    full weights, the norms from step ``save_at`` on, and the warnings ``load_state`` gave."""
+    full weights, the norms from step ``save_at`` on, the warnings ``load_state`` gave, and what the engine's
+    surface says of the model after the run's first backward: ``G``, ``G/N`` and the micro-batches pending."""
     accelerator, model, optimizer, loader, scheduler = _prepared(version, seed=5 if mode == "resume" else 0)
     caught: list[Any] = []
     steps = 0
@@ -63,13 +65,15 @@ def train(rank: int, world: int, version: int, root: str, mode: str, save_at: in
             warnings.simplefilter("always")
             accelerator.load_state(root)
         steps = save_at
-    norms = []
+    norms, surface = [], None
     for _ in range(loader.iteration, EPOCHS):
         for x, y, _index in loader:
             with accelerator.accumulate(model):
                 if mode == "save before backward" and steps == save_at:
                     accelerator.save_state(root)  # refused: accumulate() counted a micro-batch not folded yet
                 accelerator.backward(model(x, y))
+                if surface is None:
+                    surface = (invariant_micro_batches(model), invariant_per_rank(model), pending_micro_batches(model))
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                     if steps >= save_at:
@@ -89,6 +93,7 @@ def train(rank: int, world: int, version: int, root: str, mode: str, save_at: in
         "steps": steps,
         "lr": scheduler.get_last_lr()[0],
         "warnings": [str(w.message) for w in caught],
+        "surface": surface,
     }
 
 
@@ -116,6 +121,8 @@ def test_saved_on_2_ranks_mid_epoch_resumes_bitwise_on_1_2_4(
     for world, pool in ((1, pool1), (2, pool2), (4, pool4)):
         got = pool.run(train, version, root, "resume", save_at)
         _assert_same_run(got[0], want, f"fsdp{version}: saved after {save_at} steps, resumed on {world} ranks")
+        # G, G/N, and one micro-batch folded after the first backward (none left when G/N = 1: reduced at once)
+        assert got[0]["surface"] == (G, G // world, 0 if G // world == 1 else 1), got[0]["surface"]
         assert all(not r["warnings"] for r in got), [r["warnings"] for r in got]
 
 

@@ -8,8 +8,18 @@ from __future__ import annotations
 import re
 
 import pytest
+from torch import nn
 
 from fullshard import FullyShardedDataParallelPlugin as Plugin
+from fullshard.engine import (
+    has_units,
+    invariant_micro_batches,
+    invariant_per_rank,
+    is_unit,
+    micro_batches_per_rank,
+    pending_micro_batches,
+    step_in_progress,
+)
 from fullshard.frontend import env, invariant
 from fullshard.frontend.data import ShardBatchSampler
 
@@ -139,3 +149,41 @@ def test_position_moves_to_another_world_size() -> None:
     two.position = 6
     with pytest.raises(ValueError, match="2 micro-batches into a step of 4 per rank"):
         four.load_state_dict(two.state_dict(), restore_position=True)
+
+
+# --- G/N, once; the loss division backward applies --------------------------------------------------------------
+
+
+def test_micro_batches_per_rank_is_the_one_division() -> None:
+    assert [micro_batches_per_rank(8, n) for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert invariant.configure(8, 4, 1).per_rank == micro_batches_per_rank(8, 4)
+    with pytest.raises(
+        ValueError, match=re.escape("invariant_micro_batches=6 is not a multiple of the data-parallel size 4")
+    ):
+        micro_batches_per_rank(6, 4)
+
+
+def test_loss_divisor() -> None:
+    # - Set up: G = 8 on 2 ranks (G/N = 4), created with gradient_accumulation_steps=1; a loop announcing its steps
+    run = invariant.configure(8, 2, 1)
+    caller = invariant.CallerSteps(run)
+    # - Check: the default mode and accumulate() divide by the steps; a loop that accumulates itself by what the
+    #   Accelerator was created with; any other backward outside accumulate() is refused while G/N > 1
+    assert invariant.loss_divisor(None, 3, accumulating=False, caller=None) == 3
+    assert invariant.loss_divisor(run, 4, accumulating=True, caller=caller) == 4
+    caller.active = True
+    assert invariant.loss_divisor(run, 4, accumulating=False, caller=caller) == 1
+    caller.active = False
+    with pytest.raises(
+        RuntimeError, match=re.escape("Accelerator.backward outside accumulate() in world-size-invariant")
+    ):
+        invariant.loss_divisor(run, 4, accumulating=False, caller=caller)
+    assert invariant.loss_divisor(invariant.configure(2, 2, 1), 1, accumulating=False, caller=None) == 1  # G/N = 1
+
+
+def test_engine_surface_on_a_model_never_sharded() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert not is_unit(model) and not has_units(model) and not invariant.invariant_mode(model)
+    assert (invariant_micro_batches(model), invariant_per_rank(model)) == (None, None)
+    assert pending_micro_batches(model) == 0 and step_in_progress(model) is None
+    assert invariant.step_to_save([model]) is None
