@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from fullshard.engine import micro_batches_per_rank
 from fullshard.frontend.gradient_state import GradientState
 from fullshard.frontend.invariant import check_sampler, micro_batch_seed
 from fullshard.frontend.loader_parts import DataLoaderShard
@@ -488,7 +489,7 @@ def prepare_data_loader(
     if micro_batches is not None:
         seed = data_seed if data_seed is not None else torch.initial_seed()
         seed = int(broadcast_from_rank0(torch.tensor([seed], dtype=torch.int64)).item())
-        invariant = {"per_rank": micro_batches // num_processes, "micro_seed": seed}
+        invariant = {"per_rank": micro_batches_per_rank(micro_batches, num_processes), "micro_seed": seed}
     batch_sampler = ShardBatchSampler(
         loader.sampler,
         batch_size,
