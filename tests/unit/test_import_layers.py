@@ -4,7 +4,9 @@ and every layer may import the neutral torch-only modules (``fullshard.ranks``),
 import each other in a circle, inside a package or across src/ (function-level imports count); checkpoint/'s
 modules import one way, up its levels (its ``__init__`` docstring). Outside engine/ (benchmarks/ and tests/
 aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule;
-checkpoint names likewise from ``fullshard.checkpoint`` and its ``__all__``."""
+checkpoint names likewise from ``fullshard.checkpoint`` and its ``__all__``. Above algorithms/, objects too: the
+surface names imported there hand out no internal engine object, and no code there reads an attribute only the
+engine's internal classes have."""
 
 from __future__ import annotations
 
