@@ -144,19 +144,29 @@ def train(rank: int, world: int, kind: str, entry: str) -> list[str]:
             skip_sync = entry == "fsdp-no_sync" and k < ACCUMULATE - 1
             with model.no_sync() if skip_sync else contextlib.nullcontext():
                 (nn.functional.mse_loss(model(x), y) / ACCUMULATE).backward()
-        model.clip_grad_norm_(MAX_NORM)
-        for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
-            p.grad = grad
-        for opt in optimizers + ref_optimizers:
-            opt.step()
-            opt.zero_grad()
-        for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
-            if not torch.equal(got, want):
-                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
+        differ += _clip_step_both_and_compare(model, reference, optimizers + ref_optimizers, step)
     for opt, ref_opt in zip(optimizers, ref_optimizers, strict=True):
         differ += _state_differs(model, opt, ref_opt)
         differ += _round_trip_differs(model, opt, rank)  # Shard(1) included (its states were scattered wrongly)
     return differ
+
+
+def _clip_step_both_and_compare(
+    model: nn.Module, reference: nn.Module, optimizers: list[torch.optim.Optimizer], step: int
+) -> list[str]:
+    """Clip the sharded gradients, hand their full tensors to the unsharded ``reference``, step every optimizer (the
+    sharded model's and the reference's); the parameters that are not ``torch.equal`` to the reference's, named."""
+    model.clip_grad_norm_(MAX_NORM)
+    for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
+        p.grad = grad
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    return [
+        f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}"
+        for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True)
+        if not torch.equal(got, want)
+    ]
 
 
 def _round_trip_differs(model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> list[str]:
@@ -423,15 +433,7 @@ def train_tp(rank: int, world: int, kind: str) -> list[str]:
     for step in range(STEPS):
         x, y = SPEC.micro_batches(step)[0]
         model(x[dp * per : (dp + 1) * per], y[dp * per : (dp + 1) * per]).backward()
-        model.clip_grad_norm_(MAX_NORM)
-        for p, grad in zip(reference.parameters(), _full(model, grads=True), strict=True):
-            p.grad = grad
-        for opt in optimizers + ref_optimizers:
-            opt.step()
-            opt.zero_grad()
-        for (name, want), got in zip(reference.named_parameters(), _full(model), strict=True):
-            if not torch.equal(got, want):
-                differ.append(f"step {step} {name}: max diff {float((got - want).abs().max().detach()):.3g}")
+        differ += _clip_step_both_and_compare(model, reference, optimizers + ref_optimizers, step)
     return differ
 
 
