@@ -595,3 +595,58 @@ def _placement_bf16_and_clipping(rank: int, world: int) -> None:
 
 def test_shard_placement_fn_bf16_and_clipping_match_torch(pool2: WorkerPool) -> None:
     pool2.run(_placement_bf16_and_clipping)
+
+
+# --- parameter registration after forward ------------------------------------------------------------------------
+
+
+def _registration(model: nn.Module, shard_fn, raf, nested: bool) -> dict[str, list]:
+    """Which parameters are DTensors after a forward (autograd on, no backward), after ``state_dict()``, after each
+    unit's ``reshard()``, and after a forward and backward; with the values seen after the forward."""
+
+    def kinds() -> list[bool]:
+        return [isinstance(p, DTensor) for p in model.parameters()]
+
+    if nested:  # torch's test: two units inside the first block, the root around everything
+        shard_fn(model[0].in_proj, reshard_after_forward=raf)
+        shard_fn(model[0].out_proj, reshard_after_forward=raf)
+    shard_fn(model, reshard_after_forward=raf)
+    x = torch.randn(3, 6)
+    got = {"before": kinds()}
+    model(x)
+    got["after_forward"] = kinds()
+    got["values"] = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+    for m in _fsdp_modules(model):
+        m.reshard()
+    got["after_reshard"] = kinds()
+    model(x)
+    model.state_dict()
+    got["after_state_dict"] = kinds()
+    model(x).sum().backward()
+    got["after_backward"] = kinds()
+    return got
+
+
+def _registration_like_torch(rank: int, world: int) -> None:
+    for nested in (False, True):
+        for raf in (True, False, 2, None):
+            ref = _model(layers=2)
+            want = [p.detach().clone() for p in ref.parameters()]
+            ours = _registration(copy.deepcopy(ref), fully_shard, raf, nested)
+            theirs = _registration(copy.deepcopy(ref), torch_fully_shard, raf, nested)
+            for key in ("before", "after_forward", "after_reshard", "after_state_dict", "after_backward"):
+                assert ours[key] == theirs[key], (nested, raf, key, ours[key], theirs[key])
+            for got, full in zip(ours["values"], want):
+                torch.testing.assert_close(got, full, atol=0, rtol=0)
+            # torch's own expectations (test_param_registration_after_forward), spelled out
+            if raf is False or (raf is None and not nested):
+                assert not any(ours["after_forward"])  # kept gathered: the unsharded tensors, until reshard()
+            elif raf is None:
+                assert ours["after_forward"] == [True] * 4 + [False] * 4  # the nested units reshard, the root keeps
+            else:
+                assert all(ours["after_forward"])  # True or 2 (the world): every unit reshards, the root too
+            assert all(ours["after_reshard"]) and all(ours["after_backward"])
+
+
+def test_param_registration_after_forward_as_torch(pool2: WorkerPool) -> None:
+    pool2.run(_registration_like_torch)

@@ -1,14 +1,17 @@
 """A forward without backward (evaluation, a sanity check) before the optimizer is built.
 
-After it, ``parameters()`` and ``named_parameters()`` must still yield the sharded leaf parameters with their
+After it, ``parameters()`` and ``named_parameters()`` must yield the sharded leaf parameters with their
 ``requires_grad``, so that an optimizer built then steps on what the engine gathers: training must match the
 single-process reference. Both entry points, parameters freed after forward or kept (FULL_SHARD /
 SHARD_GRAD_OP, ``reshard_after_forward``), under ``torch.no_grad()`` and with autograd on.
 
-Torch's peers are weaker here, which is why the reference is single-process training and not them: with
-autograd on, torch's ``fully_shard`` leaves the root's unsharded parameters registered (an optimizer built
-then never updates them), and torch FSDP1's SHARD_GRAD_OP yields non-leaf views
-(``test_torch_peers_expose_gathered_parameters_after_forward`` records both).
+One case follows torch instead: with autograd on, a ``fully_shard`` unit kept gathered (``reshard_after_forward=False``,
+or the root by default) leaves its gathered tensors registered until it reshards, as torch's ``fully_shard`` does
+(``tests/compat/test_fsdp2_surface.py::test_param_registration_after_forward_as_torch``); here they are non-leaf
+views, so an optimizer built from them fails loudly (torch's are leaves: an optimizer built then never updates the
+shards), and ``reshard()`` on each unit, or ``state_dict()``, brings the sharded parameters back. Torch FSDP1's
+SHARD_GRAD_OP yields non-leaf views too; the FSDP wrapper here registers the sharded parameters again
+(``test_torch_peers_expose_gathered_parameters_after_forward`` records both peers).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard import FSDP, ShardingStrategy
+from fullshard import FSDP, FSDPModule, ShardingStrategy
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, make_batch
 from fullshard.testing.parity import RunResult, TrainSpec, fully_shard_blocks, reference_run, sharded_run
@@ -43,6 +46,14 @@ def shard_then_forward(model: nn.Module, entry: str, keep_gathered: bool, grad_e
     x, _ = make_batch(SPEC.cfg, 2, seed=99)
     with torch.set_grad_enabled(grad_enabled):
         model(x)
+    if entry == "fully_shard" and keep_gathered and grad_enabled:  # torch's registration: gathered until reshard()
+        kept = list(model.parameters())
+        assert not any(isinstance(p, DTensor) or p.is_leaf for p in kept), [type(p) for p in kept]
+        with pytest.raises(ValueError, match="non-leaf"):
+            torch.optim.SGD(kept, lr=0.1)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     after = dict(model.named_parameters())
     assert list(after) == names, (list(after), names)
     for name, param in after.items():

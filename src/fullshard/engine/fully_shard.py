@@ -97,8 +97,12 @@ class FSDPModule:
                 f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False (an int is accepted only "
                 "by fully_shard(reshard_after_forward=...))."
             )
-        for state in self._states(recurse):
-            state.config = replace(state.config, reshard_after_forward=reshard_after_forward)
+        for state in self._states(recurse):  # as torch: an explicit setting applies to the root too
+            state.config = replace(
+                state.config,
+                reshard_after_forward=reshard_after_forward,
+                reshard_root_after_forward=reshard_after_forward,
+            )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted for torch's API. fullshard always frees gathered parameters at the end of backward (the next
@@ -426,8 +430,12 @@ def fully_shard(
             "fully_shard(shard_placement_fn=..., invariant_micro_batches=...): world-size-invariant mode shards on "
             "dim 0 only. Drop shard_placement_fn, or turn invariant mode off."
         )
+    reshards = _resolve_reshard(reshard_after_forward, shard_group.shard_size)
     config = UnitConfig(
-        reshard_after_forward=_resolve_reshard(reshard_after_forward, shard_group.shard_size),
+        reshard_after_forward=reshards,
+        # torch: None (the default) keeps the root gathered after forward; an explicit True (or k) reshards it too
+        reshard_root_after_forward=reshards and reshard_after_forward is not None,
+        expose_gathered_after_forward=True,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
         forward_prefetch=False,
         casts=casts_from_policy(mp_policy),

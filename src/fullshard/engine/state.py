@@ -6,8 +6,10 @@
   first iteration records the order units run forward in.
 - Unit pre-forward: gather the unit's parameters (unless prefetched), then prefetch the next unit in the
   recorded forward order when ``forward_prefetch`` is on.
-- Unit post-forward: free the gathered parameters when ``reshard_after_forward`` (never for the root,
-  whose parameters backward needs at once), and hook the unit's output tensors so that the unit's
+- Unit post-forward: free the gathered parameters when ``reshard_after_forward`` (for the root only when set
+  explicitly: backward needs them at once) or under ``no_grad``. A unit kept gathered leaves its gathered
+  tensors registered until it reshards (``fully_shard``, as torch) or registers the sharded ones again (the
+  FSDP wrapper, ``ParamGroup.expose_sharded``); and hook the unit's output tensors so that the unit's
   pre-backward runs when their gradient is ready.
 - Unit pre-backward: gather again if freed; with ``BACKWARD_PRE`` prefetch the unit that runs backward
   next (the previous one in forward order). The first pre-backward of a backward pass queues the root's
@@ -75,6 +77,12 @@ class UnitConfig:
     """How one unit behaves at runtime (resolved from the entry point's arguments once)."""
 
     reshard_after_forward: bool = True
+    # The root too (torch's ``fully_shard(root, reshard_after_forward=True)`` given explicitly, or set later with
+    # ``set_reshard_after_forward``); by default the root keeps its parameters gathered for the backward that follows.
+    reshard_root_after_forward: bool = False
+    # After a forward that keeps the parameters gathered, leave the gathered (plain) tensors registered until the
+    # unit reshards, as torch's ``fully_shard``; off (the FSDP wrapper): register the sharded parameters again.
+    expose_gathered_after_forward: bool = False
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
@@ -372,12 +380,11 @@ class UnitState:
                 return output
             self._round_left = 0
             if self.group is not None:
-                no_backward = not torch.is_grad_enabled()
-                if no_backward or (self.config.reshard_after_forward and not self.is_root):
+                if self._reshards_after_forward():
                     self.group.reshard(keep_spare=_next_gather_fits(ctx, self, 1))
-                else:
-                    # Kept gathered for backward, but parameters() must yield the leaves the optimizer steps on
-                    # (a forward without backward, e.g. a sanity check, may come before the optimizer is built).
+                elif not self.config.expose_gathered_after_forward:
+                    # The FSDP wrapper: kept gathered for backward, but parameters() yields the leaves the optimizer
+                    # steps on (a forward without backward, e.g. a sanity check, may come before it is built).
                     self.group.expose_sharded()
             if self.is_root:
                 if not ctx.order.frozen:
@@ -391,6 +398,14 @@ class UnitState:
             if torch.is_grad_enabled():
                 _register_on_tensors(output, self._pre_backward_hook)
             return output
+
+    def _reshards_after_forward(self) -> bool:
+        """Whether this forward ends by freeing the unit's gathered parameters: always under ``no_grad`` (no backward
+        will need them), else by ``reshard_after_forward`` (for the root: only if asked for explicitly)."""
+        config = self.config
+        if not torch.is_grad_enabled():
+            return True
+        return config.reshard_after_forward and (not self.is_root or config.reshard_root_after_forward)
 
     def _unshard_now(self) -> None:
         if self.group is not None:

@@ -61,10 +61,10 @@ from fullshard.engine.api import (
     StateDictType,
 )
 from fullshard.engine.coerce import coerce_enum
-from fullshard.engine.group import ParamGroup
+from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
-from fullshard.engine.state import UnitState, unit_state, unit_states_in
+from fullshard.engine.state import TrainingState, UnitState, unit_state, unit_states_in
 from fullshard.ranks import global_rank
 
 __all__ = [
@@ -293,6 +293,7 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
     kind = unit.settings.state_dict_type
     config = unit.settings.state_dict_config
     if group is not None:
+        _reshard_kept_gathered(unit.state, group)
         if kind is StateDictType.FULL_STATE_DICT:
             _save_full(unit, group, destination, prefix, config)
         elif kind is StateDictType.SHARDED_STATE_DICT:
@@ -308,6 +309,19 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
             del destination[key]
     if unit.segment:
         _rename_prefix(destination, prefix + unit.segment, prefix)
+
+
+def _reshard_kept_gathered(state: UnitState, group: ParamGroup) -> None:
+    """A ``fully_shard`` unit still gathered after a forward (the root, ``reshard_after_forward=False``) is resharded
+    by ``state_dict()``, as torch's ``fully_shard`` does before saving: ``parameters()`` yields the sharded ones again
+    (a backward that follows gathers again). Not inside ``summon_full_params``, nor during forward or backward."""
+    if (
+        state.config.expose_gathered_after_forward
+        and group.state is not ShardState.SHARDED
+        and not group.summoned
+        and state.training_state is TrainingState.IDLE
+    ):
+        group.reshard()
 
 
 def _save_full(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix: str, config: Any) -> None:
