@@ -377,10 +377,10 @@ def _replaced_after_sharding(rank: int, world: int) -> None:
             getattr(model, name).weight.to_local().copy_(torch.chunk(full, world)[rank])
     model.scale = nn.Parameter(ref.scale.detach().clone())  # a full tensor, assigned after fully_shard
     assert isinstance(model.scale, nn.Parameter) and not isinstance(model.scale, DTensor)
-    out = model(x)
-    assert isinstance(model.scale, DTensor)  # taken in as a shard at the first forward
+    out = model(x)  # taken in as a shard at the first forward (the root then keeps it gathered, as torch)
     torch.testing.assert_close(out, ref(x), atol=ATOL, rtol=RTOL)
     out.pow(2).sum().backward()
+    assert isinstance(model.scale, DTensor)
     for name, param in model.named_parameters():
         want = dict(ref.named_parameters())[name].grad
         torch.testing.assert_close(param.grad.full_tensor(), want, atol=ATOL, rtol=RTOL, msg=name)
@@ -650,3 +650,21 @@ def _registration_like_torch(rank: int, world: int) -> None:
 
 def test_param_registration_after_forward_as_torch(pool2: WorkerPool) -> None:
     pool2.run(_registration_like_torch)
+
+
+def _reapply(rank: int, world: int) -> None:
+    sentence = "Each distinct composable distributed API can only be applied to a module once."
+    theirs = MLP(4, 4)
+    torch_fully_shard(theirs)
+    with pytest.raises(AssertionError, match=sentence):
+        torch_fully_shard(theirs)
+    ours = MLP(4, 4)
+    fully_shard(ours)
+    for cls in (AssertionError, ValueError):  # torch's class, and ours
+        with pytest.raises(cls, match=sentence) as info:
+            fully_shard(ours)
+        assert "already applied to this MLP" in str(info.value)
+
+
+def test_fully_shard_reapply_raises_as_torch(pool2: WorkerPool) -> None:
+    pool2.run(_reapply)

@@ -170,7 +170,8 @@ def _spare_handoffs(rank: int, world: int, prefetch: str | None, entry: str) -> 
         model = TinyGPT(GPTConfig(n_layer=4))
         model = wrap_prefetch(model, prefetch, False) if entry == "FSDP" else fully_shard_blocks(model)
         if not use_spare:
-            model(*make_batch(model.cfg, 2, 0))  # lazy init, then take the spare away from every group
+            with torch.no_grad():  # (with autograd on, the root's gathered views would stay registered, as torch)
+                model(*make_batch(model.cfg, 2, 0))  # lazy init, then take the spare away from every group
             for state in unit_state(model).ctx.states:
                 state.group.spare = None
             model.zero_grad(set_to_none=True)

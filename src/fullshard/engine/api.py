@@ -51,6 +51,11 @@ class PlacementError(ValueError, AssertionError):
     as torch's ``fully_shard`` raises for the same input (so ``except`` clauses written for either catch it)."""
 
 
+class AppliedTwiceError(ValueError, AssertionError):
+    """``fully_shard`` applied to a module that already is a unit: a ``ValueError``, and an ``AssertionError`` with
+    torch's sentence, as torch's ``fully_shard`` raises (so ``except`` clauses and tests written for either match)."""
+
+
 class _PeerEnum(enum.Enum):
     """An enum whose members equal same-named members of a same-named foreign enum; see [Note: equal to torch's]."""
 

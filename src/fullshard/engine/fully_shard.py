@@ -22,7 +22,14 @@ from torch.distributed.tensor import Shard
 
 from fullshard.engine import grad_norm, invariant
 from fullshard.engine import state_dict as sd
-from fullshard.engine.api import BackwardPrefetch, MixedPrecisionPolicy, Offload, OffloadPolicy, StateDictType
+from fullshard.engine.api import (
+    AppliedTwiceError,
+    BackwardPrefetch,
+    MixedPrecisionPolicy,
+    Offload,
+    OffloadPolicy,
+    StateDictType,
+)
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
 from fullshard.engine.state import (
@@ -280,6 +287,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     _check_modules("share_comm_ctx", modules)
 
 
+def _user_class(module: nn.Module) -> type:
+    """The class ``module`` had before :func:`_fsdp_class` swapped it."""
+    bases = type(module).__bases__
+    return bases[1] if len(bases) == 2 and bases[0] is FSDPModule else type(module)
+
+
 @functools.cache
 def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
@@ -405,7 +418,10 @@ def fully_shard(
             "an int that divides the shard group's size."
         )
     if unit_state(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module.")
+        raise AppliedTwiceError(  # torch's sentence first: torch's own tests and users' code match on it
+            f"Each distinct composable distributed API can only be applied to a module once. fully_shard was already "
+            f"applied to this {_user_class(module).__name__}; apply it once per module."
+        )
     for m in [module, *members] if members else []:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
