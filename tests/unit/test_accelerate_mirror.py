@@ -359,6 +359,28 @@ def test_an_accelerator_fills_the_partial_state() -> None:
     assert PartialState().process_index == accelerator.process_index and PartialState._shared_state != {}
 
 
+@pytest.mark.parametrize("cls_name", ["PartialState", "AcceleratorState"])
+def test_shared_state_errors_use_accelerates_words(cls_name: str) -> None:
+    from fullshard.accelerate import state as accelerate_state
+
+    cls = getattr(accelerate_state, cls_name)
+    Accelerator()
+    state = cls()
+    assert state.num_processes == 1
+    with pytest.raises(AttributeError) as info:
+        state.someotherthing  # noqa: B018
+    assert str(info.value) == f"'{cls_name}' object has no attribute 'someotherthing'"
+    cls._reset_state()
+    with pytest.raises(AttributeError) as info:
+        state.num_processes  # noqa: B018
+    assert str(info.value) == (
+        f"`{cls_name}` object has no attribute `num_processes`. This happens if `{cls_name}._reset_state()` was "
+        "called and an `Accelerator` or `PartialState` was not reinitialized."
+    )
+    state.someotherthing = "MyValue"  # a reset state still takes attributes
+    assert state.someotherthing == "MyValue"
+
+
 def test_scheduler_follows_the_optimizers_skip_flag() -> None:
     accelerator = Accelerator()
     model = nn.Linear(2, 4)

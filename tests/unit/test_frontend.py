@@ -173,7 +173,8 @@ def test_ops_single_process() -> None:
         (lambda: ops.reduce(torch.ones(1), "max"), ValueError,
          'reduce(reduction=\'max\'): not a reduction. Use "mean", "sum" or "none".'),
         (lambda: ops.gather({"x": "text"}), TypeError,
-         "_gather_one(data=...): found a str; only tensors nested in lists, tuples and dicts are supported."),
+         "Unsupported types (<class 'str'>) passed to `_gather_one`. Only nested list/tuple/dicts of objects that "
+         "are valid for `is_torch_tensor` should be passed."),  # Accelerate's words: its test_honor_type compares them
         (lambda: ops.concatenate([]), ValueError,
          "concatenate(data=list): expected a non-empty list of nested tensors."),
     ],

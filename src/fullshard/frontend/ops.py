@@ -55,11 +55,16 @@ def is_main_process() -> bool:
     return global_rank() == 0
 
 
+def is_torch_tensor(data: Any) -> bool:
+    """Whether ``data`` is a tensor (Accelerate's name for :func:`recursively_apply`'s default ``test_type``)."""
+    return isinstance(data, torch.Tensor)
+
+
 def recursively_apply(
     func: Callable[..., Any],
     data: Any,
     *args: Any,
-    test_type: Callable[[Any], bool] = torch.is_tensor,
+    test_type: Callable[[Any], bool] = is_torch_tensor,
     error_on_other_type: bool = False,
     **kwargs: Any,
 ) -> Any:
@@ -81,10 +86,11 @@ def recursively_apply(
         return type(data)({k: again(v) for k, v in data.items()})
     if test_type(data):
         return func(data, *args, **kwargs)
-    if error_on_other_type:
+    if error_on_other_type:  # Accelerate's words exactly (its tests compare the whole message): type, function, fix
         raise TypeError(
-            f"{getattr(func, '__name__', 'operation')}(data=...): found a {type(data).__name__}; only tensors nested "
-            "in lists, tuples and dicts are supported. Convert it to a tensor first."
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', repr(func))}`. Only nested "
+            f"list/tuple/dicts of objects that are valid for `{getattr(test_type, '__name__', repr(test_type))}` "
+            "should be passed."
         )
     return data
 

@@ -87,6 +87,9 @@ class PartialState(runtime.ProcessView):
         del group
         runtime.shutdown()
 
+    def __getattr__(self, name: str) -> Any:  # only for names not found otherwise
+        raise _missing("PartialState", name, "_process" not in self._shared_state)
+
     def __repr__(self) -> str:
         return (
             f"Distributed environment: {self.distributed_type}\nNum processes: {self.num_processes}\n"
@@ -156,6 +159,43 @@ class AcceleratorState:
     torch_device_mesh = device_mesh
 
     def __getattr__(self, name: str) -> Any:  # rank, world, device, ...: the PartialState's
-        if name.startswith("__") or name == "_partial":
-            raise AttributeError(name)
-        return getattr(self._partial, name)
+        partial = self._shared_state.get("_partial")
+        if name.startswith("__") or name == "_partial" or partial is None:
+            raise _missing("AcceleratorState", name, partial is None)
+        try:
+            return getattr(partial, name)
+        except AttributeError:
+            raise _missing("AcceleratorState", name, "_process" not in partial._shared_state) from None
+
+
+def _missing(cls: str, name: str, was_reset: bool) -> AttributeError:
+    """Accelerate's ``AttributeError`` for a shared-state class, word for word (scripts and Accelerate's own tests
+    match on it): after ``_reset_state()``, the process fields name the reset and the fix."""
+    if was_reset and not name.startswith("__") and name in _PROCESS_FIELDS:
+        return AttributeError(
+            f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` was called and an "
+            "`Accelerator` or `PartialState` was not reinitialized."
+        )
+    return AttributeError(f"'{cls}' object has no attribute '{name}'")
+
+
+# What a reset state no longer answers (Accelerate's ``_known_attrs``, and the fields they are read from here).
+_PROCESS_FIELDS = frozenset(
+    {
+        "_process",
+        "_partial",
+        "_cpu",
+        "_mixed_precision",
+        "backend",
+        "device",
+        "distributed_type",
+        "local_process_index",
+        "num_processes",
+        "process_index",
+        "is_main_process",
+        "is_local_main_process",
+        "is_last_process",
+        "use_distributed",
+        "fsdp_plugin",
+    }
+)
