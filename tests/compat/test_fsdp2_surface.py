@@ -624,6 +624,10 @@ def _registration(model: nn.Module, shard_fn, raf, nested: bool) -> dict[str, li
     got["after_state_dict"] = kinds()
     model(x).sum().backward()
     got["after_backward"] = kinds()
+    for value in (True, False):  # explicit, so it applies to the root too
+        model.set_reshard_after_forward(value)
+        model(x)
+        got[f"after_set_{value}"] = kinds()
     return got
 
 
@@ -634,7 +638,8 @@ def _registration_like_torch(rank: int, world: int) -> None:
             want = [p.detach().clone() for p in ref.parameters()]
             ours = _registration(copy.deepcopy(ref), fully_shard, raf, nested)
             theirs = _registration(copy.deepcopy(ref), torch_fully_shard, raf, nested)
-            for key in ("before", "after_forward", "after_reshard", "after_state_dict", "after_backward"):
+            keys = ("before", "after_forward", "after_reshard", "after_state_dict", "after_backward", "after_set_True")
+            for key in (*keys, "after_set_False"):
                 assert ours[key] == theirs[key], (nested, raf, key, ours[key], theirs[key])
             for got, full in zip(ours["values"], want):
                 torch.testing.assert_close(got, full, atol=0, rtol=0)
@@ -645,7 +650,8 @@ def _registration_like_torch(rank: int, world: int) -> None:
                 assert ours["after_forward"] == [True] * 4 + [False] * 4  # the nested units reshard, the root keeps
             else:
                 assert all(ours["after_forward"])  # True or 2 (the world): every unit reshards, the root too
-            assert all(ours["after_reshard"]) and all(ours["after_backward"])
+            assert all(ours["after_reshard"]) and all(ours["after_backward"]) and all(ours["after_set_True"])
+            assert not any(ours["after_set_False"])
 
 
 def test_param_registration_after_forward_as_torch(pool2: WorkerPool) -> None:

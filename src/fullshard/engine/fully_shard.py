@@ -336,9 +336,10 @@ def _resolve_offload(policy: OffloadPolicy | None, device: torch.device) -> Offl
 
 def _resolve_reshard(value: bool | int | None, shard_size: int) -> bool:
     """``reshard_after_forward`` as the engine takes it. ``None`` (torch's default): True, and the root keeps its
-    parameters anyway. An int ``k`` (torch: reshard to groups of ``k`` ranks after forward, to gather within them in
-    backward) must divide the shard group's size; 1 means False, any other divisor frees everything as True does
-    (the same values; fullshard has no intermediate resharding, see docs/design.md)."""
+    parameters (``UnitConfig.reshard_root_after_forward`` is set for an explicit value only). An int ``k`` (torch:
+    reshard to groups of ``k`` ranks after forward, to gather within them in backward) must divide the shard group's
+    size; 1 means False, any other divisor frees everything as True does (the same values; fullshard has no
+    intermediate resharding, see docs/design.md)."""
     if value is None:
         return True
     if isinstance(value, bool):
