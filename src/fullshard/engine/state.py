@@ -9,7 +9,7 @@
 - Unit post-forward: free the gathered parameters when ``reshard_after_forward`` (for the root only when set
   explicitly: backward needs them at once) or under ``no_grad``. A unit kept gathered leaves its gathered
   tensors registered until it reshards (``fully_shard``, as torch) or registers the sharded ones again (the
-  FSDP wrapper, ``ParamGroup.expose_sharded``); and hook the unit's output tensors so that the unit's
+  FSDP wrapper, ``ParamGroup.expose_sharded``). Then hook the unit's output tensors so that the unit's
   pre-backward runs when their gradient is ready.
 - Unit pre-backward: gather again if freed; with ``BACKWARD_PRE`` prefetch the unit that runs backward
   next (the previous one in forward order). The first pre-backward of a backward pass queues the root's
