@@ -81,6 +81,17 @@ def _nf4_bytes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return held
 
 
+def _nf4_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if isinstance(p, nf4.NF4Tensor)}
+
+
+def _summoned_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    from fullshard import FSDP
+
+    with FSDP.summon_full_params(model, writeback=False):
+        return _nf4_shapes(model)
+
+
 def _prepare(entry: str, model: nn.Module) -> Any:
     from fullshard import Accelerator, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, fully_shard
 
@@ -101,6 +112,7 @@ def train_qlora(rank: int, world: int, entry: str, folder: str) -> dict[str, Any
     full_bytes = _nf4_bytes(_qlora())
     accelerator, model = _prepare(entry, _qlora())
     shard_bytes = _nf4_bytes(model)
+    summoned = _summoned_shapes(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     if accelerator is not None:
@@ -122,7 +134,8 @@ def train_qlora(rank: int, world: int, entry: str, folder: str) -> dict[str, Any
     torch.distributed.barrier()
     with torch.no_grad():
         logits = model(input_ids=_probe()).logits.float()
-    result: dict[str, Any] = {"losses": losses, "with_grads": with_grads, "full": full_bytes, "shard": shard_bytes}
+    result: dict[str, Any] = {"losses": losses, "with_grads": with_grads, "full": full_bytes, "shard": shard_bytes,
+                              "summoned": summoned, "shapes": _nf4_shapes(model)}  # fmt: skip
     if rank == 0:
         loaded = peft.PeftModel.from_pretrained(_quantized_base(), where)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,11 +177,14 @@ def test_qlora_trains_as_one_process_on_half_the_quantized_bytes(pool2: WorkerPo
     losses = results[0]["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and all(b < a for a, b in zip(losses, losses[1:])), losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-2, atol=0)
+    full_shapes = _nf4_shapes(_qlora())
     for result in results:
         assert result["with_grads"] and all("lora_" in name for name in result["with_grads"])
         assert result["shard"].keys() == result["full"].keys() and len(result["full"]) == 14  # 7 per layer
         for name, (codes, scales) in result["full"].items():
             assert result["shard"][name] == (codes // 2, scales // 2), name
+        assert result["summoned"] == full_shapes  # summon_full_params shows them whole
+        assert all(result["shapes"][k][0] * 2 == v[0] for k, v in result["summoned"].items())  # sharded again
     print("LOSSES", losses, reference)
     count, same = results[0]["nf4_full"]
     assert count == 14 and same
