@@ -14,6 +14,7 @@ Subclass parameters that cannot be sharded this way (no all-gather protocol, or 
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -175,7 +176,7 @@ def test_qlora_trains_as_one_process_on_half_the_quantized_bytes(pool2: WorkerPo
     results = pool2.run(train_qlora, entry, str(tmp_path))
     reference = _reference(2)
     losses = results[0]["losses"]
-    assert all(torch.isfinite(torch.tensor(losses))) and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(torch.isfinite(torch.tensor(losses))) and all(b < a for a, b in itertools.pairwise(losses)), losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-2, atol=0)
     full_shapes = _nf4_shapes(_qlora())
     for result in results:

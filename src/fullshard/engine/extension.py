@@ -184,7 +184,9 @@ class ExtensionParams:
             for ep in self.params:
                 inputs, ep.metadata = self._pre_all_gather(ep)
                 if not ep.buffers:
-                    ep.buffers = [torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device) for t in inputs]
+                    ep.buffers = [
+                        torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device) for t in inputs
+                    ]
                 for buf, t in zip(ep.buffers, inputs):
                     buf.untyped_storage().resize_(buf.numel() * buf.element_size())
                     works.append(all_gather_flat(buf, t.contiguous().view(-1), pg, async_op=True))
