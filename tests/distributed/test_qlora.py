@@ -204,6 +204,10 @@ def refused(rank: int, world: int, case: str) -> str:
     weight = model[0].weight.detach()
     if case == "no_protocol":
         model[0].weight = Params4bitLike(weight, requires_grad=False)
+    elif case == "bitsandbytes":  # its CPU backend: codes flattened to (numel / 2, 1), block scales in quant_state
+        from bitsandbytes.nn import Params4bit
+
+        model[0].weight = Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
     elif case == "trainable":
         model[0].weight = nn.Parameter(nf4.to_nf4(weight, 64, 8), requires_grad=True)
     elif case == "uneven":  # 64 rows split in 2, but each shard's 16 blocks of 128 do not fill a scaler block of 32
@@ -222,12 +226,48 @@ def refused(rank: int, world: int, case: str) -> str:
     ("case", "expected"),
     [
         ("no_protocol", "'0.weight' is a Params4bitLike (torch.float32), a tensor subclass such as a 4-bit quantized"),
+        ("bitsandbytes", "'0.weight' is a Params4bit (torch.uint8), a tensor subclass such as a 4-bit quantized"),
         ("trainable", "'0.weight' is a NF4Tensor (torch.float32) with requires_grad=True"),
         ("uneven", "parameter '0.weight' (NF4Tensor of shape (64, 64)) cannot be sharded"),
         ("alone", "holds only quantized tensor-subclass parameters (['0.weight'])"),
     ],
 )
 def test_unshardable_subclass_parameters_are_refused_by_name(pool2: WorkerPool, case: str, expected: str) -> None:
+    if case == "bitsandbytes":
+        pytest.importorskip("bitsandbytes")
     for message in pool2.run(refused, case):  # on every rank
         assert expected in message, message
         assert "ignored_params" in message, message
+
+
+def save_and_load_state(rank: int, world: int, version: int, folder: str) -> dict[str, Any]:
+    """One step, ``save_state`` (the plugin's default: FULL_STATE_DICT for version 1, gathering each NF4 weight
+    whole; SHARDED_STATE_DICT through torch.distributed.checkpoint for version 2), ``load_state`` into a fresh
+    prepared model whose NF4 codes were zeroed: the trained model's logits again."""
+    accelerator, model = _prepare(f"accelerate_fsdp{version}", _qlora())
+    optimizer = accelerator.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    ids = _batch(rank)
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.save_state(folder)
+    with torch.no_grad():
+        logits = model(input_ids=_probe()).logits.float()
+    fresh_acc, fresh = _prepare(f"accelerate_fsdp{version}", _qlora())
+    fresh_opt = fresh_acc.prepare(torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2))
+    del fresh_opt
+    with torch.no_grad():
+        for param in fresh.parameters():  # the 4-bit codes must come from the checkpoint too
+            if isinstance(param, nf4.NF4Tensor):
+                param.quantized_data.zero_()
+        before = fresh(input_ids=_probe()).logits.float()
+    fresh_acc.load_state(folder)
+    with torch.no_grad():
+        loaded = fresh(input_ids=_probe()).logits.float()
+    return {"equal": torch.equal(loaded, logits), "changed": not torch.equal(before, logits)}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_qlora_save_state_loads_back(pool2: WorkerPool, tmp_path: Any, version: int) -> None:
+    for result in pool2.run(save_and_load_state, version, str(tmp_path)):
+        assert result == {"equal": True, "changed": True}

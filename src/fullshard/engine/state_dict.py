@@ -71,6 +71,7 @@ from fullshard.ranks import global_rank
 __all__ = [
     "FLAT_PARAM",
     "expected_entries",
+    "extension_params",
     "get_state_dict_type",
     "install_state_dict_hooks",
     "load_checked",
@@ -509,15 +510,35 @@ def sharded_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[Para
     }
 
 
-def expected_entries(module: nn.Module) -> Expected:
-    sharded = {key: sp for key, (_, sp) in sharded_registrations(module).items()}
-    extension = {
-        (id(holder), name): ep.shape
+def extension_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ExtensionParams, ExtensionParam]]:
+    """``(id(holder module), attribute)`` -> (extension, parameter) for every extension parameter in ``module``'s
+    units (frozen quantized tensor-subclass parameters, see ``extension.py``)."""
+    return {
+        (id(holder), name): (state.group.extension, ep)
         for state in unit_states_in(module)
         if state.group is not None and state.group.extension is not None
         for ep in state.group.extension.params
         for holder, name in ep.registrations
     }
+
+
+def extension_params(module: nn.Module) -> list[tuple[str, ExtensionParams, ExtensionParam]]:
+    """Every extension parameter in ``module`` once (tied ones under their first name), with its clean key."""
+    owners = extension_registrations(module)
+    seen: set[int] = set()
+    out = []
+    for path, m in module.named_modules():
+        for name in m._parameters:
+            found = owners.get((id(m), name))
+            if found is not None and id(found[1]) not in seen:
+                seen.add(id(found[1]))
+                out.append((clean_key(f"{path}.{name}" if path else name), *found))
+    return out
+
+
+def expected_entries(module: nn.Module) -> Expected:
+    sharded = {key: sp for key, (_, sp) in sharded_registrations(module).items()}
+    extension = {key: ep.shape for key, (_, ep) in extension_registrations(module).items()}
     shapes: dict[str, tuple[int, ...] | None] = {}
     whole: dict[str, torch.Tensor] = {}
     keys_of: dict[int, set[str]] = {}
