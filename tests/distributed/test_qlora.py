@@ -82,6 +82,15 @@ def _nf4_bytes(model: nn.Module) -> dict[str, tuple[int, int]]:
     return held
 
 
+def _gathered_nf4_bytes(model: nn.Module) -> int:
+    """The bytes of gathered 4-bit weights alive: their all-gather buffers' storage."""
+    from fullshard.engine.state import unit_states_in
+
+    extensions = [s.group.extension for s in unit_states_in(model) if s.group is not None and s.group.extension]
+    assert len(extensions) == 2  # one per decoder layer
+    return sum(b.untyped_storage().nbytes() for ext in extensions for ep in ext.params for b in ep.buffers)
+
+
 def _nf4_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters() if isinstance(p, nf4.NF4Tensor)}
 
@@ -128,6 +137,7 @@ def train_qlora(rank: int, world: int, entry: str, folder: str) -> dict[str, Any
         optimizer.zero_grad()
         losses.append(torch.tensor([loss.item()]))
     losses = [_mean_over_ranks(t) for t in losses]
+    gathered_after_step = _gathered_nf4_bytes(model)
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     where = os.path.join(folder, entry)
     state = accelerator.get_state_dict(model) if accelerator is not None else _full_state(model)
@@ -136,7 +146,8 @@ def train_qlora(rank: int, world: int, entry: str, folder: str) -> dict[str, Any
     with torch.no_grad():
         logits = model(input_ids=_probe()).logits.float()
     result: dict[str, Any] = {"losses": losses, "with_grads": with_grads, "full": full_bytes, "shard": shard_bytes,
-                              "summoned": summoned, "shapes": _nf4_shapes(model)}  # fmt: skip
+                              "summoned": summoned, "shapes": _nf4_shapes(model),
+                              "gathered_after_step": gathered_after_step}  # fmt: skip
     if rank == 0:
         loaded = peft.PeftModel.from_pretrained(_quantized_base(), where)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -185,6 +196,7 @@ def test_qlora_trains_as_one_process_on_half_the_quantized_bytes(pool2: WorkerPo
         for name, (codes, scales) in result["full"].items():
             assert result["shard"][name] == (codes // 2, scales // 2), name
         assert result["summoned"] == full_shapes  # summon_full_params shows them whole
+        assert result["gathered_after_step"] == 0  # freed after compute, as the other gathered parameters
         assert all(result["shapes"][k][0] * 2 == v[0] for k, v in result["summoned"].items())  # sharded again
     print("LOSSES", losses, reference)
     count, same = results[0]["nf4_full"]

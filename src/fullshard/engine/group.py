@@ -336,6 +336,8 @@ class ParamGroup:
     def rename(self, label: str) -> None:
         """Name the unit by its path, once the root knows it: errors about its collectives say where."""
         self.label = label
+        if self.extension is not None:
+            self.extension.label = label
 
     @property
     def comm_hook(self) -> tuple[object, Callable[..., Any]] | None:
