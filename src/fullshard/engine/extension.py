@@ -108,12 +108,6 @@ class ExtensionParam:
         for module, name in self.registrations:
             module._parameters[name] = tensor  # type: ignore[assignment]
 
-    @property
-    def local_tensors(self) -> dict[str, torch.Tensor]:
-        """The shard's inner tensors by attribute name (what this rank keeps: codes, scales, ...)."""
-        names, _ = self.sharded_param.__tensor_flatten__()  # type: ignore[attr-defined]
-        return {n: getattr(self.sharded_param, n) for n in names}
-
 
 class ExtensionParams:
     """The extension parameters of one unit: sharded at construction, gathered and freed with the unit's group."""
@@ -260,7 +254,8 @@ class ExtensionParams:
 
     def load(self, ep: ExtensionParam, value: Any, key: str) -> None:
         """Copy this rank's rows of ``value`` (the whole tensor, or a ``DTensor`` of this rank's shard, of the
-        parameter's class) into its shard's inner tensors."""
+        parameter's class) into its shard's inner tensors; the next gather sees them."""
+        self.reshard()
         local = value.to_local() if isinstance(value, DTensor) else value
         shard = ep.sharded_param
         if type(local) is type(shard) and tuple(value.shape) == ep.shape and self.world > 1 and local is value:
@@ -276,11 +271,6 @@ class ExtensionParams:
         with torch.no_grad():
             for name in names:
                 getattr(shard, name).copy_(getattr(local, name))
-
-    @property
-    def local_nbytes(self) -> int:
-        """The bytes this rank keeps for its shards (every inner tensor)."""
-        return sum(t.numel() * t.element_size() for ep in self.params for t in ep.local_tensors.values())
 
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
