@@ -250,14 +250,15 @@ def quantized_base(rank: int, world: int, entry: str, ignore: bool) -> tuple[str
 
 
 @pytest.mark.parametrize("entry", ["fully_shard", "fsdp1"])
-def test_4bit_base_refused_by_name_or_left_unsharded(pool2: WorkerPool, entry: str) -> None:
-    # QLoRA: torchao's NF4Tensor (block scales as metadata) must not be flattened into a shard buffer
+def test_4bit_base_sharded_or_left_unsharded_computes_the_same(pool2: WorkerPool, entry: str) -> None:
+    # QLoRA: torchao's NF4Tensor is sharded through its all-gather protocol (codes and block scales split by rows,
+    # see engine/extension.py), or left unsharded when ignored; both compute what one process does, bitwise (the
+    # gathered codes are the original ones). It was refused by name before.
     pytest.importorskip("torchao")
-    for message, _ in pool2.run(quantized_base, entry, False):  # every rank
-        assert "'0.weight' is a NF4Tensor" in message and "ignored_params" in message, message
-    results = pool2.run(quantized_base, entry, True)  # the fix the message names: left unsharded, it computes
-    assert [r[0] for r in results] == ["sharded", "sharded"]
-    assert results[0][1] == results[1][1] and math.isfinite(results[0][1])  # the same, finite output
+    sharded = pool2.run(quantized_base, entry, False)
+    ignored = pool2.run(quantized_base, entry, True)
+    assert [r[0] for r in sharded + ignored] == ["sharded"] * 4
+    assert len({r[1] for r in sharded + ignored}) == 1 and math.isfinite(sharded[0][1])
 
 
 def state_and_unfreeze(rank: int, world: int, entry: str) -> dict[str, Any]:

@@ -6,7 +6,9 @@ moves. Then the parameters of each unit travel as the optimizer state does in
 ``optim_state.scatter_full_optim_state_dict`` (the same code, ``optim_state.scatter_states``): one flat
 buffer per unit, laid out like the unit's flat shard, scattered from rank 0, so every other rank receives
 only its own rows and never holds a full unit. The tensors no unit shards (buffers, parameters outside units)
-are broadcast whole and loaded by ``load_state_dict``. A tied parameter is loaded once, from its first name.
+are broadcast whole and loaded by ``load_state_dict``, as are frozen quantized parameters (4-bit QLoRA weights,
+``engine/extension.py``), one at a time, each rank keeping its rows. A tied parameter is loaded once, from its first
+name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.engine import StateSpec, clean_key, expected_entries, mismatches, model_params, scatter_states
+from fullshard.engine import (
+    StateSpec,
+    clean_key,
+    expected_entries,
+    extension_params,
+    mismatches,
+    model_params,
+    scatter_states,
+)
 
 __all__ = ["load_full_state_dict"]
 
@@ -57,6 +67,10 @@ def load_full_state_dict(
             value = torch.empty_like(tensor) if rank != 0 else full_state_dict[key].to(tensor.device, tensor.dtype)  # type: ignore[index]
             dist.broadcast(value, src=0)
             whole[key] = value
+        for key, extension, param in extension_params(model):
+            quantized = [full_state_dict[key] if rank == 0 else None]  # type: ignore[index]
+            dist.broadcast_object_list(quantized, src=0)
+            extension.load(param, quantized[0], key)
     model.load_state_dict(whole, strict=False)
 
 

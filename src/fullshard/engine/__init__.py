@@ -61,7 +61,7 @@ from fullshard.engine.optim_state import (
 )
 from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
 from fullshard.engine.state import gradient_sync, has_units, is_unit
-from fullshard.engine.state_dict import expected_entries, mismatches, state_dict_type
+from fullshard.engine.state_dict import expected_entries, extension_params, mismatches, state_dict_type
 from fullshard.engine.summon import summon_full_params
 from fullshard.engine.unit import InitOptions
 from fullshard.engine.wrap import (
@@ -146,6 +146,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_module_grad_norm_",
     "expected_entries",
+    "extension_params",
     "mismatches",
     "model_params",
     "optim_state_dict",

@@ -78,6 +78,7 @@ from fullshard.engine.collectives import (
     full_block,
     wait_all,
 )
+from fullshard.engine.extension import ExtensionParams
 from fullshard.engine.full_views import FullViews, FullViewsPlan
 from fullshard.engine.layout import ShardLayout, group_offsets
 from fullshard.engine.materialize import storage_device_for
@@ -189,6 +190,7 @@ class ParamGroup:
         self._unsharded_version = -1
         self._full_version = 0  # flat_full's version counter when a direct gather was issued
         self.spare: SpareStorage | None = None  # shared by the units of one root (see spare.py)
+        self.extension: ExtensionParams | None = None  # gathered and freed with the group: see extension.py
         for sp, (_, _, original) in zip(self.params, entries):
             retire(original, sp.sharded_param)
             set_owner(sp.sharded_param, label)
@@ -334,6 +336,8 @@ class ParamGroup:
     def rename(self, label: str) -> None:
         """Name the unit by its path, once the root knows it: errors about its collectives say where."""
         self.label = label
+        if self.extension is not None:
+            self.extension.label = label
 
     @property
     def comm_hook(self) -> tuple[object, Callable[..., Any]] | None:
@@ -467,6 +471,8 @@ class ParamGroup:
         Postcondition (after :meth:`wait_for_unshard`): state is ``UNSHARDED``, every registration
         resolves to a view of ``flat_full`` equal to the current shards.
         """
+        if self.extension is not None:
+            self.extension.unshard()
         if self.state is ShardState.UNSHARDING:
             return
         if self.state is ShardState.UNSHARDED:
@@ -516,6 +522,8 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         """Finish a gather started by :meth:`unshard` and register the full parameters (again, after
         :meth:`expose_sharded`)."""
+        if self.extension is not None:
+            self.extension.wait()
         if self.state is ShardState.UNSHARDED and not self.full_views_registered:
             self._register_full_views()
         if self.state is not ShardState.UNSHARDING:
@@ -592,6 +600,8 @@ class ParamGroup:
         """
         for sp in self.params:
             sp.register_sharded()
+        if self.extension is not None:
+            self.extension.register_sharded()
         self.full_views_registered = False
 
     def reshard(self, keep_spare: bool = False) -> None:
@@ -601,6 +611,8 @@ class ParamGroup:
 
         Postcondition: state is ``SHARDED``; ``flat_shard`` (and gradients) hold this group's memory.
         """
+        if self.extension is not None:
+            self.extension.reshard()
         if self.state is ShardState.SHARDED:
             return
         if self.state is ShardState.UNSHARDING:

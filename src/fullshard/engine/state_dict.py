@@ -61,6 +61,7 @@ from fullshard.engine.api import (
     StateDictType,
 )
 from fullshard.engine.coerce import coerce_enum
+from fullshard.engine.extension import ExtensionParam, ExtensionParams
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
@@ -70,6 +71,7 @@ from fullshard.ranks import global_rank
 __all__ = [
     "FLAT_PARAM",
     "expected_entries",
+    "extension_params",
     "get_state_dict_type",
     "install_state_dict_hooks",
     "load_checked",
@@ -121,6 +123,14 @@ class _DictUnit:
                 for sp in params
             ]
         return self._keys
+
+    def extension_keys(self, extension: ExtensionParams) -> list[tuple[ExtensionParam, list[str]]]:
+        """Each own extension parameter (see ``extension.py``) with its raw keys relative to the unit module."""
+        paths = self._paths()
+        return [
+            (ep, [base + name for module, name in ep.registrations for base in paths.get(id(module), [])])
+            for ep in extension.params
+        ]
 
     def record_buffer_dtypes(self) -> None:
         """Remember the unit's floating-point buffers' dtypes before mixed precision casts them."""
@@ -300,6 +310,8 @@ def _post_state_dict(module: nn.Module, destination: dict[str, Any], prefix: str
             _save_sharded(unit, group, destination, prefix, config.offload_to_cpu)
         else:
             _save_local(unit, group, destination, prefix, config.offload_to_cpu)
+        if group.extension is not None:
+            _save_extension(unit, group.extension, destination, prefix, kind, config.offload_to_cpu)
     for key, dtype in unit.buffer_dtypes:  # buffers cast by mixed precision are saved in their own dtype
         value = destination.get(prefix + key)
         if isinstance(value, torch.Tensor) and value.dtype != dtype:
@@ -354,6 +366,46 @@ def _save_local(unit: _DictUnit, group: ParamGroup, out: dict[str, Any], prefix:
     out[prefix + FLAT_PARAM] = group.shard_group.dtensor(flat, (group.shard_group.shard_size * flat.numel(),))
 
 
+def _save_extension(
+    unit: _DictUnit, ext: ExtensionParams, out: dict[str, Any], prefix: str, kind: StateDictType, offload: bool
+) -> None:
+    """Extension parameters (4-bit QLoRA weights): FULL gives each whole, in its own class (a collective); SHARDED
+    a ``DTensor`` whose local tensor is this rank's shard (of that class); LOCAL is refused by name."""
+    keyed = unit.extension_keys(ext)
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        raise ValueError(
+            f"{unit.where}: LOCAL_STATE_DICT of a unit holding quantized tensor-subclass parameters "
+            f"({[keys[0] for _, keys in keyed]}): a flat shard cannot hold their quantization metadata. Use "
+            "FULL_STATE_DICT or SHARDED_STATE_DICT, or save the adapters only (PEFT's save_pretrained)."
+        )
+    if kind is StateDictType.FULL_STATE_DICT:
+        values = ext.full_copies()
+    else:
+        group = ext.shard_group
+        values = [
+            group.dtensor(ep.sharded_param.detach(), ep.shape) if ext.world > 1 else ep.sharded_param.detach()
+            for ep in ext.params
+        ]
+    for (_, keys), value in zip(keyed, values):
+        value = value.cpu() if offload and value.device.type != "cpu" else value
+        for key in keys:
+            out[prefix + key] = value
+
+
+def _load_extension(unit: _DictUnit, ext: ExtensionParams, state_dict: dict[str, Any], prefix: str) -> None:
+    """Copy this rank's rows of each present extension parameter (its whole tensor, or a ``DTensor`` of its shard)
+    into its shard's inner tensors."""
+    for ep, keys in unit.extension_keys(ext):
+        present = [prefix + k for k in keys if prefix + k in state_dict]
+        if not present:
+            continue
+        value = state_dict.pop(present[0])
+        for key in present[1:]:
+            state_dict.pop(key)
+        unit.consumed.update(clean_key(k) for k in present)
+        ext.load(ep, value, clean_key(present[0]))
+
+
 def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
     """Replace the leading ``raw`` of keys by ``clean``, keeping the order (and the ``_metadata`` keys)."""
     for mapping in (destination, getattr(destination, "_metadata", None)):
@@ -404,6 +456,8 @@ def _pre_load(
             values = [state_dict.pop(k) for k in present]
             unit.consumed.update(clean_key(k) for k in present)
             sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
+    if group.extension is not None:
+        _load_extension(unit, group.extension, state_dict, prefix)
 
 
 def _materialize_for(group: ParamGroup, state_dict: dict[str, Any], prefix: str, unit: _DictUnit) -> None:
@@ -470,8 +524,35 @@ def sharded_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[Para
     }
 
 
+def extension_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ExtensionParams, ExtensionParam]]:
+    """``(id(holder module), attribute)`` -> (extension, parameter) for every extension parameter in ``module``'s
+    units (frozen quantized tensor-subclass parameters, see ``extension.py``)."""
+    return {
+        (id(holder), name): (state.group.extension, ep)
+        for state in unit_states_in(module)
+        if state.group is not None and state.group.extension is not None
+        for ep in state.group.extension.params
+        for holder, name in ep.registrations
+    }
+
+
+def extension_params(module: nn.Module) -> list[tuple[str, ExtensionParams, ExtensionParam]]:
+    """Every extension parameter in ``module`` once (tied ones under their first name), with its clean key."""
+    owners = extension_registrations(module)
+    seen: set[int] = set()
+    out = []
+    for path, m in module.named_modules():
+        for name in m._parameters:
+            found = owners.get((id(m), name))
+            if found is not None and id(found[1]) not in seen:
+                seen.add(id(found[1]))
+                out.append((clean_key(f"{path}.{name}" if path else name), *found))
+    return out
+
+
 def expected_entries(module: nn.Module) -> Expected:
     sharded = {key: sp for key, (_, sp) in sharded_registrations(module).items()}
+    extension = {key: ep.shape for key, (_, ep) in extension_registrations(module).items()}
     shapes: dict[str, tuple[int, ...] | None] = {}
     whole: dict[str, torch.Tensor] = {}
     keys_of: dict[int, set[str]] = {}
@@ -487,6 +568,8 @@ def expected_entries(module: nn.Module) -> Expected:
                 shapes[clean_key(base + name)] = sp.shape if sp is not None else tuple(p.shape)
                 if sp is not None:
                     keys_of.setdefault(id(sp), set()).add(clean_key(base + name))
+                elif (id(m), name) in extension:
+                    shapes[clean_key(base + name)] = extension[(id(m), name)]
                 else:
                     whole[clean_key(base + name)] = p
         for name, b in m._buffers.items():

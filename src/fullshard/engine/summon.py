@@ -4,7 +4,8 @@ Inside the context every parameter of the summoned units is a full ``nn.Paramete
 dtype (never the compute dtype of mixed precision), registered where the sharded one was (a tensor parallel
 parameter is full over the shard group: its tp ``DTensor``, as before sharding); on exit, with
 ``writeback``, each rank copies its rows of those tensors back into its shards, and the sharded parameters are
-registered again. The gathered copies are separate from the training buffers.
+registered again. The gathered copies are separate from the training buffers. Frozen tensor-subclass parameters
+(4-bit QLoRA weights, see ``extension.py``) are summoned whole in their own class and never written back.
 """
 
 from __future__ import annotations
@@ -53,8 +54,11 @@ def _summon_group(group: ParamGroup, show: bool, offload_to_cpu: bool, with_grad
     group.reshard()
     fulls = group.gather_full()
     grads = group.gather_full(group.sharded_grad_flat()) if with_grads else None
+    quantized = group.extension.full_copies() if group.extension is not None else []  # frozen: never written back
     if not show:
         return []
+    for ep, full in zip(group.extension.params if group.extension is not None else [], quantized):
+        ep.register(nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=False))
     summoned = []
     for i, sp in enumerate(group.params):
         # A tensor parallel parameter is summoned as what its module computes with: its tp DTensor.
@@ -93,4 +97,6 @@ def summon_full_params(
                     group.write_back([p.detach().to(group.device) for p in params])
             for sp in group.params:
                 sp.register_sharded()
+            if group.extension is not None:
+                group.extension.register_sharded()
             group.set_summoned(False)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.engine.api import Offload, PlacementError
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
+from fullshard.engine.extension import ExtensionParams, is_plain, refuse_unshardable
 from fullshard.engine.group import ParamGroup, main_dtype
 from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
@@ -119,7 +120,7 @@ def _collect(
                 continue
             fqn = clean_key(prefix + name)
             _refuse_taken(param, fqn)
-            _refuse_quantized(param, fqn)
+            refuse_unshardable(param, fqn)
             if id(param) in entries:
                 entries[id(param)][1].append((module, name))
             else:
@@ -128,24 +129,6 @@ def _collect(
         if holds:
             holders.append((clean_key(prefix.rstrip(".")) or type(unit_module).__name__, module))
     return list(entries.values()), holders
-
-
-def _refuse_quantized(param: nn.Parameter, fqn: str) -> None:
-    """A quantized parameter (a tensor subclass such as torchao's ``NF4Tensor``, or a ``Parameter`` subclass such as
-    bitsandbytes' ``Params4bit``) carries metadata (block scales) that a flat buffer of its elements would lose:
-    refused by name rather than failing somewhere in forward or training on garbage."""
-    data = param.data if isinstance(param, nn.Parameter) else param
-    if (type(param) in (nn.Parameter, torch.Tensor) or isinstance(param, DTensor)) and type(data) is torch.Tensor:
-        return
-    if isinstance(param, DTensor) or isinstance(data, DTensor):
-        return
-    kind = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
-    raise ValueError(
-        f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight (QLoRA); "
-        "fullshard shards plain tensors and DTensors only and would lose its quantization metadata. Load the base "
-        "model unquantized (e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded "
-        "(ignored_modules=... or ignored_params=...)."
-    )
 
 
 def _refuse_taken(param: nn.Parameter, fqn: str) -> None:
@@ -287,6 +270,7 @@ def build_unit(
             param.data = param.data.to(device)
     if sync:
         _broadcast_from_rank0(label, entries, modules, problem)
+    entries, extension = _split_extension(label, entries, shard_group)
     group = None
     handles = []
     if entries:
@@ -296,6 +280,7 @@ def build_unit(
         group = ParamGroup(
             label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload, shard_dims=dims
         )
+        group.extension = extension
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]
@@ -305,6 +290,24 @@ def build_unit(
         state.attach(member)
     state.keep_hooks(*handles)
     return state
+
+
+def _split_extension(
+    label: str, entries: list[Entry], shard_group: ShardGroup
+) -> tuple[list[Entry], ExtensionParams | None]:
+    """The plain parameters (for the group's flat shard) and the frozen tensor-subclass ones, sharded here (see
+    [Note: extension parameters] in ``extension.py``)."""
+    plain = [e for e in entries if is_plain(e[2])]
+    if len(plain) == len(entries):
+        return entries, None
+    if not plain:
+        names = [fqn for fqn, _, _ in entries]
+        raise ValueError(
+            f"unit {label!r} holds only quantized tensor-subclass parameters ({names}); fullshard gathers those with "
+            "a unit that also holds plain parameters. Wrap the module that holds them together with others (e.g. the "
+            "decoder layer, not each quantized Linear), or leave them unsharded (ignored_params=...)."
+        )
+    return plain, ExtensionParams(label, [e for e in entries if not is_plain(e[2])], shard_group)
 
 
 def _unit_dtype(label: str, entries: list[Entry], casts: Casts) -> torch.dtype:

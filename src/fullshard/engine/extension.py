@@ -1,0 +1,280 @@
+"""Extension parameters: frozen tensor-subclass parameters that bring their own all-gather (4-bit QLoRA bases).
+
+[Note: extension parameters]
+A tensor subclass such as torchao's ``NF4Tensor`` holds more than its elements: packed 4-bit codes plus block
+scales. Flattening it into a group's ``flat_shard`` would lose those, so such a parameter is sharded on its own,
+through the protocol torch's FSDP2 defines for such subclasses (the *extension protocol*):
+
+- ``fsdp_pre_all_gather(mesh)`` (or ``(mesh, outer_size, outer_stride, module, mp_policy)``), called on this
+  rank's shard, returns the plain tensors to all-gather (for NF4: codes, quantized scales, scale factors) and
+  metadata (everything else: block sizes, the shared scale mean, the shard's shape);
+- ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`` rebuilds the full subclass tensor from the
+  all-gathered tensors (each ``(world * rows, ...)``, rank-major) and returns it with the tensors to free; called
+  again with ``out=`` (that tensor) after a later gather into the same buffers.
+
+The shard is ``torch.chunk(param, world, 0)[rank]`` (the subclass splits its codes and scales by rows together),
+copied into storage of its own through ``__tensor_flatten__`` / ``__tensor_unflatten__``. Alive in each state:
+
+- sharded: the shard (its inner tensors), registered on the modules as a frozen ``nn.Parameter``;
+- gathered: also one buffer per gathered tensor (``world`` times the shard's) and the full tensor over them,
+  registered for compute. Resharding frees the buffers' storage (``resize_(0)``) but keeps the full tensor
+  object, so a tensor autograd saved in forward sees the data of the next gather (backward gathers again).
+
+Such parameters must be frozen: they get no gradient, no reduction and no optimizer state (QLoRA trains adapters
+beside them). A subclass that requires grad, or one without the protocol (bitsandbytes' ``Params4bit``), is refused
+by name (:func:`refuse_unshardable`). The shards split evenly or the parameter is refused. With one rank per shard
+group nothing is split and nothing gathered.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fullshard.engine import collective_check, trace
+from fullshard.engine.collectives import all_gather_flat
+from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.param import set_owner
+
+__all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
+
+_FIX = (
+    "Freeze it and keep its all-gather protocol (param.requires_grad_(False), as PEFT does for the base model; "
+    "torchao's NF4Tensor implements fsdp_pre_all_gather/fsdp_post_all_gather), load the base model unquantized "
+    "(e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded (ignored_modules=... or "
+    "ignored_params=...)."
+)
+
+
+def _data(param: torch.Tensor) -> torch.Tensor:
+    return param.data if isinstance(param, nn.Parameter) else param
+
+
+def is_plain(param: torch.Tensor) -> bool:
+    """A plain tensor or ``DTensor`` parameter: what a group's flat shard holds."""
+    if isinstance(param, DTensor) or isinstance(_data(param), DTensor):
+        return True
+    return type(param) in (nn.Parameter, torch.Tensor) and type(_data(param)) is torch.Tensor
+
+
+def has_protocol(param: torch.Tensor) -> bool:
+    """Whether ``param`` implements torch FSDP2's all-gather extension protocol (both halves)."""
+    data = _data(param)
+    return callable(getattr(data, "fsdp_pre_all_gather", None)) and callable(
+        getattr(data, "fsdp_post_all_gather", None)
+    )
+
+
+def refuse_unshardable(param: nn.Parameter, fqn: str) -> None:
+    """Refuse a tensor-subclass parameter that cannot be sharded as an extension parameter, naming it and the fix."""
+    if is_plain(param):
+        return
+    data = _data(param)
+    kind = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
+    if not has_protocol(param):
+        raise ValueError(
+            f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight "
+            "(QLoRA) without torch FSDP2's all-gather protocol (fsdp_pre_all_gather/fsdp_post_all_gather); "
+            "fullshard shards plain tensors, DTensors and frozen subclasses with that protocol only, and would lose "
+            f"its quantization metadata. {_FIX}"
+        )
+    if param.requires_grad:
+        raise ValueError(
+            f"parameter {fqn!r} is a {kind} ({param.dtype}) with requires_grad=True; fullshard gathers such "
+            f"tensor-subclass parameters for compute but never reduces their gradients, so they must be frozen. {_FIX}"
+        )
+
+
+@dataclass
+class ExtensionParam:
+    """One extension parameter: its registrations and this rank's shard (see [Note: extension parameters])."""
+
+    fqn: str
+    registrations: list[tuple[nn.Module, str]]
+    shape: tuple[int, ...]  # the full (unsharded) shape
+    sharded_param: nn.Parameter  # this rank's rows, a frozen subclass parameter with storage of its own
+    full: nn.Parameter | None = None  # the gathered subclass tensor, kept across gathers (see the note)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # 1D, world * shard numel: the all-gather outputs
+    metadata: Any = None  # from the last fsdp_pre_all_gather, until the gather is rebuilt
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # of what fsdp_pre_all_gather returned
+
+    def register(self, tensor: torch.Tensor) -> None:
+        for module, name in self.registrations:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+
+
+class ExtensionParams:
+    """The extension parameters of one unit: sharded at construction, gathered and freed with the unit's group."""
+
+    def __init__(
+        self, label: str, entries: list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]], shard_group: ShardGroup
+    ) -> None:
+        self.label = label
+        self.shard_group = shard_group
+        self.world = shard_group.shard_size
+        self.device = shard_group.device
+        self.params = [ExtensionParam(fqn, regs, tuple(p.shape), self._shard(fqn, p)) for fqn, regs, p in entries]
+        self._mesh: DeviceMesh | None = None
+        self._works: list[Any] | None = None  # the gathers in flight
+        self.gathered = False  # the full tensors are registered and current
+        for ep in self.params:
+            set_owner(ep.sharded_param, label)
+            ep.register(ep.sharded_param)
+
+    def _shard(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
+        data = _data(param).detach()
+        if self.world == 1:
+            return nn.Parameter(data, requires_grad=False)
+        rank = self.shard_group.shard_rank
+        rows = param.shape[0] if param.dim() else 0
+        problem = None
+        if rows % self.world:
+            problem = f"its {rows} rows do not split evenly over {self.world} ranks"
+        else:
+            try:
+                chunk = torch.chunk(data, self.world, dim=0)[rank]
+            except (AssertionError, NotImplementedError, RuntimeError) as err:
+                problem = f"{type(data).__name__} could not split it by rows ({err})"
+        if problem is not None:
+            raise ValueError(
+                f"unit {self.label!r}: parameter {fqn!r} ({type(data).__name__} of shape {tuple(param.shape)}) cannot "
+                f"be sharded: {problem}. Quantize it with block sizes that divide a shard's elements (torchao's "
+                "to_nf4(w, block_size, scaler_block_size): rows/world * cols divisible by block_size * "
+                "scaler_block_size), or leave it unsharded (ignored_params=...)."
+            )
+        return nn.Parameter(_copy(chunk), requires_grad=False)  # storage of its own: the full tensor can be freed
+
+    # --- gather / free ------------------------------------------------------------------------------
+
+    def _shard_mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.shard_group.shard_pg, self.device.type)
+        return self._mesh
+
+    def _pre_all_gather(self, ep: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:
+        local = ep.sharded_param
+        if local.device != self.device:
+            local = local.to(self.device)
+        hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if len(inspect.signature(hook).parameters) == 1:
+            return hook(self._shard_mesh())
+        stride = torch.empty(ep.shape, device="meta").stride()
+        module = ep.registrations[0][0]
+        return hook(self._shard_mesh(), torch.Size(ep.shape), stride, module, None)
+
+    def unshard(self) -> None:
+        """Start gathering every extension parameter (no-op if gathered or gathering, or with one rank)."""
+        if self.world == 1 or self.gathered or self._works is not None:
+            return
+        works = []
+        pg = self.shard_group.shard_pg
+        with trace.phase(trace.ALL_GATHER), collective_check.collective("all_gather", self.label, pg):
+            for ep in self.params:
+                inputs, ep.metadata = self._pre_all_gather(ep)
+                if not ep.buffers:
+                    ep.buffers = [
+                        torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device) for t in inputs
+                    ]
+                for buf, t in zip(ep.buffers, inputs):
+                    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                    works.append(all_gather_flat(buf, t.contiguous().view(-1), pg, async_op=True))
+                ep.input_shapes = [tuple(t.shape) for t in inputs]
+        self._works = works
+
+    def wait(self) -> None:
+        """Finish the gathers started by :meth:`unshard` and register the full tensors (again, after
+        :meth:`register_sharded`)."""
+        if self.world == 1:
+            return
+        if self._works is None and not self.gathered:
+            return  # nothing gathered or in flight (a group resharding while its own gather was in flight)
+        if self._works is not None:
+            with trace.phase(trace.ALL_GATHER_WAIT):
+                for work in self._works:
+                    if work is not None:
+                        work.wait()
+            self._works = None
+            for ep in self.params:
+                self._rebuild(ep)
+            self.gathered = True
+        for ep in self.params:
+            ep.register(ep.full)  # type: ignore[arg-type]
+
+    def _rebuild(self, ep: ExtensionParam) -> None:
+        outputs = tuple(buf.view(-1, *shape[1:]) for buf, shape in zip(ep.buffers, ep.input_shapes))
+        post = ep.sharded_param.fsdp_post_all_gather  # type: ignore[attr-defined]
+        dtype = ep.sharded_param.dtype
+        if ep.full is None:
+            full, _ = post(outputs, ep.metadata, dtype)
+            ep.full = nn.Parameter(full, requires_grad=False)
+        else:
+            post(outputs, ep.metadata, dtype, out=ep.full)
+        ep.metadata = None
+
+    def register_sharded(self) -> None:
+        for ep in self.params:
+            ep.register(ep.sharded_param)
+
+    def reshard(self) -> None:
+        """Register the shards again and free the gathered buffers (the full tensor objects stay, storage-less)."""
+        if self.world == 1:
+            return
+        if self._works is not None:
+            self.wait()
+        self.register_sharded()
+        for ep in self.params:
+            for buf in ep.buffers:
+                buf.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def full_copies(self) -> list[torch.Tensor]:
+        """Every extension parameter's full tensor in storage of its own, gathered into new buffers (a collective
+        over the shard group; what the modules have registered does not change)."""
+        if self.world == 1:
+            return [_copy(ep.sharded_param) for ep in self.params]
+        pg = self.shard_group.shard_pg
+        copies = []
+        with collective_check.collective("all_gather", self.label, pg):
+            for ep in self.params:
+                inputs, metadata = self._pre_all_gather(ep)
+                outputs = []
+                for t in inputs:
+                    out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device)
+                    all_gather_flat(out, t.contiguous().view(-1), pg, async_op=False)
+                    outputs.append(out.view(-1, *t.shape[1:]))
+                full, _ = ep.sharded_param.fsdp_post_all_gather(tuple(outputs), metadata, ep.sharded_param.dtype)  # type: ignore[attr-defined]
+                copies.append(full)
+        return copies
+
+    def load(self, ep: ExtensionParam, value: Any, key: str) -> None:
+        """Copy this rank's rows of ``value`` (the whole tensor, or a ``DTensor`` of this rank's shard, of the
+        parameter's class) into its shard's inner tensors; the next gather sees them."""
+        self.reshard()
+        local = value.to_local() if isinstance(value, DTensor) else value
+        shard = ep.sharded_param
+        if type(local) is type(shard) and tuple(value.shape) == ep.shape and self.world > 1 and local is value:
+            local = torch.chunk(local, self.world, dim=0)[self.shard_group.shard_rank]
+        if type(local) is not type(shard) or tuple(local.shape) != tuple(shard.shape):
+            got = f"{type(local).__name__} of shape {tuple(getattr(local, 'shape', ()))}"
+            raise ValueError(
+                f"load_state_dict: {key!r} is a {type(shard).__name__} of shape {ep.shape} sharded by its own "
+                f"all-gather, but the state dict holds a {got}. Load a state dict saved from the same quantized model "
+                "(FULL or SHARDED), or load the base model unquantized and quantize it after loading."
+            )
+        names, _ = shard.__tensor_flatten__()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for name in names:
+                getattr(shard, name).copy_(getattr(local, name))
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A traceable wrapper subclass tensor with its inner tensors copied (``clone`` may re-quantize)."""
+    names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: getattr(tensor, n).clone() for n in names}
+    return type(tensor).__tensor_unflatten__(inner, ctx, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
