@@ -20,22 +20,31 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 
-def launch(
+def start(
     output: Path, steps: int, *extra: str, processes: int = 2, options: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess[str]:
+) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.update(PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1", FULLSHARD_HOME=str(output / "home"))
     args = ["--num_processes", str(processes), *options, str(SCRIPT), "--steps", str(steps), "--save_every", "2",
             "--output", str(output)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "fullshard.cli.main", "launch", *args, *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
+    command = [sys.executable, "-m", "fullshard.cli.main", "launch", *args, *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stdout + stderr
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def launch(
+    output: Path, steps: int, *extra: str, processes: int = 2, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    return finish(start(output, steps, *extra, processes=processes, options=options))
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +111,16 @@ def test_example_invariant_mode_gives_the_same_weights_on_1_and_2_ranks(tmp_path
     import torch
     from safetensors.torch import load_file
 
-    launch(tmp_path / "one", 3, "--batch", "2", "--invariant_micro_batches", "4", processes=1)
-    launch(
-        tmp_path / "two", 3, "--batch", "2", processes=2, options=("--use_fsdp", "--fsdp_invariant_micro_batches", "4")
-    )
+    runs = [  # side by side: independent folders
+        start(tmp_path / "one", 3, "--batch", "2", "--invariant_micro_batches", "4", processes=1),
+        start(tmp_path / "two", 3, "--batch", "2", options=("--use_fsdp", "--fsdp_invariant_micro_batches", "4")),
+    ]
+    try:
+        for run in runs:
+            finish(run)
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
     one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)

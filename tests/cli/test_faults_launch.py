@@ -24,6 +24,11 @@ def _launch(args: list[str], env: dict[str, str], timeout: float = 240) -> subpr
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "fullshard.cli.main", "launch", "--num_processes", "2", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def _stamps(text: str, tag: str) -> list[float]:
     """Times stamped on ``tag`` lines (with --log_dir torch prefixes each line with ``[default<rank>]:``)."""
     return [float(t) for t in re.findall(rf"^(?:\[default\d+\]:)?{tag} .*at=([0-9.]+)$", text, flags=re.MULTILINE)]
@@ -84,11 +89,17 @@ def test_sigterm_to_the_launcher(tmp_path: Path, child_env: dict[str, str], hand
         # The next run resumes where the preempted one stopped and ends bitwise where an uninterrupted run ends.
         total = 40
         assert int(stopped.group(1)) < total
-        resumed = _launch([str(SCRIPTS / "preemptible.py"), str(checkpoint), handler, str(total)], child_env)
-        assert resumed.returncode == 0 and f"RESUMED at step {stopped.group(1)}" in resumed.stdout, resumed.stderr
-        straight = _launch([str(SCRIPTS / "preemptible.py"), str(tmp_path / "straight"), handler, str(total)],
-                           child_env)  # fmt: skip
-        assert straight.returncode == 0, straight.stderr
+        # (the two runs go side by side: independent folders, and each launch waits on its own start-up)
+        runs = {name: _start([str(SCRIPTS / "preemptible.py"), str(folder), handler, str(total)], child_env)
+                for name, folder in (("resumed", checkpoint), ("straight", tmp_path / "straight"))}  # fmt: skip
+        try:
+            (resumed_out, resumed_err), (_, straight_err) = (p.communicate(timeout=240) for p in runs.values())
+        finally:
+            for run in runs.values():
+                if run.poll() is None:
+                    run.kill()
+        assert runs["resumed"].returncode == 0 and f"RESUMED at step {stopped.group(1)}" in resumed_out, resumed_err
+        assert runs["straight"].returncode == 0, straight_err
         got, want = torch.load(checkpoint.with_suffix(".final.pt")), torch.load(tmp_path / "straight.final.pt")
         assert want.keys() == got.keys() and want
         assert all(torch.equal(got[k], want[k]) for k in want)
