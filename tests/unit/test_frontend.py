@@ -22,7 +22,7 @@ from fullshard.frontend.enums import DistributedType, PrecisionType
 from fullshard.frontend.estimate import estimate_memory, find_unit_classes, unit_parameters
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import fsdp2_switch_optimizer_parameters, prepare_model
-from fullshard.frontend.state_io import TrainingObjects, save_state
+from fullshard.frontend.saving.state_io import TrainingObjects, save_state
 from fullshard.frontend.training import advance_step, truncate_for_metrics
 from fullshard.testing.models import Block, TinyGPT
 from fullshard.utils import compute_module_sizes, find_executable_batch_size

@@ -69,9 +69,10 @@ from fullshard.checkpoint import (
 from fullshard.engine import (
     StateDictType,
 )
-from fullshard.frontend import invariant, model_state, resume_layout
+from fullshard.frontend import invariant
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
+from fullshard.frontend.saving import model_state, resume_layout
 
 __all__ = [
     "TrainingObjects",
