@@ -2,6 +2,6 @@
 
 from fullshard import DistributedType
 from fullshard.frontend.data import GradientState
-from fullshard.frontend.shared_state import AcceleratorState, PartialState
+from fullshard.frontend.processes.shared_state import AcceleratorState, PartialState
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
-from fullshard.frontend import env, invariant, memory, ops, preemption, processes, runtime, training
+from fullshard.frontend import env, invariant, memory, ops, preemption, training
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
 from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
@@ -48,9 +48,11 @@ from fullshard.frontend.parallelism import (
 )
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import is_sharded, prepare_model, prepare_whole_param_step, switch_optimizer_to_sharded
+from fullshard.frontend.processes import runtime
+from fullshard.frontend.processes import work_split as processes
+from fullshard.frontend.processes.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.saving import model_state, state_io
-from fullshard.frontend.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
 
 __all__ = ["Accelerator"]

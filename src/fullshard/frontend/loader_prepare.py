@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from fullshard.frontend import data, loader_parts
-from fullshard.frontend.shared_state import PartialState
+from fullshard.frontend.processes.shared_state import PartialState
 
 __all__ = ["prepare_data_loader"]
 

@@ -113,7 +113,7 @@ from fullshard.frontend.prepare import (
     fsdp2_prepare_model,
     fsdp2_switch_optimizer_parameters,
 )
-from fullshard.frontend.process_output import tqdm
+from fullshard.frontend.processes.process_output import tqdm
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.refused import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
 from fullshard.frontend.tracking import LoggerType
