@@ -26,8 +26,9 @@ from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
 from fullshard.frontend import env, invariant, memory, ops, preemption, training
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
-from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.data.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
+from fullshard.frontend.data.sharded_loader import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
 from fullshard.frontend.handlers import (
     AutocastKwargs,
@@ -38,7 +39,6 @@ from fullshard.frontend.handlers import (
     process_group_kwargs,
     profiling,
 )
-from fullshard.frontend.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,

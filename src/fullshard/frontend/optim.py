@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
-from fullshard.frontend.data import GradientState
+from fullshard.frontend.data.sharded_loader import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 

@@ -22,7 +22,7 @@ from fullshard.engine import (
 )
 from fullshard.frontend import invariant, ops
 from fullshard.frontend.compile import is_compiled_module
-from fullshard.frontend.data import GradientState
+from fullshard.frontend.data.sharded_loader import GradientState
 from fullshard.frontend.enums import PrecisionType
 
 __all__ = [

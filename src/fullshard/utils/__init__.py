@@ -64,8 +64,8 @@ from fullshard.frontend.bigmodel.tied import (
     retie_parameters,
 )
 from fullshard.frontend.compile import TorchDynamoPlugin
-from fullshard.frontend.data import synchronize_rng_state, synchronize_rng_states
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.sharded_loader import synchronize_rng_state, synchronize_rng_states
 from fullshard.frontend.enums import (
     ComputeEnvironment,
     DistributedType,
