@@ -53,7 +53,8 @@ from fullshard.frontend.processes import work_split as processes
 from fullshard.frontend.processes.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
 from fullshard.frontend.saving import model_state, state_io
-from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
+from fullshard.frontend.tracker_selection import TrackerSet, resolve_log_with
+from fullshard.frontend.trackers import GeneralTracker
 
 __all__ = ["Accelerator"]
 

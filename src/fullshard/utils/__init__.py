@@ -116,7 +116,7 @@ from fullshard.frontend.prepare import (
 from fullshard.frontend.processes.process_output import tqdm
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.refused import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
-from fullshard.frontend.tracking import LoggerType
+from fullshard.frontend.trackers import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.versions import compare_versions, get_pretty_name, is_torch_version
 
