@@ -249,7 +249,7 @@ def check_sampler(sampler: object, micro_batches: int) -> None:
         )
 
 
-# --- a step saved part-way: save_state / load_state (saving/state_io.py) call these ----------------------------------
+# --- a step saved part-way: save_state / load_state (saving/state_io.py) call these -----------------------------------
 
 
 def invariant_mode(model: nn.Module) -> bool:
