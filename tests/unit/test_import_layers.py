@@ -9,7 +9,7 @@ surface names imported there hand out no internal engine object, and no code the
 engine's internal classes have. The front end follows its rule (``frontend/__init__.py``): a folder holds three
 modules or more, a flat module has a topic (``FRONTEND_TOPICS``) with fewer than three flat modules and no folder,
 and every module is the Accelerator's, its plugin's or one a public module imports (what only the CLI uses is
-cli/'s)."""
+cli/'s). ``docs/design.md`` lists every module of src/, no more and no less."""
 
 from __future__ import annotations
 
@@ -822,3 +822,30 @@ def test_checker_finds_a_small_folder_a_crowded_topic_and_a_cli_only_module(tmp_
         "topic 'small' is a folder: move ['b'] into small/",
     ]
     assert unused == ["fullshard.frontend.cli_only", "fullshard.frontend.small.y"]
+
+
+def _design_module_list(text: str) -> set[str]:
+    """The modules ``docs/design.md``'s "Every module" block names, as paths under ``src/fullshard``."""
+    block = text.split("### Every module", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    package = ""
+    for line in block.strip("\n").splitlines():
+        if not line.startswith(" "):
+            package = "" if line.split()[0] == "fullshard/" else line.split()[0]
+        elif line.strip():
+            listed.add(f"{package}{line.split()[0]}.py")
+    return listed
+
+
+def test_design_lists_every_module() -> None:
+    design = SRC.parents[1] / "docs" / "design.md"
+    listed = _design_module_list(design.read_text())
+    actual = {str(p.relative_to(SRC)) for p in _sources()}
+    assert listed == actual, (
+        f"docs/design.md's 'Every module' list: missing {sorted(actual - listed)}, gone {sorted(listed - actual)}"
+    )
+
+
+def test_checker_reads_the_design_module_list() -> None:
+    text = "x\n### Every module\n\ntext\n```\nfullshard/ (top)\n  ranks  r\nengine/\n  __init__  s\n  api  a\n```\n"
+    assert _design_module_list(text) == {"ranks.py", "engine/__init__.py", "engine/api.py"}
