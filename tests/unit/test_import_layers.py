@@ -132,7 +132,7 @@ CHECKPOINT_LEVELS = {
     "folder": 2,
     "reader": 3, "writer": 3,
     "transaction": 4, "rotation": 4,
-    "dcp": 5, "verify": 5, "merge": 5, "export": 5, "load_check": 5,
+    "dcp": 5, "verify": 5, "merge": 5, "export": 5, "load_check": 5, "training_save": 5,
 }  # fmt: skip
 
 
