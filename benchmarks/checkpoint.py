@@ -74,7 +74,7 @@ from fullshard.checkpoint import checksum
 from fullshard.checkpoint.dcp import load_sharded, save_sharded
 from fullshard.checkpoint.reader import SafeFileSystemReader
 from fullshard.checkpoint.writer import write_sharded
-from fullshard.frontend import model_state
+from fullshard.frontend.saving import model_state
 from fullshard.testing.bench import RssSampler, on_fresh_ranks, run_mode
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 

@@ -15,7 +15,7 @@ from checkpoint_disk import WORLD
 
 from fullshard import Accelerator, FullyShardedDataParallelPlugin
 from fullshard.checkpoint import background
-from fullshard.frontend import state_io
+from fullshard.frontend.saving import state_io
 from fullshard.testing.bench import RssSampler, on_fresh_ranks
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 

@@ -45,11 +45,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fullshard import fully_shard
 from fullshard.algorithms.whole_step import plan_owners
+from fullshard.cli.memory_estimate import estimate_training
 from fullshard.engine import model_params
 from fullshard.engine.api import ShardingStrategy
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.engine.state import unit_states_in
-from fullshard.frontend.estimate import estimate_training
 from fullshard.testing.bench import describe_machine
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from fullshard.cli.memory_estimate import estimate_training
 from fullshard.engine.api import ShardingStrategy
-from fullshard.frontend.estimate import estimate_training
 from fullshard.testing.bench import (
     peak_rss_of_training,
 )

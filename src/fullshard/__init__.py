@@ -37,8 +37,8 @@ from fullshard.frontend.accelerator import Accelerator
 from fullshard.frontend.bigmodel.empty import init_empty_weights
 from fullshard.frontend.bigmodel.loading import load_checkpoint_in_model
 from fullshard.frontend.bigmodel.sizes import infer_auto_device_map
-from fullshard.frontend.data import skip_first_batches, synchronize_rng_states
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.sharded_loader import skip_first_batches, synchronize_rng_states
 from fullshard.frontend.enums import DistributedType
 from fullshard.frontend.handlers import (
     DDPCommunicationHookType,

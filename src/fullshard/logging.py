@@ -1,5 +1,5 @@
 """``fullshard.logging``: Accelerate's multi-process logger (re-exports only)."""
 
-from fullshard.frontend.process_output import MultiProcessAdapter, get_logger
+from fullshard.frontend.processes.process_output import MultiProcessAdapter, get_logger
 
 __all__ = ["MultiProcessAdapter", "get_logger"]

@@ -62,7 +62,7 @@ def test_accelerate_modules_and_metadata_are_fullshards() -> None:
         import transformers.trainer as trainer, transformers.training_args as training_args
         import transformers.modeling_utils
         assert trainer.Accelerator is fullshard.Accelerator and trainer.save_fsdp_model is save_fsdp_model
-        assert training_args.PartialState.__module__ == "fullshard.frontend.shared_state"
+        assert training_args.PartialState.__module__ == "fullshard.frontend.processes.shared_state"
         print("ok")
     """)
     assert out.strip().endswith("ok")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fullshard.cli.memory_estimate import estimate_memory, unit_parameters
 from fullshard.engine.api import ShardingStrategy
-from fullshard.frontend.estimate import estimate_memory, unit_parameters
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from fullshard.checkpoint.manifest import read_manifest
 from fullshard.checkpoint.names import DCP_METADATA_FILE
 from fullshard.checkpoint.reader import read_metadata
 from fullshard.cli.main import cli
-from fullshard.frontend import state_io
+from fullshard.frontend.saving import state_io
 from fullshard.testing import WorkerPool
 from tests.distributed.test_accelerator import PER_RANK, dataset
 from tests.distributed.test_checkpoint_faults import _same, _train, load_each

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from fullshard.frontend.data import GradientState, prepare_data_loader, skip_first_batches
+from fullshard.frontend.data.sharded_loader import GradientState, prepare_data_loader, skip_first_batches
 from fullshard.testing import WorkerPool
 
 N, BATCH = 22, 3

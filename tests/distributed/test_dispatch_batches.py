@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from fullshard import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin
-from fullshard.frontend.loader_parts import DataLoaderDispatcher
+from fullshard.frontend.data.loader_parts import DataLoaderDispatcher
 from fullshard.testing import WorkerPool
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fullshard.cli.memory_estimate import estimate_training
 from fullshard.engine.api import ShardingStrategy
-from fullshard.frontend.estimate import estimate_training
 from fullshard.testing.bench import peak_rss_of_training
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 

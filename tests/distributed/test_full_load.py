@@ -14,7 +14,7 @@ from torch import nn
 
 from fullshard import FSDP, fully_shard
 from fullshard.algorithms.full_load import load_full_state_dict
-from fullshard.frontend.model_state import full_model_state_dict
+from fullshard.frontend.saving.model_state import full_model_state_dict
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 from fullshard.wrap import ModuleWrapPolicy

@@ -1,7 +1,8 @@
 """World-size-invariant mode through the Accelerator, resumed on another world size (issue 27 §2): a checkpoint
 ``save_state`` wrote on 2 ranks in the middle of an epoch resumes with ``load_state`` on 1, 2 and 4 ranks, and the
 continued run ends with ``torch.equal`` weights to the uninterrupted 2-rank run's; see [Note: invariant training
-through the Accelerator] in ``frontend/invariant.py`` and [Note: loader position] in ``frontend/data.py``.
+through the Accelerator] in ``frontend/invariant.py`` and [Note: loader position] in
+``frontend/data/sharded_loader.py``.
 
 Set up: ``test_invariant_accelerator``'s loop (DropNet with dropout, AdamW, StepLR, clipping, a shuffled loader whose
 last global batch is completed from the epoch's start), with ``invariant_micro_batches=4``, ``SHARDED_STATE_DICT``

@@ -147,7 +147,7 @@ def test_lora_trains_as_one_process_and_saves_by_every_route(
 
 def adapter_only_round_trip(rank: int, world: int, version: int, kind: str, folder: str) -> dict[str, Any]:
     from fullshard import Accelerator, FullyShardedDataParallelPlugin
-    from fullshard.frontend.fsdp_checkpoints import load_fsdp_model, save_fsdp_model
+    from fullshard.frontend.saving.fsdp_checkpoints import load_fsdp_model, save_fsdp_model
 
     def prepared() -> tuple[Any, Any, Any]:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=version, state_dict_type=kind,

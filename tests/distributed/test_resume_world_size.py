@@ -193,7 +193,7 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 def invariant_run(rank: int, world: int, entry: str, root: str, mode: str) -> dict[str, Any]:
     """``mode``: "straight" (STEPS steps), "save" (SAVE_AT steps, then save_state) or "resume" (load, the rest)."""
     from fullshard import FullyShardedDataParallelPlugin
-    from fullshard.frontend import state_io
+    from fullshard.frontend.saving import state_io
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2 if entry == "fully_shard" else 1, state_dict_type="SHARDED_STATE_DICT"

@@ -321,7 +321,7 @@ def invariant_run(rank: int, world: int, kind: str, entry: str, root: str, mode:
     """``mode``: "straight" (every step), "save" (SAVE_AT steps, then save_state) or "resume" (load, the rest),
     through the front end's save_state / load_state (SHARDED_STATE_DICT: DCP)."""
     from fullshard import FullyShardedDataParallelPlugin
-    from fullshard.frontend import state_io
+    from fullshard.frontend.saving import state_io
 
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2 if entry == "fully_shard" else 1, state_dict_type="SHARDED_STATE_DICT"

@@ -118,7 +118,7 @@ def test_bf16_compute_on_cuda(gpu_pool: WorkerPool) -> None:
 def _async_save_on_cuda(rank: int, world: int, root: str, version: int) -> dict[str, object]:
     from fullshard import Accelerator
     from fullshard.checkpoint import background
-    from fullshard.frontend import state_io
+    from fullshard.frontend.saving import state_io
     from tests.distributed.test_accelerator import PER_RANK, dataset, model_and_optimizer, plugin
 
     state_io.release_save_buffers()

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard.frontend.data import GradientState
+from fullshard.frontend.data.sharded_loader import GradientState
 from fullshard.frontend.invariant import CallerSteps, InvariantRun
 
 pytest.importorskip("transformers")

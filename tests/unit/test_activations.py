@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fullshard.frontend.activations import profile_activations
+from fullshard.cli.activations import profile_activations
 from fullshard.testing.models import GPTConfig, TinyGPT
 
 CFG = GPTConfig(vocab_size=97, block_size=64, n_layer=3, n_head=4, n_embd=32)

@@ -118,7 +118,7 @@ def test_dataloader_configuration_refuses_by_name(kwargs: dict, error: type[Exce
 def test_split_batches_needs_a_divisible_batch() -> None:
     from torch.utils.data import DataLoader
 
-    from fullshard.frontend.data import GradientState, prepare_data_loader
+    from fullshard.frontend.data.sharded_loader import GradientState, prepare_data_loader
 
     message = (
         "with split_batches=True: the DataLoader's batch_size (3) must be a multiple of the number of processes (2)"

@@ -17,8 +17,8 @@ import fullshard
 import fullshard.utils
 from fullshard.cli import failures, worker
 from fullshard.cli import main as cli_main
-from fullshard.frontend import runtime
 from fullshard.frontend.handlers import InitProcessGroupKwargs, process_group_kwargs
+from fullshard.frontend.processes import runtime
 
 # --- kwargs handlers ------------------------------------------------------------------------------------
 

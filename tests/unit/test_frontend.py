@@ -13,16 +13,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
+from fullshard.cli.memory_estimate import estimate_memory, find_unit_classes, unit_parameters
 from fullshard.engine.api import ShardingStrategy
 from fullshard.frontend import ops
 from fullshard.frontend.accelerator import Accelerator
-from fullshard.frontend.data import GradientState, ShardBatchSampler, prepare_data_loader
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.sharded_loader import GradientState, ShardBatchSampler, prepare_data_loader
 from fullshard.frontend.enums import DistributedType, PrecisionType
-from fullshard.frontend.estimate import estimate_memory, find_unit_classes, unit_parameters
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import fsdp2_switch_optimizer_parameters, prepare_model
-from fullshard.frontend.state_io import TrainingObjects, save_state
+from fullshard.frontend.saving.state_io import TrainingObjects, save_state
 from fullshard.frontend.training import advance_step, truncate_for_metrics
 from fullshard.testing.models import Block, TinyGPT
 from fullshard.utils import compute_module_sizes, find_executable_batch_size

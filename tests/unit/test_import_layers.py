@@ -6,7 +6,10 @@ modules import one way, up its levels (its ``__init__`` docstring). Outside engi
 aside), engine names come from its surface, ``fullshard.engine`` and its ``__all__``, never from a submodule;
 checkpoint names likewise from ``fullshard.checkpoint`` and its ``__all__``. Above algorithms/, objects too: the
 surface names imported there hand out no internal engine object, and no code there reads an attribute only the
-engine's internal classes have."""
+engine's internal classes have. The front end follows its rule (``frontend/__init__.py``): a folder holds three
+modules or more, a flat module has a topic (``FRONTEND_TOPICS``) with fewer than three flat modules and no folder,
+and every module is the Accelerator's, its plugin's or one a public module imports (what only the CLI uses is
+cli/'s). ``docs/design.md`` lists every module of src/, no more and no less."""
 
 from __future__ import annotations
 
@@ -129,7 +132,7 @@ CHECKPOINT_LEVELS = {
     "folder": 2,
     "reader": 3, "writer": 3,
     "transaction": 4, "rotation": 4,
-    "dcp": 5, "verify": 5, "merge": 5, "export": 5, "load_check": 5,
+    "dcp": 5, "verify": 5, "merge": 5, "export": 5, "load_check": 5, "training_save": 5,
 }  # fmt: skip
 
 
@@ -695,3 +698,154 @@ def test_checker_finds_a_surface_that_hands_out_an_engine_object() -> None:
     tree = ast.parse("def unit_state(m) -> UnitState | None: ...\ndef f(m): ...\ndef g(m) -> int: ...\n")
     returns = [n.returns for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert [_hands_out(r, {"UnitState"}) for r in returns] == [{"UnitState"}, {"<no return annotation>"}, set()]
+
+
+# --- the front end's rule (frontend/__init__.py) ----------------------------------------------------------------
+
+FRONTEND = SRC / "frontend"
+# Each flat module of frontend/ -> its topic. A topic of three or more modules is a folder named for it, so no topic
+# here has three modules, nor a folder's name. A new flat module gets a topic here (or goes into its topic's folder).
+FRONTEND_TOPICS = {
+    "accelerator": "accelerator",
+    "plugin": "plugin", "plugin_values": "plugin",
+    "prepare": "prepare",
+    "optim": "optimizer",
+    "training": "training",
+    "invariant": "invariant",
+    "compile": "compile",
+    "adapters": "peft",
+    "parallelism": "parallelism",
+    "project": "project",
+    "preemption": "preemption",
+    "enums": "enums",
+    "ops": "operations",
+    "memory": "memory",
+    "trackers": "tracking", "tracker_selection": "tracking",
+    "env": "launch environment", "launch_helpers": "launch environment",
+    "availability": "installed packages", "versions": "installed packages",
+    "refused": "refused",
+}  # fmt: skip
+# The packages whose imports make a front-end module an Accelerate utility: the public modules (fullshard and its
+# top-level modules, fullshard.utils) and the mirror of Accelerate's module paths.
+PUBLIC_PACKAGES = ("fullshard.utils", "fullshard.accelerate")
+
+
+def _frontend_folders(root: Path = FRONTEND) -> dict[str, list[str]]:
+    """Each folder (a package) under ``root`` -> its modules, ``__init__`` aside."""
+    return {
+        str(p.parent.relative_to(root)): sorted(m.stem for m in p.parent.glob("*.py") if m.name != "__init__.py")
+        for p in sorted(root.rglob("__init__.py"))
+        if p.parent != root
+    }
+
+
+def _topic_problems(flat: set[str], topics: dict[str, str], folders: set[str]) -> list[str]:
+    """What breaks the rule among the flat modules ``flat`` of the front end, given their ``topics``."""
+    problems = [f"{m}: give it a topic in FRONTEND_TOPICS" for m in sorted(flat - set(topics))]
+    problems += [f"{m}: in FRONTEND_TOPICS but no flat module" for m in sorted(set(topics) - flat)]
+    by_topic: dict[str, list[str]] = {}
+    for module in sorted(flat & set(topics)):
+        by_topic.setdefault(topics[module], []).append(module)
+    for topic, modules in sorted(by_topic.items()):
+        if len(modules) >= 3:
+            problems.append(f"topic {topic!r} has {len(modules)} flat modules {modules}: make it a folder")
+        if topic in folders:
+            problems.append(f"topic {topic!r} is a folder: move {modules} into {topic}/")
+    return problems
+
+
+def test_frontend_folders_hold_three_modules_or_more() -> None:
+    small = {name: modules for name, modules in _frontend_folders().items() if len(modules) < 3}
+    assert not small, f"a folder of frontend/ holds fewer than three modules (make them flat): {small}"
+
+
+def test_frontend_flat_modules_have_a_topic_of_fewer_than_three() -> None:
+    flat = {p.stem for p in FRONTEND.glob("*.py") if p.name != "__init__.py"}
+    problems = _topic_problems(flat, FRONTEND_TOPICS, set(_frontend_folders()))
+    assert not problems, f"frontend/'s flat modules break its rule: {problems}"
+
+
+def _unused_by_accelerator_or_public(root: Path = SRC) -> list[str]:
+    """The front-end modules that neither the Accelerator nor its plugin reach, nor a public module imports (nor
+    reaches through front-end modules it imports): what only the CLI uses, or nothing."""
+    graph = _source_graph(root)
+    package = "fullshard.frontend"
+    inside = {m for m in graph if m.startswith(package + ".")}
+    public = {_module(p, root) for p in root.glob("*.py")} | {m for m in graph if m.startswith(PUBLIC_PACKAGES)}
+    roots = {f"{package}.accelerator", f"{package}.plugin"} | {d for m in public for d in graph[m] if d in inside}
+    seen: set[str] = set()
+    todo = sorted(roots & inside)
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(d for d in graph[module] if d in inside)
+    packages = {m for m in inside if (root.joinpath(*m.split(".")[1:]) / "__init__.py").exists()}
+    return sorted(inside - seen - packages)
+
+
+def test_frontend_modules_are_the_accelerators_or_accelerate_utilities() -> None:
+    unused = _unused_by_accelerator_or_public()
+    assert not unused, (
+        f"{unused}: neither the Accelerator, its plugin nor a public module (fullshard, fullshard.utils, "
+        "fullshard.accelerate) uses them; what only the CLI uses lives in cli/"
+    )
+
+
+def test_checker_finds_a_small_folder_a_crowded_topic_and_a_cli_only_module(tmp_path: Path) -> None:
+    # - Set up: a front end with a two-module folder, three flat modules of one topic, one a folder's topic, and
+    #   a module only the CLI imports
+    front = tmp_path / "frontend"
+    (front / "small").mkdir(parents=True)
+    for name in ("__init__", "accelerator", "plugin", "a1", "a2", "a3", "b", "cli_only", "small/__init__"):
+        (front / f"{name}.py").write_text("")
+    (front / "accelerator.py").write_text(
+        "from fullshard.frontend import a1, a2\nfrom fullshard.frontend.small import x\n"
+    )
+    (front / "small" / "x.py").write_text("from fullshard.frontend import b\n")
+    (front / "small" / "y.py").write_text("")
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "__init__.py").write_text("from fullshard.frontend.a3 import f\n")
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "__init__.py").write_text("from fullshard.frontend.cli_only import g\n")
+    # - Run
+    folders = _frontend_folders(front)
+    flat = {"accelerator", "plugin", "a1", "a2", "a3", "b", "cli_only"}
+    topics = {"accelerator": "accelerator", "plugin": "plugin", "a1": "a", "a2": "a", "a3": "a", "b": "small"}
+    problems = _topic_problems(flat, topics, set(folders))
+    unused = _unused_by_accelerator_or_public(tmp_path)
+    # - Check: each break of the rule is found, and nothing else
+    assert folders == {"small": ["x", "y"]}
+    assert problems == [
+        "cli_only: give it a topic in FRONTEND_TOPICS",
+        "topic 'a' has 3 flat modules ['a1', 'a2', 'a3']: make it a folder",
+        "topic 'small' is a folder: move ['b'] into small/",
+    ]
+    assert unused == ["fullshard.frontend.cli_only", "fullshard.frontend.small.y"]
+
+
+def _design_module_list(text: str) -> set[str]:
+    """The modules ``docs/design.md``'s "Every module" block names, as paths under ``src/fullshard``."""
+    block = text.split("### Every module", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    package = ""
+    for line in block.strip("\n").splitlines():
+        if not line.startswith(" "):
+            package = "" if line.split()[0] == "fullshard/" else line.split()[0]
+        elif line.strip():
+            listed.add(f"{package}{line.split()[0]}.py")
+    return listed
+
+
+def test_design_lists_every_module() -> None:
+    design = SRC.parents[1] / "docs" / "design.md"
+    listed = _design_module_list(design.read_text())
+    actual = {str(p.relative_to(SRC)) for p in _sources()}
+    assert listed == actual, (
+        f"docs/design.md's 'Every module' list: missing {sorted(actual - listed)}, gone {sorted(listed - actual)}"
+    )
+
+
+def test_checker_reads_the_design_module_list() -> None:
+    text = "x\n### Every module\n\ntext\n```\nfullshard/ (top)\n  ranks  r\nengine/\n  __init__  s\n  api  a\n```\n"
+    assert _design_module_list(text) == {"ranks.py", "engine/__init__.py", "engine/api.py"}

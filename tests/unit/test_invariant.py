@@ -21,7 +21,7 @@ from fullshard.engine import (
     step_in_progress,
 )
 from fullshard.frontend import env, invariant
-from fullshard.frontend.data import ShardBatchSampler
+from fullshard.frontend.data.sharded_loader import ShardBatchSampler
 
 
 @pytest.fixture(autouse=True)

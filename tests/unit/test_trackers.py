@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from fullshard import Accelerator
-from fullshard.frontend import runtime
+from fullshard.frontend.processes import runtime
 from fullshard.tracking import GeneralTracker, LoggerType
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """``accelerate.data_loader``: Accelerate's data-loading building blocks and its free ``prepare_data_loader``."""
 
 from fullshard import skip_first_batches
-from fullshard.frontend.loader_parts import (
+from fullshard.frontend.data.loader_parts import (
     BatchSamplerShard,
     DataLoaderDispatcher,
     DataLoaderShard,
@@ -11,7 +11,7 @@ from fullshard.frontend.loader_parts import (
     SkipBatchSampler,
     SkipDataLoader,
 )
-from fullshard.frontend.loader_prepare import prepare_data_loader
+from fullshard.frontend.data.loader_prepare import prepare_data_loader
 
 __all__ = [
     "BatchSamplerShard",

@@ -1,10 +1,10 @@
 """On-disk formats: sharded DCP checkpoints (atomic save/load), weight export and the streaming merge.
 
 Other packages import ``fullshard.checkpoint`` only through this surface (its ``__all__``; enforced by
-``tests/unit/test_import_layers.py``): the names of a training folder, :class:`SaveTransaction` (a save is
-``begin``, steps that ``write_sharded`` / ``write_file`` into the staging folder, ``commit``), the checks before
-a load (:func:`folder_for_load`, :func:`check_before_loading`, :func:`read_on_every_rank`), the sharded save and
-load of one folder, the safe readers, rotation, verify, merge and export. The modules below never import this
+``tests/unit/test_import_layers.py``): the names of a training folder, a training folder saved in one call
+(:func:`save_folder`, :func:`start_save_folder`, given a :class:`TrainingFolder`: what goes into it), the checks
+before a load (:func:`folder_for_load`, :func:`check_before_loading`, :func:`read_on_every_rank`), the sharded save
+and load of one folder, the safe readers, rotation, verify, merge and export. The modules below never import this
 surface.
 
 One owner per idea, and imports run one way, up these levels (a module imports only its level or lower ones;
@@ -13,7 +13,8 @@ suffix, every error class, how files are created, which files a folder may name)
 safe_load, agreement, background (async saves: host copies, a thread, their own process group) -> folder (what a
 folder is, the one recorded-size check) -> reader, writer (the one "a data file is as long as its ``.metadata``
 says" check is the reader's) -> transaction (the one commit protocol), rotation -> dcp, verify, merge, export,
-load_check. A new module goes on the lowest level whose modules it needs.
+load_check, training_save (a training folder in one call, over one transaction). A new module goes on the lowest
+level whose modules it needs.
 """
 
 from fullshard.checkpoint import background
@@ -59,11 +60,15 @@ from fullshard.checkpoint.rotation import (
     prune_checkpoints,
 )
 from fullshard.checkpoint.safe_load import load_rng_file, load_small_file
-from fullshard.checkpoint.transaction import SaveTransaction
+from fullshard.checkpoint.training_save import Part, TrainingFolder, save_folder, start_save_folder
 from fullshard.checkpoint.verify import verify_checkpoint
 from fullshard.checkpoint.writer import local_nbytes, save_file
 
 __all__ = [
+    "start_save_folder",
+    "save_folder",
+    "TrainingFolder",
+    "Part",
     "CHECKPOINTS_FOLDER",
     "CHECKPOINT_MANIFEST",
     "DCP_METADATA_FILE",
@@ -83,7 +88,6 @@ __all__ = [
     "CheckpointDamagedError",
     "CheckpointFileError",
     "NoSpaceError",
-    "SaveTransaction",
     "TensorSpec",
     "background",
     "check_before_loading",

@@ -4,9 +4,11 @@ A script written for Accelerate keeps working after ``from accelerate import Acc
 ``from fullshard import Accelerator``. The model is always sharded: with no ``fsdp_plugin`` the default
 :class:`FullyShardedDataParallelPlugin` is used, which reads the ``FSDP_*`` variables ``fullshard launch`` sets.
 A script run without a launcher is one process with a process group of one rank (see [Note: single process]
-in ``runtime.py``). This class only dispatches; the work is done in ``prepare.py`` (models), ``data.py``,
-``optim.py``, ``training.py`` (per-step helpers), ``state_io.py`` and ``model_state.py`` (checkpoints);
-Accelerate's utilities in ``handlers/`` (kwargs handlers), ``tracking/`` (trackers) and ``operations/``.
+in ``processes/runtime.py``). This class only dispatches; the work is done in ``prepare.py`` (models), ``data/``
+(loaders), ``optim.py``, ``training.py`` (per-step helpers), ``invariant.py`` (world-size-invariant mode),
+``saving/`` (checkpoints) and ``processes/`` (the process and Accelerate's shared state); Accelerate's utilities in
+``handlers/`` (kwargs handlers), ``trackers.py`` with ``tracker_selection.py`` (trackers) and ``ops.py`` (tensor
+operations across processes: gather, reduce, pad, ...).
 """
 
 from __future__ import annotations
@@ -24,21 +26,11 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
 from fullshard.checkpoint import save_weights
-from fullshard.frontend import (
-    env,
-    invariant,
-    memory,
-    model_state,
-    ops,
-    preemption,
-    processes,
-    runtime,
-    state_io,
-    training,
-)
+from fullshard.frontend import env, invariant, memory, ops, preemption, training
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
-from fullshard.frontend.data import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
+from fullshard.frontend.data.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
+from fullshard.frontend.data.sharded_loader import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
 from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
 from fullshard.frontend.handlers import (
     AutocastKwargs,
@@ -49,7 +41,6 @@ from fullshard.frontend.handlers import (
     process_group_kwargs,
     profiling,
 )
-from fullshard.frontend.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,
@@ -59,9 +50,13 @@ from fullshard.frontend.parallelism import (
 )
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.prepare import is_sharded, prepare_model, prepare_whole_param_step, switch_optimizer_to_sharded
+from fullshard.frontend.processes import runtime
+from fullshard.frontend.processes import work_split as processes
+from fullshard.frontend.processes.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
-from fullshard.frontend.shared_state import AcceleratorState, PartialState
-from fullshard.frontend.tracking import GeneralTracker, TrackerSet, resolve_log_with
+from fullshard.frontend.saving import model_state, state_io
+from fullshard.frontend.tracker_selection import TrackerSet, resolve_log_with
+from fullshard.frontend.trackers import GeneralTracker
 
 __all__ = ["Accelerator"]
 
@@ -402,7 +397,7 @@ class Accelerator(runtime.ProcessView):
         return {"mesh": mesh[tuple(config.fsdp_dim_names)], "tp_mesh": mesh["tp"] if config.tp_enabled else None}
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
-        """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data.py``."""
+        """This rank's share of ``data_loader``; see [Note: batch dealing] in ``data/sharded_loader.py``."""
         _check_device_placement(device_placement, "Accelerator.prepare_data_loader")
         config = self.dataloader_config
         # Under a ParallelismConfig the ranks of one tp group share a batch (see parallelism.py).
@@ -441,7 +436,7 @@ class Accelerator(runtime.ProcessView):
         return prepared
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-        """``dataloader`` without its first ``num_batches`` batches (resuming mid-epoch; see ``data.py``)."""
+        """``dataloader`` without its first ``num_batches`` batches (resuming mid-epoch; ``data/sharded_loader.py``)."""
         return skip_first_batches(dataloader, num_batches)
 
     def _prepare_optimizer(self, obj: Any) -> Any:
@@ -569,7 +564,7 @@ class Accelerator(runtime.ProcessView):
         async_save: bool | None = None,
         **kwargs: Any,
     ) -> str:
-        """Write a checkpoint folder (see ``state_io.py``) as one atomic unit; returns its path.
+        """Write a checkpoint folder (see ``saving/state_io.py``) as one atomic unit; returns its path.
 
         With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
         ``<project_dir>/checkpoints/checkpoint_<save_iteration>`` (``output_dir`` is ignored, as in Accelerate)
@@ -682,7 +677,7 @@ class Accelerator(runtime.ProcessView):
         self._load_state_pre_hooks[handle.id] = hook
         return handle
 
-    # --- trackers (tracking/) -----------------------------------------------------------------------
+    # --- trackers (trackers.py) -----------------------------------------------------------------------
 
     @property
     def trackers(self) -> list[GeneralTracker]:

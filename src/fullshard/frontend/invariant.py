@@ -45,7 +45,7 @@ gives bitwise the same weights after every step on 1, 2, 4, ... ranks:
 - **Resuming.** The loader's ``state_dict`` holds its position in samples and ``G/N``; a loader of another
   ``G/N`` converts a position saved at a step boundary (whole global batches done). A save part-way through a step
   also holds each rank's partial gradient sums and ``accumulate()``'s count (``step_in_progress_<rank>.pt``,
-  ``state_io.py``): it resumes on the same ``G/N`` only, and is refused on another before anything is loaded.
+  ``saving/state_io.py``): it resumes on the same ``G/N`` only, and is refused on another before anything is loaded.
 
 [Note: the Trainer in invariant mode]
 transformers' ``Trainer`` never enters ``accumulate()``. It creates the Accelerator with
@@ -249,7 +249,7 @@ def check_sampler(sampler: object, micro_batches: int) -> None:
         )
 
 
-# --- a step saved part-way: save_state / load_state (state_io.py) call these --------------------------------------
+# --- a step saved part-way: save_state / load_state (saving/state_io.py) call these -----------------------------------
 
 
 def invariant_mode(model: nn.Module) -> bool:

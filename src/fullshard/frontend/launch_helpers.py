@@ -87,7 +87,7 @@ class _ForgetParentGroup:
         self.function = function
 
     def __call__(self, *args: Any) -> Any:
-        from fullshard.frontend.shared_state import AcceleratorState
+        from fullshard.frontend.processes.shared_state import AcceleratorState
 
         AcceleratorState._reset_state(True)
         return self.function(*args)

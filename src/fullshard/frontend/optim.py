@@ -1,6 +1,6 @@
 """The optimizer and LR scheduler wrappers ``Accelerator.prepare`` returns.
 
-Both consult the shared :class:`~fullshard.frontend.data.GradientState`: on an accumulation step
+Both consult the shared :class:`~fullshard.frontend.data.gradient_state.GradientState`: on an accumulation step
 (``sync_gradients`` is ``False``) ``optimizer.step()``, ``optimizer.zero_grad()`` and ``scheduler.step()`` do
 nothing, so a loop written for one step per batch accumulates without change.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fullshard.algorithms.grad_scaler import ShardedGradScaler
-from fullshard.frontend.data import GradientState
+from fullshard.frontend.data.sharded_loader import GradientState
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 

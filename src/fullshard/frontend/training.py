@@ -22,7 +22,7 @@ from fullshard.engine import (
 )
 from fullshard.frontend import invariant, ops
 from fullshard.frontend.compile import is_compiled_module
-from fullshard.frontend.data import GradientState
+from fullshard.frontend.data.sharded_loader import GradientState
 from fullshard.frontend.enums import PrecisionType
 
 __all__ = [
@@ -160,7 +160,7 @@ def extract_model_from_parallel(
 
 
 def truncate_for_metrics(data: Any, state: GradientState, *, objects: bool) -> Any:
-    """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data.py``; in
+    """Drop the padding samples of the last global batch (see [Note: batch dealing] in ``data/sharded_loader.py``; in
     world-size-invariant mode they are spread over the last ``G/N`` batches of every rank: ``metric_rows``)."""
     if state.metric_rows is not None:
         return invariant.keep_rows(data, state.metric_rows, objects=objects)

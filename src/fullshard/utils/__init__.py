@@ -64,8 +64,8 @@ from fullshard.frontend.bigmodel.tied import (
     retie_parameters,
 )
 from fullshard.frontend.compile import TorchDynamoPlugin
-from fullshard.frontend.data import synchronize_rng_state, synchronize_rng_states
-from fullshard.frontend.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration
+from fullshard.frontend.data.sharded_loader import synchronize_rng_state, synchronize_rng_states
 from fullshard.frontend.enums import (
     ComputeEnvironment,
     DistributedType,
@@ -113,10 +113,10 @@ from fullshard.frontend.prepare import (
     fsdp2_prepare_model,
     fsdp2_switch_optimizer_parameters,
 )
-from fullshard.frontend.process_output import tqdm
+from fullshard.frontend.processes.process_output import tqdm
 from fullshard.frontend.project import ProjectConfiguration
 from fullshard.frontend.refused import DummyOptim, DummyScheduler, MegatronLMDummyScheduler
-from fullshard.frontend.tracking import LoggerType
+from fullshard.frontend.trackers import LoggerType
 from fullshard.frontend.training import extract_model_from_parallel
 from fullshard.frontend.versions import compare_versions, get_pretty_name, is_torch_version
 

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fullshard.frontend import runtime
+from fullshard.frontend.processes import runtime
 
 state = runtime.init_process_state(cpu=True)
 total = torch.ones(1)

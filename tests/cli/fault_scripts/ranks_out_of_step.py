@@ -12,7 +12,7 @@ from torch import nn
 
 from fullshard import FullyShardedDataParallel
 from fullshard.engine.wrap import ModuleWrapPolicy
-from fullshard.frontend import runtime
+from fullshard.frontend.processes import runtime
 
 state = runtime.init_process_state(cpu=True)
 torch.manual_seed(0)

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fullshard.frontend import runtime
+from fullshard.frontend.processes import runtime
 
 attempt, last = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(sys.argv[1])
 state = runtime.init_process_state(cpu=True)

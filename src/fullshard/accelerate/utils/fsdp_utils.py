@@ -1,13 +1,13 @@
 """``accelerate.utils.fsdp_utils``: per-object FSDP checkpoints, FSDP2 preparation helpers, the weight merge."""
 
 from fullshard.frontend.compile import compile_regions_fsdp2, is_compiled_module
-from fullshard.frontend.fsdp_checkpoints import (
+from fullshard.frontend.prepare import get_parameters_from_modules
+from fullshard.frontend.saving.fsdp_checkpoints import (
     load_fsdp_model,
     load_fsdp_optimizer,
     save_fsdp_model,
     save_fsdp_optimizer,
 )
-from fullshard.frontend.prepare import get_parameters_from_modules
 from fullshard.utils import (
     disable_fsdp_ram_efficient_loading,
     enable_fsdp_ram_efficient_loading,

@@ -11,8 +11,8 @@ MODEL, built on the meta device so that nothing is allocated, is one of:
 The hybrid strategies are shown only with ``--num_machines`` above 1 (on one machine they are FULL_SHARD and
 SHARD_GRAD_OP), unless ``--sharding_strategy`` asks for them.
 
-The figures come from :mod:`fullshard.frontend.estimate` (state, gathered units, gradient buffer, process
-baseline) and :mod:`fullshard.frontend.activations` (one meta forward of ``--batch-size`` x ``--seq-len``
+The figures come from :mod:`fullshard.cli.memory_estimate` (state, gathered units, gradient buffer, process
+baseline) and :mod:`fullshard.cli.activations` (one meta forward of ``--batch-size`` x ``--seq-len``
 tokens). ``--budget`` adds a column saying which rows fit that many bytes per rank. The table keeps every
 strategy name whole in an 80-column terminal: all sizes share one unit, named in the caption.
 """
@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from fullshard.checkpoint import parse_size
-from fullshard.engine import ShardingStrategy
-from fullshard.frontend.estimate import (
+from fullshard.cli.memory_estimate import (
     PROCESS_BASELINE,
     MemoryEstimate,
     estimate_memory,
     find_unit_classes,
     profile_training,
 )
+from fullshard.engine import ShardingStrategy
 
 __all__ = ["estimate_command", "load_model_spec"]
 

@@ -3,7 +3,7 @@
 - :class:`GradScalerKwargs` becomes the arguments of the run's :class:`~fullshard.ShardedGradScaler` (fp16 only;
   with another precision there is no scaler and the handler changes nothing, as in Accelerate).
 - :class:`GradientAccumulationPlugin` is the other way to say ``gradient_accumulation_steps``, plus three
-  switches that :class:`~fullshard.frontend.data.GradientState` carries:
+  switches that :class:`~fullshard.frontend.data.gradient_state.GradientState` carries:
 
   - ``sync_with_dataloader`` (default ``True``): the last batch of a prepared loader always completes an
     accumulation step and restarts the count. ``False`` keeps counting across the loader's end.

@@ -9,7 +9,7 @@ refused with the name of fullshard's class to pass instead; the rest are refused
 so that a script written for Accelerate gets a clear answer instead of a silent no-op.
 
 Invariant: :func:`process_group_kwargs` returns only keys the user set, so what is left unset falls back to
-the environment (``FULLSHARD_TIMEOUT``) and then to fullshard's defaults (see ``runtime.py``).
+the environment (``FULLSHARD_TIMEOUT``) and then to fullshard's defaults (see ``processes/runtime.py``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fullshard.frontend import data, loader_parts
-from fullshard.frontend.shared_state import PartialState
+from fullshard.frontend.data import loader_parts
+from fullshard.frontend.data import sharded_loader as data
+from fullshard.frontend.processes.shared_state import PartialState
 
 __all__ = ["prepare_data_loader"]
 

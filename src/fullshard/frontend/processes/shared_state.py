@@ -20,8 +20,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from fullshard.frontend import processes, runtime
 from fullshard.frontend.enums import DistributedType
+from fullshard.frontend.processes import runtime
+from fullshard.frontend.processes import work_split as processes
 
 __all__ = ["AcceleratorState", "PartialState"]
 

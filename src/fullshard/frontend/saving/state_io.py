@@ -40,22 +40,20 @@ from torch import nn
 
 from fullshard.checkpoint import (
     SCALER_NAME,
-    SaveTransaction,
+    Part,
+    TrainingFolder,
     background,
     check_before_loading,
-    check_output_dir,
     check_sharded,
     checkpoint_folder,
     checkpoint_index,
     custom_checkpoint_file_name,
     folder_for_load,
     full_model_file_name,
-    host_copy,
     latest_checkpoint,
     load_rng_file,
     load_sharded,
     load_small_file,
-    local_nbytes,
     model_folder_name,
     optimizer_file_name,
     optimizer_folder_name,
@@ -63,15 +61,18 @@ from fullshard.checkpoint import (
     read_on_every_rank,
     rng_state_file_name,
     sampler_file_name,
+    save_folder,
     scheduler_file_name,
+    start_save_folder,
     step_in_progress_file_name,
 )
 from fullshard.engine import (
     StateDictType,
 )
-from fullshard.frontend import invariant, model_state, resume_layout
+from fullshard.frontend import invariant
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 from fullshard.frontend.project import ProjectConfiguration
+from fullshard.frontend.saving import model_state, resume_layout
 
 __all__ = [
     "TrainingObjects",
@@ -141,31 +142,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
 
 
-@dataclass(frozen=True)
-class _Part:
-    """A model or optimizer part: a file rank 0 writes whole (``FULL_STATE_DICT``) or a sharded (DCP) folder."""
-
-    name: str
-    sharded: bool
-    build: Callable[[], dict[str, Any]]  # may be a collective: called outside the transaction's steps
-
-
-def _parts_to_save(objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> list[_Part]:
+def _parts_to_save(objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin) -> list[Part]:
     full = plugin.state_dict_type is StateDictType.FULL_STATE_DICT
     parts = []
     for i, model in enumerate(objects.models):
         if full:
-            parts.append(_Part(full_model_file_name(i), False, partial(model_state.full_model_state_dict, model)))
+            parts.append(Part(full_model_file_name(i), False, partial(model_state.full_model_state_dict, model)))
         else:
             build = partial(lambda m: {"model": model_state.sharded_model_state_dict(m, plugin)}, model)
-            parts.append(_Part(model_folder_name(i), True, build))
+            parts.append(Part(model_folder_name(i), True, build))
     for i, optimizer in enumerate(objects.optimizers):
         model = objects.model_for(i)
         if full:
             build = partial(model_state.optim_state, model, optimizer, plugin, full=True)
-            parts.append(_Part(optimizer_file_name(i), False, build))
+            parts.append(Part(optimizer_file_name(i), False, build))
         else:
-            parts.append(_Part(optimizer_folder_name(i), True, partial(_sharded_optim_state, model, optimizer, plugin)))
+            parts.append(Part(optimizer_folder_name(i), True, partial(_sharded_optim_state, model, optimizer, plugin)))
     return parts
 
 
@@ -192,25 +184,18 @@ def _small_states(objects: TrainingObjects, rank: int) -> dict[str, Any]:
     return states
 
 
-def _write_part(tx: SaveTransaction, part: _Part, state: dict[str, Any]) -> None:
-    if part.sharded:
-        tx.write_sharded(part.name, state)
-    elif tx.rank == 0:
-        tx.write_file(part.name, state)
+_SMALL_FILES = "the schedulers, samplers, registered objects and random states"
+_HOOKS = "the save_state pre-hooks"
 
 
-def _write_small_files(tx: SaveTransaction, states: dict[str, Any]) -> None:
-    for name, state in states.items():
-        tx.write_file(name, state)
-
-
-_SMALL_FILES = "writing the schedulers, samplers, registered objects and random states"
-
-
-def _run_hooks(tx: SaveTransaction, before: Callable[[Path], None] | None) -> None:
-    """``before(staging folder)`` on every rank: what the hooks write there is committed with the checkpoint."""
-    if before is not None:
-        tx.step("running the save_state pre-hooks", partial(before, tx.staging))
+def _folder(
+    objects: TrainingObjects, plugin: FullyShardedDataParallelPlugin, before: Callable[[Path], None] | None
+) -> TrainingFolder:
+    """What goes into the training folder of ``objects``: the model and optimizer parts, each rank's small files,
+    and ``before`` (the pre-save hooks) first, which writes into the staging folder."""
+    return TrainingFolder(
+        _parts_to_save(objects, plugin), partial(_small_states, objects), _SMALL_FILES, before, _HOOKS
+    )
 
 
 def save_state(
@@ -231,16 +216,7 @@ def save_state(
     where = f"Accelerator.save_state(output_dir='{output_dir}')"
     _check(objects, where)
     invariant.check_step_to_save(objects.models, objects.gradient_state, where)
-    tx = SaveTransaction(check_output_dir(output_dir, where), where)
-    tx.begin()
-    _run_hooks(tx, before)
-    # State dicts are built outside tx.step: building them may be a collective, which must not be skipped
-    # by one rank that failed. The writes run inside it, so that every rank learns of any rank's failure.
-    for part in _parts_to_save(objects, plugin):
-        state = part.build()
-        tx.step(f"writing {part.name}", partial(_write_part, tx, part, state), local_nbytes(state))
-    tx.step(_SMALL_FILES, lambda: _write_small_files(tx, _small_states(objects, tx.rank)))
-    return tx.commit()
+    return save_folder(output_dir, where, _folder(objects, plugin, before))
 
 
 def _on_device(plugin: FullyShardedDataParallelPlugin) -> FullyShardedDataParallelPlugin:
@@ -273,38 +249,7 @@ def start_save_state(
     where = f"Accelerator.save_state(output_dir='{output_dir}', async_save=True)"
     _check(objects, where)
     invariant.check_step_to_save(objects.models, objects.gradient_state, where)
-    tx = SaveTransaction(check_output_dir(output_dir, where), where, background.save_group())
-    tx.begin()
-    _run_hooks(tx, before)  # before returning, as the synchronous save
-    parts = _parts_to_save(objects, _on_device(plugin))
-
-    def copy_to_host(states: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        # Sharded parts go into the host buffers of the previous async save (same keys, shapes and dtypes), kept
-        # until end_training: the background.wait() above ended the write that read them.
-        kept = background.buffers()
-        kept.begin()
-        copies = [
-            host_copy(st, kept=kept, key=(part.name,)) if part.sharded else copy.deepcopy(st)
-            for part, st in zip(parts, states, strict=True)
-        ]
-        kept.finish()
-        return copies, copy.deepcopy(_small_states(objects, tx.rank))
-
-    # The built state dicts are views of the live parameters and optimizer state: dropped once copied.
-    copies, small = tx.step("copying the state to host memory", partial(copy_to_host, [p.build() for p in parts]))
-
-    def write_and_commit() -> None:
-        for part in parts:
-            state = copies.pop(0)  # the references to the host copy are dropped once written (buffers stay kept)
-            tx.step(f"writing {part.name}", partial(_write_part, tx, part, state), local_nbytes(state))
-            del state
-        tx.step(_SMALL_FILES, partial(_write_small_files, tx, small))
-        tx.commit()
-        if after is not None:
-            after(tx.target, tx.process_group)
-
-    background.start(write_and_commit, where)
-    return tx.target
+    return start_save_folder(output_dir, where, _folder(objects, _on_device(plugin), before), after)
 
 
 def wait_for_save() -> None:

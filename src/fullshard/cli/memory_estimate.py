@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from fullshard.cli.activations import ActivationProfile, profile_activations
 from fullshard.engine import ModuleWrapPolicy, ShardingStrategy, ShardLayout, plan_units
-from fullshard.frontend.activations import ActivationProfile, profile_activations
 
 __all__ = ["MemoryEstimate", "estimate_memory", "find_unit_classes", "unit_parameters"]
 

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from fullshard.frontend.availability import is_tensorboard_available
-from fullshard.frontend.tracking.trackers import GeneralTracker, JSONLinesTracker, LoggerType, TensorBoardTracker
+from fullshard.frontend.trackers import GeneralTracker, JSONLinesTracker, LoggerType, TensorBoardTracker
 
 __all__ = ["LOGGER_TYPE_TO_CLASS", "TrackerSet", "available_trackers", "register_tracker_class", "resolve_log_with"]
 

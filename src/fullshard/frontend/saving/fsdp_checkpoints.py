@@ -38,9 +38,9 @@ from fullshard.checkpoint import (
     save_sharded,
 )
 from fullshard.engine import StateDictType
-from fullshard.frontend import model_state
 from fullshard.frontend.adapters import is_peft_model
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
+from fullshard.frontend.saving import model_state
 from fullshard.frontend.training import extract_model_from_parallel
 
 __all__ = ["load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer"]

@@ -44,11 +44,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fullshard.engine import micro_batches_per_rank
-from fullshard.frontend.gradient_state import GradientState
+from fullshard.frontend.data.gradient_state import GradientState
+from fullshard.frontend.data.loader_parts import DataLoaderShard
+from fullshard.frontend.data.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 from fullshard.frontend.invariant import check_sampler, micro_batch_seed
-from fullshard.frontend.loader_parts import DataLoaderShard
 from fullshard.frontend.ops import send_to_device
-from fullshard.frontend.sample_order import SampleOrder, broadcast_from_rank0, make_sample_order
 
 __all__ = [
     "GradientState",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
-from fullshard.frontend.gradient_state import GradientState
+from fullshard.frontend.data.gradient_state import GradientState
 from fullshard.frontend.ops import concatenate, send_to_device, slice_tensors
 
 __all__ = [
