@@ -2,7 +2,7 @@
 
 The model runs one forward on ``meta`` inputs of the given batch and sequence length under
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor autograd keeps for backward is counted once (by its
-storage), except the parameters (the gathered units are counted apart, in ``estimate.py``). Forward hooks on
+storage), except the parameters (the gathered units are counted apart, in ``memory_estimate.py``). Forward hooks on
 the unit modules attribute what is saved while each unit runs to that unit; the rest (embeddings, the head,
 the loss) belongs to the root.
 

@@ -22,7 +22,7 @@ but not in the device total nor in the peak.
 The peak of a training step (``MemoryEstimate.peak``, what ``estimate-memory`` prints) is the larger of two
 moments; ``zero_grad()`` frees the sharded gradients between steps, and backward turns activations into
 gradients, so the sum of the two is linear through backward and its maximum is at one end:
-- backward's start: parameters + Adam states + every activation (:mod:`fullshard.frontend.activations`) +
+- backward's start: parameters + Adam states + every activation (:mod:`fullshard.cli.activations`) +
   the root and the last unit gathered with the next one prefetched (``units_in_flight``; every unit for
   SHARD_GRAD_OP, which keeps them from forward to backward);
 - backward's end: parameters + gradients + Adam states + the root and one unit gathered + that unit's

@@ -6,7 +6,7 @@ number of times. When one rank runs one forward more, or units in another order,
 different one on the other ranks, or none. If the two have different sizes, gloo aborts the process from its
 I/O thread ("Received data size doesn't match expected size", SIGABRT, nothing Python can catch); if they
 have the same size, the ranks exchange wrong bytes silently; with no partner at all, gloo waits for the
-process group's timeout (fullshard sets minutes, see ``frontend/runtime.py``). Three aids:
+process group's timeout (fullshard sets minutes, see ``frontend/processes/runtime.py``). Three aids:
 
 - Always: an error raised while issuing or waiting for a collective is re-raised naming this rank, the
   collective, the unit and how many forwards this process ran (:func:`collective`), so a timeout says where.

@@ -10,7 +10,7 @@ Each tracker writes under ``<logging_dir>/<project_name>/``:
   ``log``; ``hparams.yml`` holds the config.
 
 A tracker with ``main_process_only = True`` (both here) is started, logged to and finished on rank 0 only;
-the other ranks hold an idle object (``TrackerSet`` in ``selection.py`` decides).
+the other ranks hold an idle object (``TrackerSet`` in ``tracker_selection.py`` decides).
 """
 
 from __future__ import annotations

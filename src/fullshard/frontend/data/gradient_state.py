@@ -1,6 +1,6 @@
 """``GradientState``: what the Accelerator, its optimizers, schedulers and loaders share about the current step.
 
-Its own module so that both the Accelerator's loaders (``data.py``) and Accelerate's loader classes
+Its own module so that both the Accelerator's loaders (``sharded_loader.py``) and Accelerate's loader classes
 (``loader_parts.py``) can use it, and the first can be a kind of the second.
 """
 

@@ -1,8 +1,8 @@
 """Accelerate's data-loading building blocks (``accelerate.data_loader``), for code that builds its own loaders.
 
 The Accelerator's own loaders are :class:`~fullshard.frontend.data.ShardedDataLoader` (see [Note: batch dealing]
-in ``data.py``), a kind of :class:`DataLoaderShard`; these are the pieces Accelerate exports, with its semantics,
-for scripts and libraries that use them directly:
+in ``sharded_loader.py``), a kind of :class:`DataLoaderShard`; these are the pieces Accelerate exports, with its
+semantics, for scripts and libraries that use them directly:
 
 - :class:`BatchSamplerShard`: rank ``k`` of ``n`` gets batches ``k, k + n, ...`` of a batch sampler (or the
   ``k``-th ``1/n`` of every batch with ``split_batches``). With ``even_batches`` (and no ``drop_last``) the last
@@ -565,6 +565,7 @@ def _shards_natively(dataset: Any, num_processes: int, split_batches: bool) -> b
 
 
 def dealt_as_accelerate(loader: DataLoader) -> bool:
-    """Whether ``loader`` is one fullshard's index dealing cannot take (see ``data.py``), so the Accelerator deals
-    it with :func:`shard_loader`: a stream (``IterableDataset``) or a custom batch sampler (``batch_size=None``)."""
+    """Whether ``loader`` is one fullshard's index dealing cannot take (see ``sharded_loader.py``), so the Accelerator
+    deals it with :func:`shard_loader`: a stream (``IterableDataset``) or a custom batch sampler
+    (``batch_size=None``)."""
     return isinstance(loader.dataset, IterableDataset) or loader.batch_size is None
