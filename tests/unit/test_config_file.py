@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fullshard.cli.config_file import LaunchConfig, default_config_path, load_config, override, save_config
-from fullshard.cli.launch import launch_env
+from fullshard.cli.launch_plan import launch_env
 
 # Seed 001 (Accelerate's FSDP guide), verbatim.
 SEED_001_YAML = """\

@@ -11,7 +11,7 @@ import torch.distributed.run as torchrun
 from fullshard.cli.commands.config import default_config
 from fullshard.cli.commands.launch import torchrun_spellings
 from fullshard.cli.config_file import LaunchConfig, override
-from fullshard.cli.launch import build_launch, launch_env
+from fullshard.cli.launch_plan import build_launch, launch_env
 from fullshard.frontend import env
 from fullshard.frontend.plugin import FullyShardedDataParallelPlugin
 

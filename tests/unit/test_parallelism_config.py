@@ -9,7 +9,7 @@ from fullshard import Accelerator, ParallelismConfig
 from fullshard.accelerate import ParallelismConfig as AccelerateParallelismConfig
 from fullshard.accelerate.parallelism_config import ParallelismConfig as ModuleParallelismConfig
 from fullshard.cli.config_file import LaunchConfig
-from fullshard.cli.launch import launch_env
+from fullshard.cli.launch_plan import launch_env
 from fullshard.frontend import env
 from fullshard.utils import ParallelismConfig as UtilsParallelismConfig
 

@@ -48,7 +48,7 @@ ACCELERATE_ONLY_KEYS = frozenset(
         "tpu_zone",
     }
 )  # fmt: skip
-# (parallelism_config is kept in ``extra`` too, and turned into PARALLELISM_CONFIG_* by cli/launch.py.)
+# (parallelism_config is kept in ``extra`` too, and turned into PARALLELISM_CONFIG_* by cli/launch_plan.py.)
 
 
 @dataclass

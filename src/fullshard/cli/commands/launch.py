@@ -22,7 +22,7 @@ import click
 
 from fullshard.cli import as_accelerate as accelerate_redirect
 from fullshard.cli.config_file import RDZV_BACKENDS, load_config, override
-from fullshard.cli.launch import build_launch, run_launch
+from fullshard.cli.launch_plan import build_launch, run_launch
 from fullshard.frontend import env
 
 __all__ = ["TORCHRUN_SPELLINGS", "launch_command", "parse_nnodes", "torchrun_spellings"]
