@@ -205,7 +205,9 @@ def test_qlora_trains_as_one_process_on_half_the_quantized_bytes(pool2: WorkerPo
 
 
 class Params4bitLike(nn.Parameter):
-    """A ``Parameter`` subclass without the all-gather protocol (bitsandbytes' ``Params4bit`` is one)."""
+    """A ``Parameter`` subclass without the all-gather protocol, as bitsandbytes' ``Params4bit`` (0.50.2 on CPU was
+    refused by this rule when tried by hand; bitsandbytes is not a test dependency: installed, PEFT imports it in
+    every process)."""
 
 
 def refused(rank: int, world: int, case: str) -> str:
@@ -216,10 +218,6 @@ def refused(rank: int, world: int, case: str) -> str:
     weight = model[0].weight.detach()
     if case == "no_protocol":
         model[0].weight = Params4bitLike(weight, requires_grad=False)
-    elif case == "bitsandbytes":  # its CPU backend: codes flattened to (numel / 2, 1), block scales in quant_state
-        from bitsandbytes.nn import Params4bit
-
-        model[0].weight = Params4bit(weight, requires_grad=False, quant_type="nf4")._quantize("cpu")
     elif case == "trainable":
         model[0].weight = nn.Parameter(nf4.to_nf4(weight, 64, 8), requires_grad=True)
     elif case == "uneven":  # 64 rows split in 2, but each shard's 16 blocks of 128 do not fill a scaler block of 32
@@ -238,15 +236,12 @@ def refused(rank: int, world: int, case: str) -> str:
     ("case", "expected"),
     [
         ("no_protocol", "'0.weight' is a Params4bitLike (torch.float32), a tensor subclass such as a 4-bit quantized"),
-        ("bitsandbytes", "'0.weight' is a Params4bit (torch.uint8), a tensor subclass such as a 4-bit quantized"),
         ("trainable", "'0.weight' is a NF4Tensor (torch.float32) with requires_grad=True"),
         ("uneven", "parameter '0.weight' (NF4Tensor of shape (64, 64)) cannot be sharded"),
         ("alone", "holds only quantized tensor-subclass parameters (['0.weight'])"),
     ],
 )
 def test_unshardable_subclass_parameters_are_refused_by_name(pool2: WorkerPool, case: str, expected: str) -> None:
-    if case == "bitsandbytes":
-        pytest.importorskip("bitsandbytes")
     for message in pool2.run(refused, case):  # on every rank
         assert expected in message, message
         assert "ignored_params" in message, message
