@@ -32,7 +32,7 @@ import torch.distributed as dist
 from kit import LORA_BASELINE, LORA_SYSTEMS
 from torch import nn
 
-from fullshard.testing.bench import describe_machine, on_fresh_ranks
+from fullshard.testing.bench import RssSampler, describe_machine, label_phases, on_fresh_ranks
 from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -120,19 +120,28 @@ def _run(rank: int, world: int, name: str, args: argparse.Namespace) -> dict[str
     times, losses = [], []
     gc.collect()
     after_wrap = rss_bytes()
+    sampler = RssSampler(keep_samples=False)
+    if args.phases:  # where the peak is: RSS by phase (forward i / backward i of decoder layer i, loss, ...)
+        label_phases(model, [m for m in model.modules() if isinstance(m, layer_cls)], sampler)
+        sampler.start()
     dist.barrier()
     reset_peak_rss()
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        sampler.set_phase(f"step {step} start")
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
         dist.barrier()
         begin = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        sampler.set_phase("optimizer step")
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - begin)
         losses.append(loss.item())
+    if args.phases:
+        sampler.stop()
     return {
+        "phases": {phase: rss - baseline for phase, rss in sampler.peaks.items()},
         "peak": peak_rss_bytes() - baseline,
         "after_wrap": after_wrap - baseline,
         "baseline": baseline,
@@ -169,6 +178,9 @@ def _report(rows: dict[str, list[dict[str, Any]]], loads: dict[str, tuple[float,
                 f"  vs {LORA_BASELINE}: peak x{peak / max(r['peak'] for r in base):.2f}, step x{step / _step(base):.2f}"
             )
         print(line, flush=True)
+        top = sorted(ranks[0]["phases"].items(), key=lambda kv: -kv[1])[:8]
+        if top:
+            print("    rank 0's largest RSS by phase (GiB): " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in top))
 
 
 def main() -> None:
@@ -178,6 +190,7 @@ def main() -> None:
     for flag in ("hidden", "layers", "vocab", "seq", "batch", "steps"):
         parser.add_argument(f"--{flag}", type=int, help=f"overrides --size's {flag}")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--phases", action="store_true", help="sample RSS by phase (adds a sampling thread)")
     parser.add_argument("--systems", nargs="+", default=list(LORA_SYSTEMS), choices=list(LORA_SYSTEMS))
     args = parser.parse_args()
     for flag, value in SIZES[args.size].items():
