@@ -125,6 +125,21 @@ def lora_ours_fully_shard(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Mo
     return lora_units(model, layer_cls, fully_shard, **lora_policy_kwargs(False))
 
 
+def lora_ours_accelerate_units(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    """fullshard's ``fully_shard`` on the units Accelerate 1.15 builds for FSDP2 (see :func:`lora_torch_fsdp2`): each
+    decoder layer, the input embedding, the tail [final norm, ``lm_head``] kept gathered after forward, the root."""
+    from fullshard import fully_shard
+
+    policy = lora_policy_kwargs(False)
+    for module in [m for m in model.modules() if isinstance(m, layer_cls)]:
+        fully_shard(module, **policy)
+    fully_shard(model.get_input_embeddings(), **policy)
+    inner = model.get_base_model()
+    fully_shard([inner.model.norm, model.get_output_embeddings()], reshard_after_forward=False, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
 def lora_ours_fsdp(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
     return OurFSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp, use_orig_params=True)
@@ -314,10 +329,12 @@ TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
 # A QLoRA system (a 4-bit base) is one more entry here plus a base in ``lora.py``'s BASES.
 LORA_ACCELERATOR = "fullshard Accelerator (FSDP2)"
 LORA_FSDP2_UPCAST = "torch FSDP2, all fp32 (Accelerate < #3848)"
+LORA_ACCELERATE_UNITS = "fullshard fully_shard, Accelerate's units"
 LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
     OURS_FULLY_SHARD: lora_ours_fully_shard,
     SHORT_FSDP: lora_ours_fsdp,
     LORA_ACCELERATOR: lora_ours_accelerator,
+    LORA_ACCELERATE_UNITS: lora_ours_accelerate_units,
     SHORT_FSDP2: lora_torch_fsdp2,
     LORA_FSDP2_UPCAST: functools.partial(lora_torch_fsdp2, upcast_all=True),
 }

@@ -141,7 +141,7 @@ def _run(rank: int, world: int, name: str, args: argparse.Namespace) -> dict[str
     if args.phases:
         sampler.stop()
     return {
-        "phases": {phase: rss - baseline for phase, rss in sampler.peaks.items()},
+        "phases": {phase: rss - baseline for phase, rss in sampler.peaks.items()} if args.phases else {},
         "peak": peak_rss_bytes() - baseline,
         "after_wrap": after_wrap - baseline,
         "baseline": baseline,
