@@ -16,8 +16,6 @@
   asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
   and with ``BACKWARD_POST`` prefetch the next unit. At most ``_reductions_in_flight()`` reductions are
   left in flight (none on gloo).
-- A unit without trainable parameters has no gradient, hence no post-backward of its own: it is freed once the
-  gradients of its forward inputs are computed (``frozen_backward.py``), not at the final callback.
 - Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
   so that every rank issues the same collectives), wait for every reduction and land it in ``.grad``,
   free anything still gathered. So ``optimizer.step()`` right after ``backward()`` sees final gradients.
@@ -38,7 +36,6 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, invariant, trace
 from fullshard.engine.api import BackwardPrefetch
-from fullshard.engine.frozen_backward import FrozenBackward
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import STATE_ATTR, clean_key
@@ -201,7 +198,6 @@ class UnitState:
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
-        self.frozen_backward = FrozenBackward(self._post_backward_frozen)
         self.ran_forward = False
         self.reduced = False
         self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
@@ -304,14 +300,9 @@ class UnitState:
             self._pre_forward()
         casts = self.config.casts
         dtype = casts.root_input_dtype if self.is_root else casts.input_dtype
-        kwargs = kwargs or {}
-        if dtype is not None:
-            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-        group, ctx = self.group, self.ctx
-        frozen = group is not None and not group.requires_grad
-        if frozen and ctx is not None and not ctx.backward.in_backward and torch.is_grad_enabled():
-            args, kwargs = self.frozen_backward.wrap(args, kwargs)  # see frozen_backward.py
-        return args, kwargs
+        if dtype is None:
+            return args, kwargs or {}
+        return cast_floating(args, dtype), cast_floating(kwargs or {}, dtype)
 
     def _pre_forward(self) -> None:
         if self.ctx is None:
@@ -426,14 +417,6 @@ class UnitState:
                 _prefetch_backward(ctx, self)
             ctx.note_gathered()
 
-    def _post_backward_frozen(self) -> None:
-        """A unit without trainable parameters is done with backward (``frozen_backward.py``): free it now, not at
-        the final callback; a later pre-backward of it (another use of an output) gathers it again."""
-        if self.group is not None and self.ctx is not None and self.ctx.backward.in_backward:
-            with trace.phase(trace.POST_BACKWARD):
-                self.group.reshard()
-                self.training_state = TrainingState.POST_BACKWARD
-
     def post_backward(self) -> None:
         """Runs when every parameter of the unit has its gradient for this backward pass."""
         ctx, group = self.ctx, self.group
@@ -480,7 +463,6 @@ class UnitState:
                     state.training_state = TrainingState.IDLE
                     state.ran_forward = False
                     state.reduced = False
-                    state.frozen_backward.reset()
 
 
 def reset_iteration(root: UnitState) -> None:
@@ -496,7 +478,6 @@ def reset_iteration(root: UnitState) -> None:
             group.drop_reductions()
             group.reshard()
         state.training_state = TrainingState.IDLE
-        state.frozen_backward.reset()
         state.ran_forward = False
         state.reduced = False
     ctx.backward.end()
