@@ -8,8 +8,8 @@ calls for it and its baseline, the torch FSDP2 system of the same precision that
 checkpoints every block first. The names, and the lists of systems each script compares by default, live here
 only: the scripts take them from this module.
 
-This is the only place the benchmarks import torch's FSDP, and Accelerate (``src/`` may import neither). What the benchmarks measure with
-(the machine description, the RSS sampler, starting ranks) is :mod:`fullshard.testing.bench`.
+This is the only place the benchmarks import torch's FSDP, and Accelerate (``src/`` may import neither). What the
+benchmarks measure with (the machine description, the RSS sampler, starting ranks) is :mod:`fullshard.testing.bench`.
 """
 
 from __future__ import annotations
