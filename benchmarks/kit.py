@@ -8,8 +8,8 @@ calls for it and its baseline, the torch FSDP2 system of the same precision that
 checkpoints every block first. The names, and the lists of systems each script compares by default, live here
 only: the scripts take them from this module.
 
-This is the only place the benchmarks import torch's FSDP (``src/`` may not). What the benchmarks measure with
-(the machine description, the RSS sampler, starting ranks) is :mod:`fullshard.testing.bench`.
+This is the only place the benchmarks import torch's FSDP, and Accelerate (``src/`` may import neither). What the
+benchmarks measure with (the machine description, the RSS sampler, starting ranks) is :mod:`fullshard.testing.bench`.
 """
 
 from __future__ import annotations
@@ -125,17 +125,75 @@ def lora_ours_fully_shard(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Mo
     return lora_units(model, layer_cls, fully_shard, **lora_policy_kwargs(False))
 
 
+def lora_ours_accelerate_units(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    """fullshard's ``fully_shard`` on the units Accelerate 1.15 builds for FSDP2 (see :func:`lora_torch_fsdp2`): each
+    decoder layer, the input embedding, the tail [final norm, ``lm_head``] kept gathered after forward, the root."""
+    from fullshard import fully_shard
+
+    policy = lora_policy_kwargs(False)
+    for module in [m for m in model.modules() if isinstance(m, layer_cls)]:
+        fully_shard(module, **policy)
+    fully_shard(model.get_input_embeddings(), **policy)
+    inner = model.get_base_model()
+    fully_shard([inner.model.norm, model.get_output_embeddings()], reshard_after_forward=False, **policy)
+    fully_shard(model, **policy)
+    return model
+
+
 def lora_ours_fsdp(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
     return OurFSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp, use_orig_params=True)
 
 
-def lora_torch_fsdp2(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
-    """torch's FSDP2 as Accelerate 1.15 drives it for LoRA: the trainable (fp32) parameters stay fp32, the frozen
-    base keeps its dtype, each decoder layer a unit, bf16 policy (``accelerate.utils.fsdp_utils``)."""
-    from torch.distributed.fsdp import fully_shard
+def lora_ours_accelerator(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    """fullshard's own ``Accelerator`` with the settings of the torch row: FSDP2, each decoder layer a unit
+    (``transformer_based_wrap``), ``mixed_precision="bf16"``."""
+    from fullshard import Accelerator, FullyShardedDataParallelPlugin
 
-    return lora_units(model, layer_cls, fully_shard, reshard_after_forward=True, **lora_policy_kwargs(True))
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[layer_cls.__name__]
+    )
+    return Accelerator(fsdp_plugin=plugin, mixed_precision="bf16").prepare(model)
+
+
+def lora_torch_fsdp2(model: nn.Module, layer_cls: type[nn.Module], upcast_all: bool = False) -> nn.Module:
+    """torch's FSDP2 prepared by Accelerate 1.15's own ``fsdp2_prepare_model``, with the plugin
+    ``Accelerator(fsdp_plugin=..., mixed_precision="bf16")`` builds: each decoder layer a unit
+    (``transformer_based_wrap``), the input embedding and the tail (final norm, ``lm_head``) units of their own,
+    bf16 policy, and only non-fp32 *trainable* parameters upcast to fp32 (accelerate#3848, the fix of #3844: the
+    frozen bf16 base stays bf16). The forward runs under bf16 autocast with fp32 outputs, as ``prepare_model``
+    wraps it on CPU. Accelerate itself never selects FSDP on CPU (``MULTI_CPU`` is not among the types that become
+    ``FSDP``), hence the call to its preparing function rather than to ``Accelerator.prepare``.
+
+    ``upcast_all``: the whole model cast to fp32 first, what Accelerate did before #3848 (the complaint of
+    accelerate#3844 and #3474)."""
+    import types
+
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import convert_outputs_to_fp32
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    if upcast_all:
+        model = model.float()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[layer_cls.__name__]
+    )
+    plugin.set_mixed_precision("bf16")
+    rank = torch.distributed.get_rank()
+    state = types.SimpleNamespace(fsdp_plugin=plugin)
+    accelerator = types.SimpleNamespace(
+        state=state, mixed_precision="bf16", is_main_process=rank == 0, device=torch.device("cpu")
+    )
+    model = fsdp2_prepare_model(accelerator, model)
+    forward = model.forward.__func__
+
+    @functools.wraps(forward)
+    def autocast_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(convert_outputs_to_fp32(autocast_forward), model)
+    return model
 
 
 # --- the registry --------------------------------------------------------------------------------------------
@@ -267,11 +325,18 @@ DISPATCH = (OURS_FULLY_SHARD, FSDP2, OURS_FULLY_SHARD_BF16, FSDP2_BF16)  # ``dis
 GPU_FP32 = (FSDP2, OURS_FULLY_SHARD, OURS_FSDP, FSDP1, DDP)  # ``gpu.py``
 GPU_BF16 = (FSDP2_BF16, OURS_FULLY_SHARD_BF16, OURS_FSDP_BF16, FSDP1_BF16)
 TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
-# ``lora.py``: each system's builder takes (PEFT model, decoder layer class); rows are compared with torch FSDP2
+# ``lora.py``: each system's builder takes (PEFT model, decoder layer class); rows are compared with torch FSDP2.
+# A QLoRA system (a 4-bit base) is one more entry here plus a base in ``lora.py``'s BASES.
+LORA_ACCELERATOR = "fullshard Accelerator (FSDP2)"
+LORA_FSDP2_UPCAST = "torch FSDP2, all fp32 (Accelerate < #3848)"
+LORA_ACCELERATE_UNITS = "fullshard fully_shard, Accelerate's units"
 LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
     OURS_FULLY_SHARD: lora_ours_fully_shard,
     SHORT_FSDP: lora_ours_fsdp,
+    LORA_ACCELERATOR: lora_ours_accelerator,
+    LORA_ACCELERATE_UNITS: lora_ours_accelerate_units,
     SHORT_FSDP2: lora_torch_fsdp2,
+    LORA_FSDP2_UPCAST: functools.partial(lora_torch_fsdp2, upcast_all=True),
 }
 LORA_BASELINE = SHORT_FSDP2
 # ``muon.py``: (system, optimizer set-up) rows; the first is the baseline of its ratios

@@ -1,37 +1,68 @@
-"""LoRA fine-tuning memory and step time: fullshard against torch FSDP2, 2 gloo ranks, one run.
+"""LoRA fine-tuning memory and step time: fullshard against torch FSDP2 as Accelerate drives it, 2 gloo ranks, one run.
 
-A ``LlamaForCausalLM`` from a config (no download), its base in bf16 and frozen, PEFT LoRA adapters (fp32, PEFT's
-default) on the attention and MLP projections; one unit per decoder layer and the root, bf16 gathers and
-reductions (what ``Accelerator(mixed_precision="bf16")`` sets); AdamW over the adapters. Each system runs on fresh
-ranks (``fullshard.testing.bench.on_fresh_ranks``); a rank's peak is its ``VmHWM`` from just before the first step
-to the end, minus its RSS then (the sharded model, the interpreter), plus the sharded model's bytes: so the peak
-counts what the run holds (shards, gathers, gradients, optimizer state, activations), not the model each rank built
-whole before sharding. The floor is the frozen base in bf16 / N + the adapters' fp32 weights, gradients and two
-AdamW moments / N. Systems and their names come from ``kit.py``.
+A ``LlamaForCausalLM`` from a config (no download), its base frozen in bf16, PEFT LoRA adapters (fp32, PEFT's
+default) on the seven attention and MLP projections, AdamW over the adapters, bf16 compute. ``--size 840m`` is the
+840M GPT of ``train.py memory`` (16 layers of width 2048, vocabulary 8192) as a Llama; ``small`` (the default) is
+4 layers of 512. Each system runs on fresh ranks (``fullshard.testing.bench.on_fresh_ranks``), one after another.
+The systems and their names are ``kit.py``'s ``LORA_SYSTEMS``; the base (its dtype) is one of BASES here: a QLoRA
+row is a 4-bit base added to BASES and a system to ``LORA_SYSTEMS``.
 
-    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/lora.py --hidden 512 --layers 4 --steps 6
+A rank's peak is its ``VmHWM`` over the steps (``fullshard.testing.memory``, reset once the model is wrapped, as
+``train.py memory`` measures) minus its RSS before it built the model (the interpreter and its imports, printed
+apart): what the run holds (shards, gathered units, gradients, optimizer state, activations, and whatever wrapping
+left behind), not the whole model each rank builds before sharding. The floor is what any sharded run must hold:
+the frozen base in its dtype / N plus, per trainable parameter, its weight, gradient and two AdamW moments (and an
+fp32 master where it is not fp32) / N; no activations, no gathered unit.
+
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/lora.py                          # small: 4 x 512, 6 steps
+    MALLOC_MMAP_THRESHOLD_=131072 nice -n 5 python benchmarks/lora.py --size 840m     # 16 x 2048, 1 + 3 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from kit import LORA_BASELINE, LORA_SYSTEMS
+from torch import nn
 
-from fullshard.testing.bench import describe_machine, on_fresh_ranks
+from fullshard.testing.bench import RssSampler, describe_machine, label_phases, on_fresh_ranks
 from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# --size: the model and the run; flags given on the command line win
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"hidden": 512, "layers": 4, "vocab": 8192, "seq": 128, "batch": 2, "steps": 6},
+    "840m": {"hidden": 2048, "layers": 16, "vocab": 8192, "seq": 64, "batch": 1, "steps": 4},
+}
+GiB, MiB = 2**30, 2**20
 
 
-def _model(args: argparse.Namespace) -> Any:
+def _bf16_base(config: Any) -> nn.Module:
+    """The base built in bf16 directly (no fp32 copy of 840M parameters on the way)."""
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# --base: how the frozen base is stored. A QLoRA base (NF4 linear weights) goes here as "nf4".
+BASES = {"bf16": _bf16_base}
+
+
+def _model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
     import peft
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -43,81 +74,138 @@ def _model(args: argparse.Namespace) -> Any:
         max_position_embeddings=args.seq,
         tie_word_embeddings=False,
     )
-    base = LlamaForCausalLM(config).to(torch.bfloat16)
+    base = BASES[args.base](config)
     model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, target_modules=TARGETS))  # adapters in fp32
     return model, type(base.model.layers[0])
 
 
-def _local_bytes(tensors: Any) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor as stored (a DTensor's local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def floor_parts(model: nn.Module, world: int) -> dict[str, int]:
+    """Bytes per rank any sharded LoRA run of ``model`` (unwrapped) must hold: the frozen weights in their dtype,
+    the trainable ones with their gradients, two AdamW moments in their dtype and an fp32 master if they are
+    not fp32; everything / ``world``."""
+    frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(tensor_bytes(p) for p in trainable)
+    master = sum(p.numel() * 4 for p in trainable if p.dtype != torch.float32)
+    return {
+        "frozen": frozen // world,
+        "adapters": weights // world,
+        "adapter grads": weights // world,
+        "AdamW moments": 2 * weights // world,
+        "fp32 master": master // world,
+    }
 
 
 def _run(rank: int, world: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    import peft  # noqa: F401  (imported before the baseline: the interpreter's share)
+    import transformers  # noqa: F401
+
     torch.set_num_threads(1)
+    gc.collect()
+    baseline = rss_bytes()
     model, layer_cls = _model(args)
+    floor = floor_parts(model, world)
+    params = sum(p.numel() for p in model.parameters())
     model = LORA_SYSTEMS[name](model, layer_cls)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    shards = _local_bytes(model.parameters())
+    dtypes = sorted({f"{'trainable' if p.requires_grad else 'frozen'} {p.dtype}" for p in model.parameters()})
     gen = torch.Generator().manual_seed(rank)
     times, losses = [], []
-    start_rss = rss_bytes()
+    gc.collect()
+    after_wrap = rss_bytes()
+    sampler = RssSampler(keep_samples=False)
+    if args.phases:  # where the peak is: RSS by phase (forward i / backward i of decoder layer i, loss, ...)
+        label_phases(model, [m for m in model.modules() if isinstance(m, layer_cls)], sampler)
+        sampler.start()
+    dist.barrier()
     reset_peak_rss()
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        sampler.set_phase(f"step {step} start")
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+        dist.barrier()
         begin = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        sampler.set_phase("optimizer step")
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - begin)
         losses.append(loss.item())
+    if args.phases:
+        sampler.stop()
     return {
-        "peak": peak_rss_bytes() - start_rss + shards,
-        "shards": shards,
-        "adapters": _local_bytes(trainable),
-        "step": statistics.median(times[1:] or times),
-        "loss": losses[-1],
+        "phases": {phase: rss - baseline for phase, rss in sampler.peaks.items()} if args.phases else {},
+        "peak": peak_rss_bytes() - baseline,
+        "after_wrap": after_wrap - baseline,
+        "baseline": baseline,
+        "floor": floor,
+        "params": params,
+        "dtypes": dtypes,
+        "steps": times,
+        "losses": losses,
     }
+
+
+def _step(ranks: list[dict[str, Any]]) -> float:
+    """Median over the steps after the first (warm-up) of the slowest rank's step."""
+    steps = [max(r["steps"][i] for r in ranks) for i in range(len(ranks[0]["steps"]))]
+    return statistics.median(steps[1:] or steps)
+
+
+def _report(rows: dict[str, list[dict[str, Any]]], loads: dict[str, tuple[float, float]]) -> None:
+    base = rows.get(LORA_BASELINE)
+    any_rank = next(iter(rows.values()))[0]
+    floor = sum(any_rank["floor"].values())
+    parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in any_rank["floor"].items())
+    print(f"model: {any_rank['params'] / 1e6:.1f}M parameters; floor per rank {floor / GiB:.3f} GiB ({parts} MiB)")
+    for name, ranks in rows.items():
+        peak, step = max(r["peak"] for r in ranks), _step(ranks)
+        line = (
+            f"{name:44s} peak/rank {peak / GiB:6.3f} GiB (x{peak / floor:.2f} floor; after wrap "
+            f"{max(r['after_wrap'] for r in ranks) / GiB:.3f}; interpreter {ranks[0]['baseline'] / GiB:.2f})  "
+            f"step {step:7.2f} s  losses {[round(v, 4) for v in ranks[0]['losses']]}  "
+            f"load {loads[name][0]:.1f}-{loads[name][1]:.1f}  {', '.join(ranks[0]['dtypes'])}"
+        )
+        if base is not None and name != LORA_BASELINE:
+            line += (
+                f"  vs {LORA_BASELINE}: peak x{peak / max(r['peak'] for r in base):.2f}, step x{step / _step(base):.2f}"
+            )
+        print(line, flush=True)
+        top = sorted(ranks[0]["phases"].items(), key=lambda kv: -kv[1])[:8]
+        if top:
+            print("    rank 0's largest RSS by phase (GiB): " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in top))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--base", choices=list(BASES), default="bf16")
+    for flag in ("hidden", "layers", "vocab", "seq", "batch", "steps"):
+        parser.add_argument(f"--{flag}", type=int, help=f"overrides --size's {flag}")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--systems", nargs="+", default=list(LORA_SYSTEMS))
+    parser.add_argument("--phases", action="store_true", help="sample RSS by phase (adds a sampling thread)")
+    parser.add_argument("--systems", nargs="+", default=list(LORA_SYSTEMS), choices=list(LORA_SYSTEMS))
     args = parser.parse_args()
-    print(f"machine: {describe_machine()}; load average {os.getloadavg()[0]:.2f} at start")
-    rows = {}
+    for flag, value in SIZES[args.size].items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+    print(f"machine: {describe_machine()}")
+    print(f"run: {vars(args)}", flush=True)
+    rows, loads = {}, {}
     for name in args.systems:
+        start = os.getloadavg()[0]
         rows[name] = on_fresh_ranks(_run, name, args)
-    load = os.getloadavg()[0]
-    base = rows.get(LORA_BASELINE)
-    mib = 2**20
-    for name, ranks in rows.items():
-        peak = max(r["peak"] for r in ranks)
-        step = statistics.median(r["step"] for r in ranks)
-        adapters = ranks[0]["adapters"]
-        floor = ranks[0]["shards"] + 3 * adapters  # + fp32 gradients and two AdamW moments of the adapters
-        line = (
-            f"{name:24s} peak/rank {peak / mib:8.1f} MiB (floor {floor / mib:7.1f}, x{peak / floor:.2f})  "
-            f"step {step * 1e3:8.1f} ms  loss {ranks[0]['loss']:.4f}"
-        )
-        if base is not None and name != LORA_BASELINE:
-            base_peak = max(r["peak"] for r in base)
-            base_step = statistics.median(r["step"] for r in base)
-            line += f"  vs {LORA_BASELINE}: peak x{peak / base_peak:.2f}, step x{step / base_step:.2f}"
-        print(line)
-    print(f"load average {load:.2f} at the end")
+        loads[name] = (start, os.getloadavg()[0])
+        _report({name: rows[name]}, loads)
+    print("--- all rows")
+    _report(rows, loads)
 
 
 if __name__ == "__main__":
