@@ -21,6 +21,10 @@ where the optimizer step's time goes, from timers around fullshard's functions (
 steps): the gather (the pre-step hook: its ``all_to_all`` and the byte copies into whole tensors), Newton-Schulz
 (``torch.optim._muon._zeropower_via_newtonschulz``, every call), the scatter (the post-step hook's exchange: its
 ``all_to_all`` and the copies into the shards), and the rest of ``step()`` (momentum, AdamW on the others).
+From the second step Muon's exchange is pipelined (``WholeParamStep._pipeline``): then ``pipeline`` is the
+pre-hook's whole time (posting every gather, waiting slot by slot, Newton-Schulz and the rest of each matrix's
+step, posting its scatter: Newton-Schulz is inside it) and ``finish`` the waits and copies of the posted
+scatters (in the pipeline and in the post-hook).
 
 ``--floor``: the same model unsharded in one process (one thread, the whole global batch), AdamW against the same
 Muon set-up, interleaved and paired the same way: the step ratio that Muon's own math costs over AdamW's with no
@@ -55,8 +59,8 @@ from fullshard.testing.bench import describe_machine, on_fresh_ranks
 from fullshard.testing.memory import peak_rss_bytes, rss_bytes
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
-GATHER, SCATTER, NS = "gather", "scatter", "newton-schulz"
-PHASES = (GATHER, f"{GATHER} all_to_all", NS, SCATTER, f"{SCATTER} all_to_all")
+GATHER, SCATTER, NS, PIPELINE, FINISH = "gather", "scatter", "newton-schulz", "pipeline", "finish"
+PHASES = (GATHER, f"{GATHER} all_to_all", NS, SCATTER, f"{SCATTER} all_to_all", PIPELINE, FINISH)
 
 
 def label(row: tuple[str, str]) -> str:
@@ -89,6 +93,8 @@ class Timers:
         with (
             mock.patch.object(hook, "_gather", self.wrap(GATHER, hook._gather)),
             mock.patch.object(hook, "_scatter", self.wrap(SCATTER, hook._scatter)),
+            mock.patch.object(hook, "_pipeline", self.wrap(PIPELINE, hook._pipeline)),
+            mock.patch.object(hook, "_finish_scatter", self.wrap(FINISH, hook._finish_scatter)),
             mock.patch.object(whole_step, "_all_to_all_into", self.wrap("all_to_all", whole_step._all_to_all_into)),
             mock.patch.object(
                 muon_module, "_zeropower_via_newtonschulz", self.wrap(NS, muon_module._zeropower_via_newtonschulz)
