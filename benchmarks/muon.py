@@ -9,6 +9,8 @@ The rows (``kit.MATRIX_OPTIMIZER_ROWS``): each a kit system (one ``fully_shard``
 and an optimizer set-up as users write it:
 
 - ``adamw``: AdamW (lr 3e-4) on every parameter: the baseline of the ratios;
+- ``muon-serial``: fullshard's ``muon`` with the pipeline turned off (``_can_pipeline`` answers no): the exchange
+  as it was before it, gather everything, step, scatter everything, for a before/after in the same run;
 - ``muon``: ``torch.optim.Muon`` (lr 0.02) on the blocks' 2-D matrices, AdamW on the rest (embeddings, norms,
   biases); on fullshard, ``whole_param_step(model, muon)``: each matrix stepped whole by one owning rank, the
   unsharded Muon's update. torch FSDP2's Muon runs Newton-Schulz on ``DTensor`` row shards: **not the unsharded
@@ -115,7 +117,9 @@ def build(row: tuple[str, str], cfg: GPTConfig) -> tuple[nn.Module, list[torch.o
     rest = [p for p in model.parameters() if id(p) not in ids]
     muon = torch.optim.Muon(hidden, lr=0.02)
     if system(name).ours:
-        whole_param_step(model, muon)
+        hook = whole_param_step(model, muon)
+        if optimizer == "muon-serial":  # the exchange as before the pipeline: gather all, step, scatter all
+            hook._can_pipeline = lambda bucket: False  # type: ignore[method-assign]
     return model, [muon, torch.optim.AdamW(rest, lr=3e-4)]
 
 
@@ -251,6 +255,7 @@ def main() -> None:
     parser.add_argument("--peak-steps", type=int, default=2)
     parser.add_argument("--no-peak", action="store_true", help="skip the peak memory runs")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--no-fsdp2", action="store_true", help="leave out torch FSDP2's row (the slowest)")
     parser.add_argument("--floor", action="store_true", help="unsharded AdamW against Muon in one process")
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
@@ -258,6 +263,9 @@ def main() -> None:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # the ranks inherit it: freed tensors leave RSS
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     rows = list(MATRIX_OPTIMIZER_ROWS)
+    rows.insert(2, (rows[1][0], "muon-serial"))  # fullshard + Muon without the pipeline, in the same run
+    if args.no_fsdp2:
+        rows = [row for row in rows if system(row[0]).ours]
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     print(f"machine: {describe_machine()}")
     print(f"TinyGPT {args.layers} x {args.width} ({params / 1e6:.1f}M parameters), batch {args.batch} x 64, "
