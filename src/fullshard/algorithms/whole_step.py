@@ -42,6 +42,23 @@ for Muon). Traffic per step: the parameter, gradient and per-element state bytes
 state bytes scattered, once each. Parameters outside every unit are whole on every rank and stepped by every
 rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
 
+[Note: pipelined whole steps]
+Above, the exchange and the step follow each other: every gather, then every matrix's Newton-Schulz, then every
+scatter, each rank waiting in each all-to-all for the slowest one. For ``torch.optim.Muon`` (exactly that class:
+its step is the same computed one parameter at a time, with no state but each parameter's ``momentum_buffer``)
+the pre-hook pipelines them once every rank knows the state's kinds (from the second step), on a 1-D shard group
+with dim-0 rows. It posts the gathers (``async_op``, the calls above, into the whole tensors) of the first two
+owner slots and wraps them in whole parameters; then for owner slot ``j`` it waits for that slot's pieces, posts
+the gathers of slot ``j + 2``, runs the optimizer's own ``step`` (its undecorated function, without its hooks)
+with only the owner's ``j``-th whole parameter in its param group, and posts slot ``j``'s scatter at once (the
+owner's whole tensors are freed as soon as their bytes are copied into the send buffers). At most two posted
+scatters are unfinished; the post-hook finishes the rest. The gathers of later slots and the scatters of earlier
+ones move while Newton-Schulz runs, a rank waits only where its next slot's bytes have not come, and an owner
+holds about four of its matrices whole at a time (two gathering, one stepping, one being sent) instead of all of
+them. The kernels and their inputs are those of the unsharded step (one parameter per call, as Muon loops over
+them anyway), so it is bitwise the same; other optimizers (whose state may span parameters: a step counter per
+call, a shared preconditioner) keep the sequence above.
+
 Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
 tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
 tp rank) make each piece whole with a gather over tp, and all of them step the same whole matrix (the same
@@ -102,6 +119,9 @@ def is_matrix_optimizer(optimizer: object) -> bool:
     """Whether ``optimizer`` is of a class that needs whole parameters (known to fullshard or registered)."""
     return isinstance(optimizer, tuple(MATRIX_OPTIMIZERS))
 
+
+# pipelined steps: owner slots whose gathers run ahead of the one being stepped, and posted scatters left unfinished
+_AHEAD = 2
 
 # kinds of one state value: ("rows", dtype) per-element; ("whole", dtype, shape) the same on every rank;
 # ("value", object) a non-tensor value
@@ -262,8 +282,8 @@ class WholeParamStep:
         )
 
     def _pipeline(self, bucket: _Bucket) -> None:
-        """Post every gather, then per owner slot: wait for its pieces, step the owner's matrix alone, post its
-        scatter; the post-hook finishes the scatters (see [Note: pipelined whole steps])."""
+        """Per owner slot: wait for its pieces, post the gathers of the slot ``_AHEAD`` further, step the owner's
+        matrix alone, post its scatter; the post-hook finishes the scatters (see [Note: pipelined whole steps])."""
         bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
@@ -271,32 +291,39 @@ class WholeParamStep:
         owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
         slots = max((len(es) for es in owned), default=0)
         me = bucket.rank
-        gathers: list[list[Any]] = [[] for _ in range(slots)]  # per slot: its all_to_all works
-        wholes: list[list[torch.Tensor]] = [[] for _ in range(slots)]
-        for k in range(max((len(d) for d in dtypes.values()), default=0)):
-            for j in range(slots):
-                to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
-                send = _concat([_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())])
-                in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
-                             for o in range(bucket.world)]  # fmt: skip
-                e = to.get(me)
-                if e is None:
-                    whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
-                else:
-                    whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])
-                    out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
-                    wholes[j].append(whole)
-                _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits, bucket,
-                                 gathers[j])  # fmt: skip
         mine = [owned[me][j] if j < len(owned[me]) else None for j in range(slots)]
-        for j, e in enumerate(mine):
-            if e is not None:  # the whole tensors as they will be once received (dim 0, no tp: plain views)
-                self._own_whole(e, wholes[j])
-        del wholes
+        gathers: list[list[Any]] = [[] for _ in range(slots)]  # per slot: its all_to_all works
+
+        def post(first: int, last: int) -> None:  # the gathers of slots first..last-1, as in _gather
+            wholes: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+            for k in range(max((len(d) for d in dtypes.values()), default=0)):
+                for j in range(first, last):
+                    to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
+                    send = _concat([_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())])
+                    in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
+                                 for o in range(bucket.world)]  # fmt: skip
+                    e = to.get(me)
+                    if e is None:
+                        whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+                    else:
+                        whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])
+                        out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
+                        wholes[j].append(whole)
+                    _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
+                                     bucket, gathers[j])  # fmt: skip
+            for j in range(first, last):
+                e = mine[j]
+                if e is not None:  # the whole tensors as they will be once received (dim 0, no tp: plain views)
+                    self._own_whole(e, wholes[j])
+
+        post(0, min(_AHEAD, slots))
         bucket.scatters = []
         for j in range(slots):
             for work in gathers[j]:
                 work.wait()
+            gathers[j] = []  # its send buffers
+            if j + _AHEAD < slots:
+                post(j + _AHEAD, j + _AHEAD + 1)
             e = mine[j]
             state: dict[str, Any] = {}
             if e is not None:
@@ -310,7 +337,8 @@ class WholeParamStep:
                     )
             slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
             bucket.scatters.append(self._post_scatter(bucket, slot, state))
-            if len(bucket.scatters) > 2:  # bounded: the bytes of two slots in flight
+            del state
+            if len(bucket.scatters) > _AHEAD:  # bounded: the bytes of _AHEAD slots in flight
                 self._finish_scatter(bucket.scatters.pop(0))
 
     def _step_alone(self, e: _Entry) -> None:
