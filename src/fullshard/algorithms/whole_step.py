@@ -31,8 +31,8 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 [Note: exchange memory]
 Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
-whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced), and
-nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
+whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced; pipelined,
+about four of them at a time: [Note: pipelined whole steps]), and nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
 owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
 that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
 nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
