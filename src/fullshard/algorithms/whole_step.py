@@ -32,7 +32,8 @@ so that each of its sharded parameters is stepped whole, by one rank:
 [Note: exchange memory]
 Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
 whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced; pipelined,
-about four of them at a time: [Note: pipelined whole steps]), and nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
+about four of them at a time: [Note: pipelined whole steps]), and nothing else of that size. The gather runs
+one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
 owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
 that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
 nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
@@ -272,6 +273,8 @@ class WholeParamStep:
         plain dim-0 rows on a 1-D shard group."""
         if type(self.optimizer) is not getattr(torch.optim, "Muon", None) or bucket.world == 1:
             return False
+        if not hasattr(type(self.optimizer).step, "__wrapped__"):  # no step without its hooks to call per matrix
+            return False
         stepping = [e for e in bucket.entries if e.param.grad is not None]
         return all(
             e.sp.shard_dim == 0
@@ -349,9 +352,8 @@ class WholeParamStep:
             for group in groups:
                 group["params"] = []
             groups[self._position[id(e.param)][0]]["params"] = [e.whole]
-            step = type(self.optimizer).step
             with torch.no_grad():
-                getattr(step, "__wrapped__", step)(self.optimizer)
+                type(self.optimizer).step.__wrapped__(self.optimizer)
         finally:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
