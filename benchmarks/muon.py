@@ -2,11 +2,15 @@
 + ``torch.optim.Muon``, on 2 gloo ranks.
 
     python benchmarks/muon.py [--layers 8 --width 512 --batch 8 --steps 6] [--no-peak] [--out FILE.json]
+    python benchmarks/muon.py --floor [--steps 6]   # Muon's own cost: unsharded, one process
+
 
 The rows (``kit.MATRIX_OPTIMIZER_ROWS``): each a kit system (one ``fully_shard`` unit per ``Block`` and the root)
 and an optimizer set-up as users write it:
 
 - ``adamw``: AdamW (lr 3e-4) on every parameter: the baseline of the ratios;
+- ``muon-serial``: fullshard's ``muon`` with the pipeline turned off (``_can_pipeline`` answers no): the exchange
+  as it was before it, gather everything, step, scatter everything, for a before/after in the same run;
 - ``muon``: ``torch.optim.Muon`` (lr 0.02) on the blocks' 2-D matrices, AdamW on the rest (embeddings, norms,
   biases); on fullshard, ``whole_param_step(model, muon)``: each matrix stepped whole by one owning rank, the
   unsharded Muon's update. torch FSDP2's Muon runs Newton-Schulz on ``DTensor`` row shards: **not the unsharded
@@ -19,6 +23,15 @@ where the optimizer step's time goes, from timers around fullshard's functions (
 steps): the gather (the pre-step hook: its ``all_to_all`` and the byte copies into whole tensors), Newton-Schulz
 (``torch.optim._muon._zeropower_via_newtonschulz``, every call), the scatter (the post-step hook's exchange: its
 ``all_to_all`` and the copies into the shards), and the rest of ``step()`` (momentum, AdamW on the others).
+From the second step Muon's exchange is pipelined (``WholeParamStep._pipeline``): then ``pipeline`` is the
+pre-hook's whole time (posting every gather, waiting slot by slot, Newton-Schulz and the rest of each matrix's
+step, posting its scatter: Newton-Schulz is inside it) and ``finish`` the waits and copies of the posted
+scatters (in the pipeline and in the post-hook).
+
+``--floor``: the same model unsharded in one process (one thread, the whole global batch), AdamW against the same
+Muon set-up, interleaved and paired the same way: the step ratio that Muon's own math costs over AdamW's with no
+exchange at all, which no sharding of the step can go under (each rank of a balanced sharded run does half of this
+process's forward, backward and Newton-Schulz).
 
 Peak memory: each row alone in fresh ranks (``MALLOC_MMAP_THRESHOLD_=131072``), the kernel's ``VmHWM`` per rank
 after ``--peak-steps`` steps, as a ratio to ``adamw``'s.
@@ -48,8 +61,8 @@ from fullshard.testing.bench import describe_machine, on_fresh_ranks
 from fullshard.testing.memory import peak_rss_bytes, rss_bytes
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 
-GATHER, SCATTER, NS = "gather", "scatter", "newton-schulz"
-PHASES = (GATHER, f"{GATHER} all_to_all", NS, SCATTER, f"{SCATTER} all_to_all")
+GATHER, SCATTER, NS, PIPELINE, FINISH = "gather", "scatter", "newton-schulz", "pipeline", "finish"
+PHASES = (GATHER, f"{GATHER} all_to_all", NS, SCATTER, f"{SCATTER} all_to_all", PIPELINE, FINISH)
 
 
 def label(row: tuple[str, str]) -> str:
@@ -82,6 +95,8 @@ class Timers:
         with (
             mock.patch.object(hook, "_gather", self.wrap(GATHER, hook._gather)),
             mock.patch.object(hook, "_scatter", self.wrap(SCATTER, hook._scatter)),
+            mock.patch.object(hook, "_pipeline", self.wrap(PIPELINE, hook._pipeline)),
+            mock.patch.object(hook, "_finish_scatter", self.wrap(FINISH, hook._finish_scatter)),
             mock.patch.object(whole_step, "_all_to_all_into", self.wrap("all_to_all", whole_step._all_to_all_into)),
             mock.patch.object(
                 muon_module, "_zeropower_via_newtonschulz", self.wrap(NS, muon_module._zeropower_via_newtonschulz)
@@ -102,7 +117,9 @@ def build(row: tuple[str, str], cfg: GPTConfig) -> tuple[nn.Module, list[torch.o
     rest = [p for p in model.parameters() if id(p) not in ids]
     muon = torch.optim.Muon(hidden, lr=0.02)
     if system(name).ours:
-        whole_param_step(model, muon)
+        hook = whole_param_step(model, muon)
+        if optimizer == "muon-serial":  # the exchange as before the pipeline: gather all, step, scatter all
+            hook._can_pipeline = lambda bucket: False  # type: ignore[method-assign]
     return model, [muon, torch.optim.AdamW(rest, lr=3e-4)]
 
 
@@ -142,6 +159,53 @@ def _timed(rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, b
                 for phase in PHASES:
                     rec[phase].append(timers.seconds.get(phase, 0.0))
     return {k: dict(v) for k, v in out.items()}
+
+
+def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[str, float]]:
+    """Unsharded AdamW and Muon in this process, side by side on the same batches (see ``--floor``)."""
+    torch.set_num_threads(1)
+    rows: dict[str, tuple[nn.Module, list[torch.optim.Optimizer]]] = {}
+    for optimizer in ("adamw", "muon"):
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+        ids = {id(p) for p in hidden}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        opts: list[torch.optim.Optimizer] = (
+            [torch.optim.AdamW(model.parameters(), lr=3e-4)]
+            if optimizer == "adamw"
+            else [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
+        )
+        rows[optimizer] = (model, opts)
+    timers = Timers()
+    out: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in rows}
+    with timers.installed():
+        for step in range(steps):
+            x, y = make_batch(cfg, batch, seed=step)
+            for name in list(rows) if step % 2 == 0 else list(rows)[::-1]:
+                model, opts = rows[name]
+                timers.seconds.clear()
+                start = time.perf_counter()
+                model(x, y).backward()
+                mid = time.perf_counter()
+                for opt in opts:
+                    opt.step()
+                for opt in opts:
+                    opt.zero_grad()
+                end = time.perf_counter()
+                out[name]["step_s"].append(end - start)
+                out[name]["optimizer_s"].append(end - mid)
+                out[name][NS].append(timers.seconds.get(NS, 0.0))
+    base = out["adamw"]["step_s"][warm:]
+    return {
+        name: {
+            "step_ms": 1000 * statistics.median(r["step_s"][warm:]),
+            "ratio": statistics.median(t / b for t, b in zip(r["step_s"][warm:], base, strict=True)),
+            "optimizer_ms": 1000 * statistics.median(r["optimizer_s"][warm:]),
+            f"{NS}_ms": 1000 * statistics.median(r[NS][warm:]),
+        }
+        for name, r in out.items()
+    }
 
 
 def _peak(rank: int, world: int, row: tuple[str, str], cfg: GPTConfig, batch: int, steps: int) -> dict[str, int]:
@@ -191,16 +255,31 @@ def main() -> None:
     parser.add_argument("--peak-steps", type=int, default=2)
     parser.add_argument("--no-peak", action="store_true", help="skip the peak memory runs")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--no-fsdp2", action="store_true", help="leave out torch FSDP2's row (the slowest)")
+    parser.add_argument("--floor", action="store_true", help="unsharded AdamW against Muon in one process")
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # the ranks inherit it: freed tensors leave RSS
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     rows = list(MATRIX_OPTIMIZER_ROWS)
+    rows.insert(2, (rows[1][0], "muon-serial"))  # fullshard + Muon without the pipeline, in the same run
+    if args.no_fsdp2:
+        rows = [row for row in rows if system(row[0]).ours]
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     print(f"machine: {describe_machine()}")
     print(f"TinyGPT {args.layers} x {args.width} ({params / 1e6:.1f}M parameters), batch {args.batch} x 64, "
           f"{args.world} gloo ranks, {args.steps} steps ({args.warm} warm-up)")  # fmt: skip
+    if args.floor:
+        floor = _floor(cfg, args.batch, args.steps, min(args.warm, args.steps - 1))
+        print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"{'unsharded, one process':42} {'step ms':>8} {'x':>5} {'optim':>7} {NS:>18}")
+        for name, r in floor.items():
+            print(f"{name:42} {r['step_ms']:8.1f} {r['ratio']:5.2f} {r['optimizer_ms']:7.1f} {r[f'{NS}_ms']:18.1f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"machine": describe_machine(), "config": vars(args), "floor": floor}, f, indent=1)
+        return
     per_rank = on_fresh_ranks(_timed, rows, cfg, args.batch, args.steps, world=args.world, timeout_s=3 * 3600)
     result = summarise(per_rank, rows, min(args.warm, args.steps - 1))
     peaks: dict[str, list[int]] = {}

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fullshard import fully_shard
-from fullshard.algorithms.whole_step import plan_owners
+from fullshard.algorithms.whole_step import newton_schulz_cost, plan_owners
 from fullshard.cli.memory_estimate import estimate_training
 from fullshard.engine import model_params
 from fullshard.engine.api import ShardingStrategy
@@ -96,7 +96,7 @@ def whole_step_plan(model: torch.nn.Module, shards: int, tokens: int) -> dict[st
     """Per shard rank, what ``whole_param_step`` with Muon (one fp32 momentum) on the blocks' matrices costs;
     the slowest rank's figures and the means (see the module docstring)."""
     matrices = [i for i in model_params(model) if i.sp is not None and len(i.sp.shape) == 2 and "blocks" in i.fqn]
-    owners = plan_owners([math.prod(i.sp.shape) for i in matrices], shards)
+    owners = plan_owners([newton_schulz_cost(tuple(i.sp.shape)) for i in matrices], shards)
     gather_in, scatter_out, held, flops = ([0] * shards for _ in range(4))
     for info, owner in zip(matrices, owners, strict=True):
         rows = [info.sp.layout.for_rank(r).local_numel * 4 for r in range(shards)]  # fp32 bytes per rank

@@ -6,8 +6,10 @@ Adafactor keeps row and column statistics and scales by the parameter's norm. Ru
 computes something else (Muon) or fails (Adafactor on DTensors). :func:`whole_param_step` hooks one optimizer
 so that each of its sharded parameters is stepped whole, by one rank:
 
-- **Owners.** Each sharded parameter gets one owner among its shard group's ranks, largest parameters first,
-  each to the rank with the fewest elements so far (the same answer on every rank: it depends on shapes only).
+- **Owners.** Each sharded parameter gets one owner among its shard group's ranks, costliest first, each to the
+  rank with the least cost so far (the same answer on every rank: it depends on shapes only). The cost is the
+  step's work: for Muon the Newton-Schulz FLOPs of the matrix (``m * n * min(m, n)``: a square matrix costs more
+  per element than a long one), for other optimizers its elements.
 - **Before the step** (a step pre-hook), ``all_to_all_single`` per shard group (one per piece and owner slot)
   sends every owner the rows the other ranks hold of its parameters: the parameter, its gradient and its per-element
   states. The owner puts them together (a byte copy: nothing is computed) into a plain whole ``nn.Parameter``
@@ -29,8 +31,9 @@ so that each of its sharded parameters is stepped whole, by one rank:
 
 [Note: exchange memory]
 Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
-whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced), and
-nothing else of that size. The gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
+whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced; pipelined,
+about four of them at a time: [Note: pipelined whole steps]), and nothing else of that size. The gather runs
+one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
 owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
 that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
 nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
@@ -39,6 +42,23 @@ slot ``j`` straight into its shards and states. The calls are many but small (``
 for Muon). Traffic per step: the parameter, gradient and per-element state bytes gathered and the parameter and
 state bytes scattered, once each. Parameters outside every unit are whole on every rank and stepped by every
 rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
+
+[Note: pipelined whole steps]
+Above, the exchange and the step follow each other: every gather, then every matrix's Newton-Schulz, then every
+scatter, each rank waiting in each all-to-all for the slowest one. For ``torch.optim.Muon`` (exactly that class:
+its step is the same computed one parameter at a time, with no state but each parameter's ``momentum_buffer``)
+the pre-hook pipelines them once every rank knows the state's kinds (from the second step), on a 1-D shard group
+with dim-0 rows. It posts the gathers (``async_op``, the calls above, into the whole tensors) of the first two
+owner slots and wraps them in whole parameters; then for owner slot ``j`` it waits for that slot's pieces, posts
+the gathers of slot ``j + 2``, runs the optimizer's own ``step`` (its undecorated function, without its hooks)
+with only the owner's ``j``-th whole parameter in its param group, and posts slot ``j``'s scatter at once (the
+owner's whole tensors are freed as soon as their bytes are copied into the send buffers). At most two posted
+scatters are unfinished; the post-hook finishes the rest. The gathers of later slots and the scatters of earlier
+ones move while Newton-Schulz runs, a rank waits only where its next slot's bytes have not come, and an owner
+holds about four of its matrices whole at a time (two gathering, one stepping, one being sent) instead of all of
+them. The kernels and their inputs are those of the unsharded step (one parameter per call, as Muon loops over
+them anyway), so it is bitwise the same; other optimizers (whose state may span parameters: a step counter per
+call, a shared preconditioner) keep the sequence above.
 
 Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
 tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
@@ -101,6 +121,9 @@ def is_matrix_optimizer(optimizer: object) -> bool:
     return isinstance(optimizer, tuple(MATRIX_OPTIMIZERS))
 
 
+# pipelined steps: owner slots whose gathers run ahead of the one being stepped, and posted scatters left unfinished
+_AHEAD = 2
+
 # kinds of one state value: ("rows", dtype) per-element; ("whole", dtype, shape) the same on every rank;
 # ("value", object) a non-tensor value
 _Kind = tuple[Any, ...]
@@ -126,6 +149,8 @@ class _Bucket:
     rank: int
     entries: list[_Entry] = field(default_factory=list)
     stepping: list[_Entry] = field(default_factory=list)  # those with a gradient, in this step
+    pipelined: bool = False  # this step's exchange is pipelined (see [Note: pipelined whole steps])
+    scatters: list[Any] = field(default_factory=list)  # posted scatters the post-hook finishes
 
 
 class WholeParamStep:
@@ -174,7 +199,7 @@ class WholeParamStep:
                 bucket.entries.append(_Entry(param, info.fqn, info.sp))
         self._buckets = list(buckets.values())
         for bucket in self._buckets:
-            _assign_owners(bucket)
+            _assign_owners(bucket, newton_schulz_cost if _is_muon(optimizer) else math.prod)
         self.owners = {e.fqn: e.owner for b in self._buckets for e in b.entries}
         self._param_ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
 
@@ -198,7 +223,11 @@ class WholeParamStep:
             self._build()  # add_param_group
         stepping: set[int] = set()
         for bucket in self._buckets:
-            stepping.update(self._gather(bucket))
+            bucket.pipelined = self._can_pipeline(bucket)
+            if bucket.pipelined:
+                self._pipeline(bucket)  # stepped here, scattered by the post-hook: none of it in the step
+            else:
+                stepping.update(self._gather(bucket))
         self._swap_groups(stepping)
 
     def _gather(self, bucket: _Bucket) -> list[int]:
@@ -235,6 +264,142 @@ class WholeParamStep:
         for e in mine:
             self._own_whole(e, wholes.pop(id(e)))
         return [id(e.param) for e in bucket.stepping]
+
+    # --- pipelined: gather, step and scatter one owner slot after another, the exchange in the background --
+
+    def _can_pipeline(self, bucket: _Bucket) -> bool:
+        """Whether ``bucket`` can be stepped slot by slot (see [Note: pipelined whole steps]): an optimizer whose
+        step is the same one parameter at a time (Muon: no state but each parameter's), state of known kinds,
+        plain dim-0 rows on a 1-D shard group."""
+        if type(self.optimizer) is not getattr(torch.optim, "Muon", None) or bucket.world == 1:
+            return False
+        if not hasattr(type(self.optimizer).step, "__wrapped__"):  # no step without its hooks to call per matrix
+            return False
+        stepping = [e for e in bucket.entries if e.param.grad is not None]
+        return all(
+            e.sp.shard_dim == 0
+            and e.sp.tp is None
+            and id(e.param) in self._known
+            and not _may_change(self._specs.get(id(e.param), []))
+            for e in stepping
+        )
+
+    def _pipeline(self, bucket: _Bucket) -> None:
+        """Per owner slot: wait for its pieces, post the gathers of the slot ``_AHEAD`` further, step the owner's
+        matrix alone, post its scatter; the post-hook finishes the scatters (see [Note: pipelined whole steps])."""
+        bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
+        for e in bucket.stepping:
+            self._specs[id(e.param)] = self._rest_spec(e)
+        dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
+        owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
+        slots = max((len(es) for es in owned), default=0)
+        me = bucket.rank
+        mine = [owned[me][j] if j < len(owned[me]) else None for j in range(slots)]
+        gathers: list[list[Any]] = [[] for _ in range(slots)]  # per slot: its all_to_all works
+
+        def post(first: int, last: int) -> None:  # the gathers of slots first..last-1, as in _gather
+            wholes: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+            for k in range(max((len(d) for d in dtypes.values()), default=0)):
+                for j in range(first, last):
+                    to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
+                    send = _concat([_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())])
+                    in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
+                                 for o in range(bucket.world)]  # fmt: skip
+                    e = to.get(me)
+                    if e is None:
+                        whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+                    else:
+                        whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])
+                        out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
+                        wholes[j].append(whole)
+                    _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
+                                     bucket, gathers[j])  # fmt: skip
+            for j in range(first, last):
+                e = mine[j]
+                if e is not None:  # the whole tensors as they will be once received (dim 0, no tp: plain views)
+                    self._own_whole(e, wholes[j])
+
+        post(0, min(_AHEAD, slots))
+        bucket.scatters = []
+        for j in range(slots):
+            for work in gathers[j]:
+                work.wait()
+            gathers[j] = []  # its send buffers
+            if j + _AHEAD < slots:
+                post(j + _AHEAD, j + _AHEAD + 1)
+            e = mine[j]
+            state: dict[str, Any] = {}
+            if e is not None:
+                self._step_alone(e)
+                state = self.optimizer.state.pop(e.whole, {})
+                if _whole_spec(e, state) != self._specs[id(e.param)]:
+                    raise RuntimeError(
+                        f"[rank {dist.get_rank()}] whole_param_step: the optimizer changed the state names of "
+                        f"{e.fqn!r} after its first step; whole-parameter steps need a state that keeps its names "
+                        "and shapes once created. Create every state at the first step."
+                    )
+            slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+            bucket.scatters.append(self._post_scatter(bucket, slot, state))
+            del state
+            if len(bucket.scatters) > _AHEAD:  # bounded: the bytes of _AHEAD slots in flight
+                self._finish_scatter(bucket.scatters.pop(0))
+
+    def _step_alone(self, e: _Entry) -> None:
+        """The optimizer's own step (without its hooks) on ``e``'s whole parameter alone, in its param group."""
+        groups = self.optimizer.param_groups
+        saved = [group["params"] for group in groups]
+        try:
+            for group in groups:
+                group["params"] = []
+            groups[self._position[id(e.param)][0]]["params"] = [e.whole]
+            with torch.no_grad():
+                type(self.optimizer).step.__wrapped__(self.optimizer)
+        finally:
+            for group, params in zip(groups, saved, strict=True):
+                group["params"] = params
+
+    def _post_scatter(self, bucket: _Bucket, slot: dict[int, _Entry], state: dict[str, Any]) -> tuple[Any, ...]:
+        """Start slot ``slot``'s scatter (one all_to_all per piece, as :meth:`_scatter`); frees the owner's whole."""
+        me, works, outs = bucket.rank, [], []
+        pieces = {id(e.param): self._scatter_pieces(e) for e in slot.values()}
+        for k in range(max(len(p) for p in pieces.values())):
+            at = {o: e for o, e in slot.items() if len(pieces[id(e.param)]) > k}
+            send, in_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+            mine = at.get(me)
+            if mine is not None and mine.whole is not None:
+                name, d, kind = pieces[id(mine.param)][k]
+                src = mine.whole.detach() if name is None else state[name]
+                if kind[0] == "whole":
+                    send = _concat([_as_bytes(src)] * bucket.world)
+                else:
+                    send = _concat([_as_bytes(_rows_of(mine, src, r)) for r in range(bucket.world)])
+                del src
+                in_splits = [_nbytes(mine, r, d, kind) for r in range(bucket.world)]
+            out_splits = [
+                _nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
+                for o in range(bucket.world)
+            ]
+            out = torch.empty(sum(out_splits), dtype=torch.uint8)
+            _all_to_all_into(out, send, out_splits, in_splits, bucket, works)
+            outs.append((out, at, out_splits))
+        own = slot.get(me)
+        if own is not None:  # sent (the send buffers are copies): free the whole tensors
+            own.whole = None
+        return slot, works, outs
+
+    def _finish_scatter(self, posted: tuple[Any, ...]) -> None:
+        slot, works, outs = posted
+        for work in works:
+            work.wait()
+        got: dict[int, list[torch.Tensor]] = {id(e.param): [] for e in slot.values()}
+        for out, at, out_splits in outs:
+            offset = 0
+            for o in range(len(out_splits)):
+                if o in at:
+                    got[id(at[o].param)].append(out.narrow(0, offset, out_splits[o]))
+                    offset += out_splits[o]
+        for e in slot.values():
+            self._take_pieces(e, got.pop(id(e.param)))
 
     def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
         """The kinds of ``e``'s state at rest, the same on every rank (the whole names are in its param group)."""
@@ -306,7 +471,7 @@ class WholeParamStep:
                     if state:
                         self.optimizer.state[e.param] = state
                     e.whole = None
-            bucket.stepping = []
+            bucket.stepping, bucket.scatters = [], []
 
     # --- after the step: scatter from the owners ------------------------------------------------------
 
@@ -320,7 +485,12 @@ class WholeParamStep:
             group["params"] = params
         self._groups = None
         for bucket in self._buckets:
-            self._scatter(bucket, states)
+            if bucket.pipelined:
+                while bucket.scatters:
+                    self._finish_scatter(bucket.scatters.pop(0))
+                bucket.stepping = []
+            else:
+                self._scatter(bucket, states)
         for bucket in self._buckets:
             for e in bucket.entries:
                 e.whole = None
@@ -442,22 +612,35 @@ def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Whol
     return installed if installed is not None else WholeParamStep(model, optimizer)
 
 
-def plan_owners(numels: list[int], world: int) -> list[int]:
-    """The owner of each of parameters of ``numels`` elements among ``world`` ranks: largest first, each to the
-    rank with the fewest elements so far (ties: lowest rank). ``benchmarks/simulate.py`` plans with it too."""
+def plan_owners(costs: list[int], world: int) -> list[int]:
+    """The owner of each of parameters costing ``costs`` (elements, or :func:`newton_schulz_cost`) among ``world``
+    ranks: costliest first, each to the rank with the least cost so far (ties: lowest rank).
+    ``benchmarks/simulate.py`` plans with it too."""
     load = [0] * world
-    owners = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(world), key=lambda r: (load[r], r))
         owners[i] = rank
-        load[rank] += numels[i]
+        load[rank] += costs[i]
     return owners
 
 
-def _assign_owners(bucket: _Bucket) -> None:
+def newton_schulz_cost(shape: tuple[int, ...]) -> int:
+    """What Muon's step costs on a matrix of ``shape``, up to a constant: ``m * n * min(m, n)`` (its Newton-Schulz
+    products); elements for a parameter that is not 2-D."""
+    numel = math.prod(shape)
+    return numel * min(shape) if len(shape) == 2 else numel
+
+
+def _is_muon(optimizer: torch.optim.Optimizer) -> bool:
+    muon = getattr(torch.optim, "Muon", None)
+    return muon is not None and isinstance(optimizer, muon)
+
+
+def _assign_owners(bucket: _Bucket, cost: Any) -> None:
     # global shapes: a tensor parallel parameter's tp part may differ in size across tp ranks (uneven splits),
     # and the ranks of a tp group must agree on the owners (they gather over tp together)
-    owners = plan_owners([math.prod(e.sp.shape) for e in bucket.entries], bucket.world)
+    owners = plan_owners([cost(tuple(e.sp.shape)) for e in bucket.entries], bucket.world)
     for e, owner in zip(bucket.entries, owners, strict=True):
         e.owner = owner
 
@@ -540,13 +723,21 @@ def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -
 
 
 def _all_to_all_into(
-    out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], bucket: _Bucket
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    bucket: _Bucket,
+    works: list[Any] | None = None,
 ) -> None:
-    """``all_to_all_single`` of bytes into ``out`` (a view of the tensors it fills)."""
+    """``all_to_all_single`` of bytes into ``out`` (a view of the tensors it fills); started in the background
+    where ``works`` is given (its work is appended there: wait on it before reading ``out``)."""
     if bucket.world == 1:
         out.copy_(inp)
-    else:
+    elif works is None:
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg)
+    else:
+        works.append(dist.all_to_all_single(out, inp, out_splits, in_splits, group=bucket.pg, async_op=True))
 
 
 def _refuse_on_shards(optimizer: torch.optim.Optimizer) -> None:
