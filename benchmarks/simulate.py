@@ -49,7 +49,7 @@ from fullshard.cli.memory_estimate import estimate_training
 from fullshard.engine import model_params
 from fullshard.engine.api import ShardingStrategy
 from fullshard.engine.collectives import COMM_STATS
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.unit_state import unit_states_in
 from fullshard.testing.bench import describe_machine
 from fullshard.testing.models import Block, GPTConfig, TinyGPT
 

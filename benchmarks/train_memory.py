@@ -69,7 +69,7 @@ def _memory_rank(
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     if inflight is not None:
-        from fullshard.engine import state
+        from fullshard.engine import unit_state as state
 
         state.MAX_REDUCTIONS_IN_FLIGHT = inflight
     if as_limit is not None:

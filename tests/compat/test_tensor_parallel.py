@@ -135,7 +135,7 @@ def _clip(model: nn.Module, impl: str) -> float:
                 p.grad.mul_(coef)
         return float(norm)
     from fullshard.engine.grad_norm import clip_grad_norm_
-    from fullshard.engine.state import unit_states_in
+    from fullshard.engine.unit_state import unit_states_in
 
     return float(clip_grad_norm_(unit_states_in(model), [], CLIP))
 

@@ -29,7 +29,7 @@ from fullshard.comm_hooks import (
     reduce_scatter_hook,
 )
 from fullshard.engine.collectives import COMM_STATS
-from fullshard.engine.state import unit_state
+from fullshard.engine.unit_state import unit_state
 from fullshard.frontend.prepare import switch_optimizer_to_sharded
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss

@@ -14,7 +14,7 @@ import torch
 from fullshard import FSDP
 from fullshard.cli.memory_estimate import estimate_memory, unit_parameters
 from fullshard.engine.api import ShardingStrategy
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.unit_state import unit_states_in
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import FSDP, fully_shard
-from fullshard.engine.state import unit_state
+from fullshard.engine.unit_state import unit_state
 from fullshard.frontend.prepare import fsdp2_load_full_state_dict
 from fullshard.testing import RankFailure, WorkerPool
 from fullshard.testing.models import TinyGPT

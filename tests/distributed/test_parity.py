@@ -68,7 +68,7 @@ def _clip(model: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     if isinstance(model, FSDP):
         return model.clip_grad_norm_(max_norm, norm_type)
     from fullshard.engine.grad_norm import clip_grad_norm_
-    from fullshard.engine.state import unit_states_in
+    from fullshard.engine.unit_state import unit_states_in
 
     return clip_grad_norm_(unit_states_in(model), [], max_norm, norm_type)
 
@@ -186,7 +186,7 @@ def _run_with_direct_gathers(rank: int, world: int, spec: TrainSpec, shard: func
 
 def _count_direct(rank: int, world: int) -> tuple[int, int]:
     from fullshard.engine import group
-    from fullshard.engine.state import unit_states_in
+    from fullshard.engine.unit_state import unit_states_in
 
     previous = group.DIRECT_MIN_BYTES
     group.DIRECT_MIN_BYTES = 512

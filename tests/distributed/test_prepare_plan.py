@@ -16,7 +16,7 @@ import pytest
 from fullshard import Accelerator, FullyShardedDataParallelPlugin
 from fullshard.algorithms import plan as sharding_plan
 from fullshard.engine import wrapper
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.unit_state import unit_states_in
 from fullshard.frontend import prepare
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, TinyGPT

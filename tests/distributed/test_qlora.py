@@ -84,7 +84,7 @@ def _nf4_bytes(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def _gathered_nf4_bytes(model: nn.Module) -> int:
     """The bytes of gathered 4-bit weights alive: their all-gather buffers' storage."""
-    from fullshard.engine.state import unit_states_in
+    from fullshard.engine.unit_state import unit_states_in
 
     extensions = [s.group.extension for s in unit_states_in(model) if s.group is not None and s.group.extension]
     assert len(extensions) == 2  # one per decoder layer

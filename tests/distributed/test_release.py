@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fullshard import FSDP, Accelerator
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.unit_state import unit_states_in
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks

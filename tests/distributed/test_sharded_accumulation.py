@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDP, fully_shard
-from fullshard.engine.state import unit_states_in
+from fullshard.engine.unit_state import unit_states_in
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.wrap import ModuleWrapPolicy

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fullshard import FSDP, CPUOffload, MixedPrecisionPolicy
-from fullshard.engine.state import unit_state
+from fullshard.engine.unit_state import unit_state
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks

@@ -97,8 +97,8 @@ def _packages() -> list[Path]:
 
 
 def _source_graph(root: Path = SRC) -> dict[str, set[str]]:
-    """Module -> the modules under ``root`` it imports, anywhere in it. ``from fullshard.engine import state`` is
-    an edge to the submodule ``fullshard.engine.state``; ``from fullshard.engine import fully_shard`` (a name of
+    """Module -> the modules under ``root`` it imports, anywhere in it. ``from fullshard.engine import unit_state`` is
+    an edge to the submodule ``fullshard.engine.unit_state``; ``from fullshard.engine import fully_shard`` (a name of
     the package's surface) one to the package, whose ``__init__`` runs."""
     paths = {_module(p, root): p for p in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
@@ -247,7 +247,7 @@ def _engine_submodules() -> set[str]:
 
 def _reaches_inside_engine(path: Path, surface: set[str], submodules: set[str]) -> list[str]:
     """The engine submodules ``path`` imports, and the names it imports from ``fullshard.engine`` that are not on
-    its surface (``from fullshard.engine import state`` is a submodule too)."""
+    its surface (``from fullshard.engine import unit_state`` is a submodule too)."""
     bad: list[str] = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -323,16 +323,16 @@ def test_checker_catches_a_reach_inside_the_engine(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text(
         "from fullshard.engine import ShardingStrategy, group\n"
-        "from fullshard.engine.state import unit_state\n"
+        "from fullshard.engine.unit_state import unit_state\n"
         "import fullshard.engine.param\n"
         "def f():\n    from fullshard.engine import not_public\n"
     )
-    found = _reaches_inside_engine(bad, {"ShardingStrategy"}, {"group", "state", "param"})
+    found = _reaches_inside_engine(bad, {"ShardingStrategy"}, {"group", "unit_state", "param"})
     assert sorted(found) == [
         "fullshard.engine.group",
         "fullshard.engine.not_public (not in fullshard.engine.__all__)",
         "fullshard.engine.param",
-        "fullshard.engine.state",
+        "fullshard.engine.unit_state",
     ]
 
 

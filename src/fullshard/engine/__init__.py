@@ -60,10 +60,10 @@ from fullshard.engine.optim_state import (
     scatter_states,
 )
 from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
-from fullshard.engine.state import gradient_sync, has_units, is_unit
 from fullshard.engine.state_dict import expected_entries, extension_params, mismatches, state_dict_type
 from fullshard.engine.summon import summon_full_params
 from fullshard.engine.unit import InitOptions
+from fullshard.engine.unit_state import gradient_sync, has_units, is_unit
 from fullshard.engine.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,

@@ -32,7 +32,8 @@ from fullshard.engine.api import (
 )
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
-from fullshard.engine.state import (
+from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
+from fullshard.engine.unit_state import (
     UnitConfig,
     UnitState,
     reset_iteration,
@@ -40,7 +41,6 @@ from fullshard.engine.state import (
     unit_state,
     unit_states_in,
 )
-from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
 from fullshard.ranks import warn_rank0
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -382,7 +382,7 @@ def fully_shard(
     """Shard ``module``'s parameters over ``mesh`` (1-D: shard; 2-D: (replicate, shard)); return ``module``.
 
     ``module`` may be a list of modules, which become one unit (one all-gather per forward, as torch; see
-    [Note: a unit of several modules] in ``state.py``); it must sit below a root unit.
+    [Note: a unit of several modules] in ``unit_state.py``); it must sit below a root unit.
 
     A module built on ``meta`` stays there (as with torch's ``fully_shard``): call ``model.to_empty(device=...)``
     and initialise the sharded parameters in place before the first forward (see ``materialize.py``).
@@ -406,7 +406,7 @@ def fully_shard(
     """
     given, members = module, []
     if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
-        # [Note: a unit of several modules] in engine/state.py: as torch, the listed modules are one unit (one
+        # [Note: a unit of several modules] in engine/unit_state.py: as torch, the listed modules are one unit (one
         # group, one all-gather per forward); the first one carries the unit, the others join it.
         module, members = _check_members(list(module))  # type: ignore[assignment]
     if not isinstance(module, nn.Module):

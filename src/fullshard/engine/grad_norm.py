@@ -19,7 +19,7 @@ from torch import nn
 
 from fullshard.engine import invariant
 from fullshard.engine.param import local_tensor
-from fullshard.engine.state import UnitState, unit_states_in
+from fullshard.engine.unit_state import UnitState, unit_states_in
 
 __all__ = ["clip_grad_norm_", "clip_module_grad_norm_"]
 

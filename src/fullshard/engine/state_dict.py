@@ -65,7 +65,7 @@ from fullshard.engine.extension import ExtensionParam, ExtensionParams
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
-from fullshard.engine.state import TrainingState, UnitState, unit_state, unit_states_in
+from fullshard.engine.unit_state import TrainingState, UnitState, unit_state, unit_states_in
 from fullshard.ranks import global_rank
 
 __all__ = [
@@ -144,7 +144,7 @@ class _DictUnit:
         ]
 
 
-# Kept in the unit module's __dict__, as its UnitState is (see engine/state.py: a WeakKeyDictionary whose value
+# Kept in the unit module's __dict__, as its UnitState is (see engine/unit_state.py: a WeakKeyDictionary whose value
 # refers to its key would never free the module).
 _UNIT_ATTR = "_fullshard_state_dict_unit"
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.state import TrainingState, UnitState, unit_state, unit_states_in
+from fullshard.engine.unit_state import TrainingState, UnitState, unit_state, unit_states_in
 from fullshard.ranks import global_rank
 
 __all__ = ["summon_full_params", "summoned_states"]

@@ -22,7 +22,7 @@ from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import Casts, group_precision
-from fullshard.engine.state import UnitConfig, UnitState, guard_direct_calls, unit_state
+from fullshard.engine.unit_state import UnitConfig, UnitState, guard_direct_calls, unit_state
 from fullshard.ranks import global_rank, require_agreement
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored", "shard_dims"]

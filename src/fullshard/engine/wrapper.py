@@ -39,8 +39,8 @@ from fullshard.engine.mesh import build_shard_group, require_process_group
 from fullshard.engine.names import WRAPPED_NAME, clean_key
 from fullshard.engine.param import owner_label
 from fullshard.engine.precision import cast_floating, casts_from_mixed_precision
-from fullshard.engine.state import UnitConfig, UnitState, gradient_sync, is_unit, unit_states_in
 from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device, resolve_ignored
+from fullshard.engine.unit_state import UnitConfig, UnitState, gradient_sync, is_unit, unit_states_in
 from fullshard.engine.wrap import UnitPlan, plan_units
 
 __all__ = ["FullyShardedDataParallel"]

@@ -3,7 +3,7 @@
 
 Unset fields are read from the ``ACCELERATE_DYNAMO_*`` variables of ``env.DYNAMO_VARS``. The model is compiled
 after it is sharded, in place (``module.compile()``): the engine's forward hooks are disabled for dynamo (see
-[Note: hooks outside compiled graphs] in ``engine/state.py``), so they run eagerly between compiled graphs, and
+[Note: hooks outside compiled graphs] in ``engine/unit_state.py``), so they run eagerly between compiled graphs, and
 the prepared model stays the object the rest of the front end knows (its state dict, ``unwrap_model``,
 ``save_model``). Accelerate's FSDP2 path returns an ``OptimizedModule`` for a whole-model compile instead; here
 ``model._orig_mod`` does not exist and ``model.forward`` is the original one.
