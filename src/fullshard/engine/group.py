@@ -34,8 +34,6 @@ reduce-scatter reads its gradient block directly. So on gloo, parameters whose g
 ``DIRECT_MIN_BYTES`` are *direct*: laid out after the *packed* ones (a prefix of ``flat_shard`` and of the
 gradient layout), and gathered and reduced one collective each, with no copy at all. The packed prefix
 keeps one collective for all the small parameters (norms, biases), which would each cost gloo's latency.
-Where that collective goes point-to-point (``collectives.gathers_packed_in_place``), its messages are cut per
-parameter instead: each lands in (or is sent from) its block, with no copy-out or copy-in, in the same call.
 
 [Note: mixed dtypes]
 A unit may hold parameters of several dtypes when they are gathered in one compute dtype (``param_dtype`` set)
