@@ -147,10 +147,11 @@ def pairwise_reduce_scatter_blocks(
         rows_of.append(rows)
 
     def finish() -> None:
-        if n == 2:  # one op for all: the same elementwise additions
-            torch._foreach_add_(outputs, [block[rank] for block in blocks])
-            return
-        for output, rows in zip(outputs, rows_of):
+        for i, (output, block) in enumerate(zip(outputs, blocks)):
+            if n == 2:
+                output.add_(block[rank])
+                continue
+            rows = rows_of[i]
             torch.add(rows[0], rows[1], out=output)
             for row in rows[2:]:
                 output.add_(row)
@@ -186,7 +187,8 @@ def pairwise_all_gather_blocks(
             )
         works += [pg.send([shard], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
         works += [pg.recv([block[peer]], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
-    torch._foreach_copy_([block[rank] for block in blocks], shards)  # this rank's rows: one op for all
+    for block, shard in zip(blocks, shards):
+        block[rank].copy_(shard)
     return P2PWork(works)
 
 
