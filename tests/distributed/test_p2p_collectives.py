@@ -90,34 +90,6 @@ def _check_blocks(rank: int, world: int) -> list[str]:
     return problems
 
 
-def _check_reduce_blocks(rank: int, world: int) -> list[str]:
-    """The packed reduce-scatter read from per-parameter blocks against the rank-major copy and one reduction."""
-    pg, problems = dist.group.WORLD, []
-    gen = torch.Generator().manual_seed(300 + rank)
-    for dtype in DTYPES:
-        # - Set up: a flat gradient of three parameters' blocks, each (world, s_i); their rank-major copy
-        grad = (torch.randn(world * sum(CHUNKS), generator=gen) * 3).to(dtype)
-        blocks = [b.view(world, -1) for b in grad.split([world * c for c in CHUNKS])]
-        ordered = torch.cat(blocks, dim=1)
-        want = torch.empty(sum(CHUNKS), dtype=dtype)
-        p2p.pairwise_reduce_scatter(want, ordered.view(-1), pg).wait()
-        # - Run
-        got = torch.full((sum(CHUNKS),), float("nan"), dtype=dtype)
-        p2p.pairwise_reduce_scatter_blocks(list(got.split(list(CHUNKS))), blocks, pg).wait()
-        # - Check: bitwise the reduction of the copy (the same sums in the same order), and inputs untouched
-        if not torch.equal(got, want):
-            problems.append(f"pairwise_reduce_scatter_blocks {dtype}: not bitwise pairwise_reduce_scatter's")
-        if not torch.equal(torch.cat(blocks, dim=1), ordered):
-            problems.append(f"pairwise_reduce_scatter_blocks {dtype}: changed its input")
-    return problems
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_reduce_from_blocks_matches_pairwise(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
-    pool = pool2 if world == 2 else pool4
-    assert pool.run(_check_reduce_blocks) == [[]] * world
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_gather_into_blocks_matches_gloo(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
     pool = pool2 if world == 2 else pool4

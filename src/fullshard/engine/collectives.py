@@ -324,22 +324,6 @@ def rank_major(grad: torch.Tensor, params: list[ShardedParam], world: int) -> to
     return out
 
 
-def _blocks(grad: torch.Tensor, params: list[ShardedParam], world: int) -> list[torch.Tensor]:
-    """``params``' padded blocks of ``grad`` viewed ``(world, s_i)``: one ``as_strided`` each (as in rank_major)."""
-    base = grad.storage_offset()
-    blocks = []
-    for sp in params:
-        size = sp.layout.padded_shard_numel
-        blocks.append(grad.as_strided((world, size), (size, 1), base + world * sp.offset))
-    return blocks
-
-
-def _grad_shards(output: torch.Tensor, params: list[ShardedParam]) -> list[torch.Tensor]:
-    """``params``' padded shards in the reduced ``output`` (1D, contiguous, layout order): one ``as_strided`` each."""
-    base = output.storage_offset()
-    return [output.as_strided((sp.layout.padded_shard_numel,), (1,), base + sp.grad_offset) for sp in params]
-
-
 @dataclass
 class CommOptions:
     """What ``FSDPModule``'s setters change about one group's collectives (torch FSDP2's names), all numerics:
@@ -418,19 +402,12 @@ def foreach_reduce(
         output = options.reduce_scatter.allocate((numel,), dtype=grad.dtype, device=grad.device)
         work = options.reduce_scatter(output, ordered.view(-1), pg, dist.ReduceOp.SUM, async_op=False)
         return PendingReduce([work] if work is not None else [], output, (ordered, grad), after)
+    ordered = rank_major(grad, packed, world)  # (N, packed G)
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
     packed_numel = _numel(packed)
-    if packed_numel and p2p.use_p2p_for("reduce_scatter", pg, grad.device, world * packed_numel * grad.element_size()):
-        # point-to-point anyway: each packed parameter's rows go from its gradient block as they lie, no copy-in
-        grad = grad if grad.is_contiguous() else grad.contiguous()
-        COMM_STATS.add("reduce_scatter", world * packed_numel * grad.element_size() * (world - 1) / world)
-        works.append(p2p.pairwise_reduce_scatter_blocks(_grad_shards(output, packed), _blocks(grad, packed, world), pg))
-        ordered = None
-    else:
-        ordered = rank_major(grad, packed, world)  # (N, packed G)
     # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
     # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
-    if packed_numel and ordered is not None:
+    if packed_numel:
         packed_out = output if packed_numel == numel else output.narrow(0, 0, packed_numel)
         works.append(reduce_scatter_flat(packed_out, ordered.view(-1), pg, async_op=True, scratch_input=True))
     for sp in direct:

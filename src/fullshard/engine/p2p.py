@@ -41,7 +41,6 @@ __all__ = [
     "pairwise_all_gather",
     "pairwise_all_gather_blocks",
     "pairwise_reduce_scatter",
-    "pairwise_reduce_scatter_blocks",
     "use_p2p",
     "use_p2p_for",
 ]
@@ -115,46 +114,6 @@ def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.P
         torch.add(rows[0], rows[1], out=output)
         for row in rows[2:]:
             output.add_(row)
-
-    return P2PWork(works, finish)
-
-
-def pairwise_reduce_scatter_blocks(
-    outputs: list[torch.Tensor], blocks: list[torch.Tensor], pg: dist.ProcessGroup
-) -> P2PWork:
-    """:func:`pairwise_reduce_scatter` of many inputs at once, each read where it lies: ``outputs[i]`` (``s_i``
-    elements, contiguous) becomes the rank-order sum over ranks of row ``rank`` of ``blocks[i]`` (``(n, s_i)``, rows
-    contiguous). One message per block and peer, so that no rank-major copy of the blocks is made first (the packed
-    reduction of ``collectives.foreach_reduce``). The sums are :func:`pairwise_reduce_scatter`'s, element for
-    element, in the same order: bitwise the same."""
-    n, rank = pg.size(), pg.rank()
-    works: list[dist.Work] = []
-    rows_of: list[list[torch.Tensor]] = []
-    for output, block in zip(outputs, blocks):
-        if block.shape != (n, output.numel()) or not output.is_contiguous() or block.stride(1) != 1:
-            raise ValueError(
-                f"pairwise_reduce_scatter_blocks: needs blocks of shape ({n}, s) with contiguous rows and contiguous "
-                f"outputs of s elements; got block {tuple(block.shape)} (strides {block.stride()}), output "
-                f"{tuple(output.shape)} (contiguous={output.is_contiguous()})"
-            )
-        works += [pg.send([block[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
-        if n == 2:  # the peer's row lands in the output and ours is added (as pairwise_reduce_scatter)
-            works.append(pg.recv([output], 1 - rank, REDUCE_SCATTER_TAG))
-            continue
-        received = torch.empty(n - 1, output.numel(), dtype=block.dtype, device=block.device)
-        rows = [block[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(n)]
-        works += [pg.recv([rows[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
-        rows_of.append(rows)
-
-    def finish() -> None:
-        for i, (output, block) in enumerate(zip(outputs, blocks)):
-            if n == 2:
-                output.add_(block[rank])
-                continue
-            rows = rows_of[i]
-            torch.add(rows[0], rows[1], out=output)
-            for row in rows[2:]:
-                output.add_(row)
 
     return P2PWork(works, finish)
 
