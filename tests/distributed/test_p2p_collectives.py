@@ -69,33 +69,6 @@ def _check_collectives(rank: int, world: int) -> list[str]:
     return problems
 
 
-def _check_blocks(rank: int, world: int) -> list[str]:
-    """The packed gather straight into per-parameter blocks against gloo's all-gather and the copy-out."""
-    pg, problems = dist.group.WORLD, []
-    gen = torch.Generator().manual_seed(200 + rank)
-    for dtype in DTYPES:
-        # - Set up: a flat shard of three parameters' padded shards; the full buffer their blocks, rank-major each
-        send = (torch.randn(sum(CHUNKS), generator=gen) * 3).to(dtype)
-        want = torch.empty(world * send.numel(), dtype=dtype)
-        dist.all_gather_into_tensor(want, send, group=pg)
-        rows = want.view(world, -1).split(list(CHUNKS), dim=1)  # parameter i: (world, s_i), rank-major
-        # - Run
-        full = torch.full((world * send.numel(),), float("nan"), dtype=dtype)
-        blocks = [b.view(world, -1) for b in full.split([world * c for c in CHUNKS])]
-        p2p.pairwise_all_gather_blocks(blocks, list(send.split(list(CHUNKS))), pg).wait()
-        # - Check
-        for i, (block, row) in enumerate(zip(blocks, rows)):
-            if not torch.equal(block, row):
-                problems.append(f"pairwise_all_gather_blocks {dtype} parameter {i}: not bitwise gloo's")
-    return problems
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_gather_into_blocks_matches_gloo(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
-    pool = pool2 if world == 2 else pool4
-    assert pool.run(_check_blocks) == [[]] * world
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_p2p_collectives_match_gloo(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
     pool = pool2 if world == 2 else pool4

@@ -117,23 +117,3 @@ def test_two_ranks_one_view_op_per_parameter(pool2: WorkerPool, bf16: bool) -> N
         assert bwd["aten.as_strided"] == 3 * params + units
         # - Check: the rank-check header builds and reads its buffers without ops (was torch.tensor + tolist).
         assert fwd["aten.lift_fresh"] == bwd["aten.lift_fresh"] == 0
-
-
-def _third_step_point_to_point(rank: int, world: int) -> dict[str, Any]:
-    from unittest import mock
-
-    from fullshard.engine import p2p
-
-    with mock.patch.dict(os.environ, {p2p.ENV_VAR: "1"}):  # TinyGPT is below the measured crossover: force it
-        return _third_step(rank, world, False)
-
-
-def test_two_ranks_point_to_point_gathers_copy_nothing_out(pool2: WorkerPool) -> None:
-    # The packed parameters' point-to-point gather lands straight in their blocks (one message per parameter and
-    # peer, see p2p.pairwise_all_gather_blocks): no rank-major buffer to copy out, forward or backward. It was
-    # one split_with_sizes_copy per gather (units forward, units - 1 backward: the root stays gathered), moving
-    # the packed bytes of every unit twice per step (docs/benchmarks.md, "Bytes a step moves").
-    for got in pool2.run(_third_step_point_to_point):
-        fwd, bwd, params = got["engine_fwd"], got["engine_bwd"], got["params"]
-        assert fwd["aten.split_with_sizes_copy"] == bwd["aten.split_with_sizes_copy"] == 0
-        assert fwd["aten.as_strided"] == params  # modules' views, as on gloo's path

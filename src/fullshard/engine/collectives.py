@@ -41,7 +41,6 @@ __all__ = [
     "foreach_all_gather",
     "foreach_reduce",
     "full_block",
-    "gathers_packed_in_place",
     "gradient_divide_factors",
     "predivide_factor",
     "reduce_scatter_flat",
@@ -226,26 +225,15 @@ def foreach_all_gather(
     world: int,
     pg: dist.ProcessGroup | None,
     custom: Any = None,
-    packed_blocks: list[torch.Tensor] | None = None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
     """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
     in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
     into its block of ``flat_full`` (``direct_blocks``, views of its allocated storage; its version counter
-    preserved, see :func:`copy_out`).
-
-    ``packed_blocks`` (the packed parameters' blocks of ``flat_full`` viewed ``(world, s_i)``, see
-    :func:`gathers_packed_in_place`): the packed prefix goes point-to-point, one message per parameter and peer
-    straight into its rows, and there is no copy-out (nothing is returned for it)."""
+    preserved, see :func:`copy_out`)."""
     works = []
     out = None
     gather = all_gather_flat if custom is None else _custom_gather(custom)
-    if packed and packed_blocks is not None:
-        numel = _numel(packed)
-        COMM_STATS.add("all_gather", world * numel * send.element_size() * (world - 1) / world)
-        shards = [send.narrow(0, sp.offset, sp.layout.padded_shard_numel) for sp in packed]
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-            works.append(p2p.pairwise_all_gather_blocks(packed_blocks, shards, pg))
-    elif packed:
+    if packed:
         numel = _numel(packed)
         out = torch.empty(world * numel, dtype=send.dtype, device=flat_full.device)
         shard = send if numel == send.numel() else send.narrow(0, 0, numel)  # no direct ones: all of it
@@ -256,22 +244,6 @@ def foreach_all_gather(
                 shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
                 works.append(gather(block, shard, pg, async_op=True))
     return [w for w in works if w is not None], out
-
-
-def gathers_packed_in_place(
-    packed: list[ShardedParam],
-    world: int,
-    pg: dist.ProcessGroup | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    custom: Any = None,
-) -> bool:
-    """Whether :func:`foreach_all_gather` gathers the packed parameters straight into ``flat_full``
-    (``packed_blocks``): where their gather goes point-to-point anyway (``p2p.use_p2p``), one message per parameter
-    costs less than copying the whole rank-major buffer out (docs/benchmarks.md, "Bytes a step moves")."""
-    if not packed or custom is not None or world == 1:
-        return False
-    return p2p.use_p2p_for("all_gather", pg, device, world * _numel(packed) * dtype.itemsize)
 
 
 def _custom_gather(comm: Any) -> Callable[..., Any]:

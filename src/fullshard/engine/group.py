@@ -76,7 +76,6 @@ from fullshard.engine.collectives import (
     foreach_all_gather,
     foreach_reduce,
     full_block,
-    gathers_packed_in_place,
     wait_all,
 )
 from fullshard.engine.extension import ExtensionParams
@@ -488,16 +487,12 @@ class ParamGroup:
                     copy_out(self._send_buffer() if self.mixed else self.flat_shard, [], [], self.flat_full)
             else:
                 send = self._send_buffer()
-                pg = self.shard_group.shard_pg
-                custom = self.comm_options.all_gather
-                in_place = gathers_packed_in_place(self.packed, self.world, pg, send.dtype, self.device, custom)
                 direct_blocks: list[torch.Tensor] = []
-                packed_blocks: list[torch.Tensor] | None = None
-                if self.direct or in_place:  # gathered straight into flat_full (see collectives.foreach_all_gather)
+                if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
                     self._full_version = self.flat_full._version
-                    packed_blocks, direct_blocks = self.full_blocks()
-                    packed_blocks = packed_blocks if in_place else None
+                    direct_blocks = self.full_blocks()[1]
+                pg = self.shard_group.shard_pg
                 with collective_check.collective("all_gather", self.label, pg):
                     self._gather = foreach_all_gather(
                         send,
@@ -507,8 +502,7 @@ class ParamGroup:
                         self.flat_full,
                         self.world,
                         pg,
-                        custom,
-                        packed_blocks,
+                        self.comm_options.all_gather,
                     )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
@@ -539,7 +533,7 @@ class ParamGroup:
         works, gathered = self._gather
         self._gather = None
         wait_all(works, "all_gather", self.label, self.shard_group.shard_pg, trace.ALL_GATHER_WAIT)
-        if works and (self.direct or gathered is None):
+        if works and self.direct:
             # gloo copies into a direct block with ATen ops on its own thread, bumping flat_full's version
             # counter whenever it finishes; put back the version autograd saw (see collectives.copy_out).
             torch._C._autograd._unsafe_set_version_counter((self.flat_full,), (self._full_version,))

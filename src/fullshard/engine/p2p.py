@@ -34,16 +34,7 @@ import torch.distributed as dist
 
 from fullshard.engine.mesh import is_gloo
 
-__all__ = [
-    "ENV_VAR",
-    "P2P_MIN_BYTES",
-    "P2PWork",
-    "pairwise_all_gather",
-    "pairwise_all_gather_blocks",
-    "pairwise_reduce_scatter",
-    "use_p2p",
-    "use_p2p_for",
-]
+__all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "pairwise_all_gather", "pairwise_reduce_scatter", "use_p2p"]
 
 ENV_VAR = "FULLSHARD_GLOO_P2P"
 
@@ -128,29 +119,6 @@ def pairwise_all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.Proc
     return P2PWork(works)
 
 
-def pairwise_all_gather_blocks(
-    blocks: list[torch.Tensor], shards: list[torch.Tensor], pg: dist.ProcessGroup
-) -> P2PWork:
-    """Row ``r`` of each ``blocks[i]`` (``(n, s_i)``, rows contiguous) receives rank ``r``'s ``shards[i]`` (``s_i``
-    elements, contiguous): one message per block and peer, in block order, each straight into its row, so that
-    nothing is copied out of a rank-major buffer afterwards (the packed gather of ``collectives.foreach_all_gather``).
-    Bitwise :func:`pairwise_all_gather` followed by the copy-out: the same bytes land in the same places."""
-    n, rank = pg.size(), pg.rank()
-    works = []
-    for block, shard in zip(blocks, shards):
-        if block.shape != (n, shard.numel()) or not shard.is_contiguous() or block.stride(1) != 1:
-            raise ValueError(
-                f"pairwise_all_gather_blocks: needs blocks of shape ({n}, s) with contiguous rows and contiguous "
-                f"shards of s elements; got block {tuple(block.shape)} (strides {block.stride()}), shard "
-                f"{tuple(shard.shape)} (contiguous={shard.is_contiguous()})"
-            )
-        works += [pg.send([shard], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
-        works += [pg.recv([block[peer]], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
-    for block, shard in zip(blocks, shards):
-        block[rank].copy_(shard)
-    return P2PWork(works)
-
-
 def _forced() -> bool | None:
     value = os.environ.get(ENV_VAR, "auto").strip().lower()
     if value in ("0", "1"):
@@ -162,15 +130,10 @@ def _forced() -> bool | None:
 
 def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool:
     """Whether the ``kind`` collective of ``full`` (the unsharded buffer) over ``pg`` goes point-to-point."""
-    return use_p2p_for(kind, pg, full.device, full.numel() * full.element_size())
-
-
-def use_p2p_for(kind: str, pg: dist.ProcessGroup | None, device: torch.device, nbytes: int) -> bool:
-    """:func:`use_p2p` for an unsharded buffer of ``nbytes`` on ``device`` that is not allocated yet."""
-    if pg is None or device.type != "cpu" or not is_gloo(pg):
+    if pg is None or full.device.type != "cpu" or not is_gloo(pg):
         return False
     forced = _forced()
     if forced is not None:
         return forced
     measured = [size for k, size in P2P_MIN_BYTES if k == kind and size <= pg.size()]
-    return bool(measured) and nbytes >= P2P_MIN_BYTES[(kind, max(measured))]
+    return bool(measured) and full.numel() * full.element_size() >= P2P_MIN_BYTES[(kind, max(measured))]
