@@ -80,6 +80,7 @@ def _third_step(rank: int, world: int, bf16: bool) -> dict[str, Any]:
         "shares_spec": shares_spec,
         "padded": padded,
         "params": sum(1 for _ in model.parameters()),
+        "root_params": sum(1 for name, _ in model.named_parameters() if not name.startswith("blocks.")),
     }
 
 
@@ -112,8 +113,11 @@ def test_two_ranks_one_view_op_per_parameter(pool2: WorkerPool, bf16: bool) -> N
         # - Check: the copy-out writes into kept views (was a narrow, i.e. a slice, and a view per parameter).
         assert fwd["aten.slice"] == bwd["aten.slice"] == 0
         assert fwd["aten.split_with_sizes_copy"] == units
-        # - Check, backward: every parameter's view again (the blocks gathered again, the root's kept gather
-        #   registered again), its gradient's copy-in and its sharded gradient; one chunk per reduction.
-        assert bwd["aten.as_strided"] == 3 * params + units
+        # - Check, backward: every block parameter's view again (the blocks gathered again), every parameter's
+        #   gradient copy-in and sharded gradient; one chunk per reduction. The root's kept gather is not registered
+        #   again: fully_shard leaves its gathered tensors registered until it reshards, as torch does; that is one
+        #   as_strided less per root parameter than the ninth session's pin (3 * params + units), which main
+        #   failed (81 against 87 here: FullViews made 22 views in backward, the blocks' parameters only).
+        assert bwd["aten.as_strided"] == 3 * params - got["root_params"] + units
         # - Check: the rank-check header builds and reads its buffers without ops (was torch.tensor + tolist).
         assert fwd["aten.lift_fresh"] == bwd["aten.lift_fresh"] == 0
