@@ -4,18 +4,21 @@ A ``LlamaForCausalLM`` from a config (no download), its base frozen in bf16, PEF
 default) on the seven attention and MLP projections, AdamW over the adapters, bf16 compute. ``--size 840m`` is the
 840M GPT of ``train.py memory`` (16 layers of width 2048, vocabulary 8192) as a Llama; ``small`` (the default) is
 4 layers of 512. Each system runs on fresh ranks (``fullshard.testing.bench.on_fresh_ranks``), one after another.
-The systems and their names are ``kit.py``'s ``LORA_SYSTEMS``; the base (its dtype) is one of BASES here: a QLoRA
-row is a 4-bit base added to BASES and a system to ``LORA_SYSTEMS``.
+The systems and their names are ``kit.py``'s ``LORA_SYSTEMS``; the base is one of BASES here (``--base``, one or
+more, each with every system): ``bf16``, or ``nf4`` for QLoRA (the seven projections' weights as torchao
+``NF4Tensor``s, which torch's FSDP2 and fullshard both shard through the all-gather extension protocol).
 
 A rank's peak is its ``VmHWM`` over the steps (``fullshard.testing.memory``, reset once the model is wrapped, as
 ``train.py memory`` measures) minus its RSS before it built the model (the interpreter and its imports, printed
 apart): what the run holds (shards, gathered units, gradients, optimizer state, activations, and whatever wrapping
 left behind), not the whole model each rank builds before sharding. The floor is what any sharded run must hold:
 the frozen base in its dtype / N plus, per trainable parameter, its weight, gradient and two AdamW moments (and an
-fp32 master where it is not fp32) / N; no activations, no gathered unit.
+fp32 master where it is not fp32) / N; no activations, no gathered unit. A 4-bit weight counts as stored: its
+codes, block scales and their quantization factors.
 
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/lora.py                          # small: 4 x 512, 6 steps
     MALLOC_MMAP_THRESHOLD_=131072 nice -n 5 python benchmarks/lora.py --size 840m     # 16 x 2048, 1 + 3 steps
+    MALLOC_MMAP_THRESHOLD_=131072 nice -n 5 python benchmarks/lora.py --size 840m --base nf4 bf16   # + QLoRA
 """
 
 from __future__ import annotations
