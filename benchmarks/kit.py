@@ -326,7 +326,7 @@ GPU_FP32 = (FSDP2, OURS_FULLY_SHARD, OURS_FSDP, FSDP1, DDP)  # ``gpu.py``
 GPU_BF16 = (FSDP2_BF16, OURS_FULLY_SHARD_BF16, OURS_FSDP_BF16, FSDP1_BF16)
 TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
 # ``lora.py``: each system's builder takes (PEFT model, decoder layer class); rows are compared with torch FSDP2.
-# A QLoRA system (a 4-bit base) is one more entry here plus a base in ``lora.py``'s BASES.
+# QLoRA runs these same systems on ``lora.py --base nf4`` (the base is lora.py's BASES, not a system).
 LORA_ACCELERATOR = "fullshard Accelerator (FSDP2)"
 LORA_FSDP2_UPCAST = "torch FSDP2, all fp32 (Accelerate < #3848)"
 LORA_ACCELERATE_UNITS = "fullshard fully_shard, Accelerate's units"

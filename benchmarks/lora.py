@@ -4,18 +4,21 @@ A ``LlamaForCausalLM`` from a config (no download), its base frozen in bf16, PEF
 default) on the seven attention and MLP projections, AdamW over the adapters, bf16 compute. ``--size 840m`` is the
 840M GPT of ``train.py memory`` (16 layers of width 2048, vocabulary 8192) as a Llama; ``small`` (the default) is
 4 layers of 512. Each system runs on fresh ranks (``fullshard.testing.bench.on_fresh_ranks``), one after another.
-The systems and their names are ``kit.py``'s ``LORA_SYSTEMS``; the base (its dtype) is one of BASES here: a QLoRA
-row is a 4-bit base added to BASES and a system to ``LORA_SYSTEMS``.
+The systems and their names are ``kit.py``'s ``LORA_SYSTEMS``; the base is one of BASES here (``--base``, one or
+more, each with every system): ``bf16``, or ``nf4`` for QLoRA (the seven projections' weights as torchao
+``NF4Tensor``s, which torch's FSDP2 and fullshard both shard through the all-gather extension protocol).
 
 A rank's peak is its ``VmHWM`` over the steps (``fullshard.testing.memory``, reset once the model is wrapped, as
 ``train.py memory`` measures) minus its RSS before it built the model (the interpreter and its imports, printed
 apart): what the run holds (shards, gathered units, gradients, optimizer state, activations, and whatever wrapping
 left behind), not the whole model each rank builds before sharding. The floor is what any sharded run must hold:
 the frozen base in its dtype / N plus, per trainable parameter, its weight, gradient and two AdamW moments (and an
-fp32 master where it is not fp32) / N; no activations, no gathered unit.
+fp32 master where it is not fp32) / N; no activations, no gathered unit. A 4-bit weight counts as stored: its
+codes, block scales and their quantization factors.
 
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/lora.py                          # small: 4 x 512, 6 steps
     MALLOC_MMAP_THRESHOLD_=131072 nice -n 5 python benchmarks/lora.py --size 840m     # 16 x 2048, 1 + 3 steps
+    MALLOC_MMAP_THRESHOLD_=131072 nice -n 5 python benchmarks/lora.py --size 840m --base nf4 bf16   # + QLoRA
 """
 
 from __future__ import annotations
@@ -56,11 +59,35 @@ def _bf16_base(config: Any) -> nn.Module:
         torch.set_default_dtype(previous)
 
 
-# --base: how the frozen base is stored. A QLoRA base (NF4 linear weights) goes here as "nf4".
-BASES = {"bf16": _bf16_base}
+def _nf4_base(config: Any) -> nn.Module:
+    """QLoRA's base: the bf16 base with the weights of the seven projections converted to torchao ``NF4Tensor``s
+    (4-bit codes, one int8 scale per block of 64 weights, those scales double-quantized per ``_scaler_block``
+    blocks: 256, ``to_nf4``'s default, at both sizes); embeddings, norms and head stay bf16."""
+    from torchao.quantization import to_nf4
+
+    model = _bf16_base(config)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
+            weight = module.weight.detach()
+            nf4 = to_nf4(weight, NF4_BLOCK, _scaler_block(weight.shape[0] // 2 * weight.shape[1] // NF4_BLOCK))
+            module.weight = nn.Parameter(nf4, requires_grad=False)
+    return model
 
 
-def _model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
+NF4_BLOCK = 64  # weights per int8 block scale (``to_nf4``'s default)
+
+
+def _scaler_block(blocks_per_shard: int) -> int:
+    """The largest double-quantization block, at most ``to_nf4``'s 256, that divides a 2-rank shard's blocks (a
+    shard must hold whole scaler blocks to be sharded with its metadata)."""
+    return next(size for size in (256, 128, 64, 32, 16, 8, 4, 2, 1) if blocks_per_shard % size == 0)
+
+
+# --base: how the frozen base is stored.
+BASES = {"bf16": _bf16_base, "nf4": _nf4_base}
+
+
+def _model(args: argparse.Namespace, base_name: str) -> tuple[nn.Module, type[nn.Module]]:
     import peft
     from transformers import LlamaConfig
 
@@ -74,48 +101,65 @@ def _model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
         max_position_embeddings=args.seq,
         tie_word_embeddings=False,
     )
-    base = BASES[args.base](config)
+    base = BASES[base_name](config)
     model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, target_modules=TARGETS))  # adapters in fp32
     return model, type(base.model.layers[0])
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor as stored (a DTensor's local shard)."""
+    """Bytes of a tensor as stored (a DTensor's local shard; an ``NF4Tensor``'s 4-bit codes, block scales and
+    their quantization factors, without its 16-entry table and scale mean, which every rank keeps whole)."""
     local = t.to_local() if hasattr(t, "to_local") else t
+    if hasattr(local, "quantized_data"):  # torchao NF4Tensor
+        return sum(x.nbytes for x in (local.quantized_data, local.quantized_scalers, local.quantization_factor))
     return local.numel() * local.element_size()
 
 
 def floor_parts(model: nn.Module, world: int) -> dict[str, int]:
-    """Bytes per rank any sharded LoRA run of ``model`` (unwrapped) must hold: the frozen weights in their dtype,
-    the trainable ones with their gradients, two AdamW moments in their dtype and an fp32 master if they are
-    not fp32; everything / ``world``."""
-    frozen = sum(tensor_bytes(p) for p in model.parameters() if not p.requires_grad)
+    """Bytes per rank any sharded LoRA run of ``model`` (unwrapped) must hold: the frozen weights as stored (4-bit
+    ones apart), the trainable ones with their gradients, two AdamW moments in their dtype and an fp32 master if
+    they are not fp32; everything / ``world``."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    quantized = sum(tensor_bytes(p) for p in frozen if _is_quantized(p))
     trainable = [p for p in model.parameters() if p.requires_grad]
     weights = sum(tensor_bytes(p) for p in trainable)
     master = sum(p.numel() * 4 for p in trainable if p.dtype != torch.float32)
-    return {
-        "frozen": frozen // world,
+    parts = {
+        "frozen": sum(tensor_bytes(p) for p in frozen) // world,
         "adapters": weights // world,
         "adapter grads": weights // world,
         "AdamW moments": 2 * weights // world,
         "fp32 master": master // world,
     }
+    if quantized:  # the frozen part split: NF4 codes + scales, and the rest (bf16 embeddings, norms, head)
+        parts = {"frozen NF4": quantized // world, "frozen, not quantized": parts["frozen"] - quantized // world,
+                 **{k: v for k, v in parts.items() if k != "frozen"}}  # fmt: skip
+    return parts
 
 
-def _run(rank: int, world: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
+def _is_quantized(p: torch.Tensor) -> bool:
+    return hasattr(p, "quantized_data")
+
+
+def _kind(p: torch.Tensor) -> str:
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return f"{'trainable' if p.requires_grad else 'frozen'} {type(local).__name__ if _is_quantized(local) else p.dtype}"
+
+
+def _run(rank: int, world: int, name: str, base: str, args: argparse.Namespace) -> dict[str, Any]:
     import peft  # noqa: F401  (imported before the baseline: the interpreter's share)
     import transformers  # noqa: F401
 
     torch.set_num_threads(1)
     gc.collect()
     baseline = rss_bytes()
-    model, layer_cls = _model(args)
+    model, layer_cls = _model(args, base)
     floor = floor_parts(model, world)
     params = sum(p.numel() for p in model.parameters())
     model = LORA_SYSTEMS[name](model, layer_cls)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    dtypes = sorted({f"{'trainable' if p.requires_grad else 'frozen'} {p.dtype}" for p in model.parameters()})
+    dtypes = sorted({_kind(p) for p in model.parameters()})
     gen = torch.Generator().manual_seed(rank)
     times, losses = [], []
     gc.collect()
@@ -159,17 +203,20 @@ def _step(ranks: list[dict[str, Any]]) -> float:
     return statistics.median(steps[1:] or steps)
 
 
-def _report(rows: dict[str, list[dict[str, Any]]], loads: dict[str, tuple[float, float]]) -> None:
+def _report(rows: dict[str, list[dict[str, Any]]], loads: dict[str, tuple[float, float]], base_name: str) -> None:
     base = rows.get(LORA_BASELINE)
     any_rank = next(iter(rows.values()))[0]
     floor = sum(any_rank["floor"].values())
     parts = ", ".join(f"{k} {v / MiB:.1f}" for k, v in any_rank["floor"].items())
-    print(f"model: {any_rank['params'] / 1e6:.1f}M parameters; floor per rank {floor / GiB:.3f} GiB ({parts} MiB)")
+    print(
+        f"{base_name} base: {any_rank['params'] / 1e6:.1f}M parameters; floor per rank {floor / GiB:.3f} GiB "
+        f"({parts} MiB)"
+    )
     for name, ranks in rows.items():
         peak, step = max(r["peak"] for r in ranks), _step(ranks)
         line = (
-            f"{name:44s} peak/rank {peak / GiB:6.3f} GiB (x{peak / floor:.2f} floor; after wrap "
-            f"{max(r['after_wrap'] for r in ranks) / GiB:.3f}; interpreter {ranks[0]['baseline'] / GiB:.2f})  "
+            f"{name + ' [' + base_name + ']':52s} peak/rank {peak / GiB:6.3f} GiB (x{peak / floor:.2f} floor; after "
+            f"wrap {max(r['after_wrap'] for r in ranks) / GiB:.3f}; interpreter {ranks[0]['baseline'] / GiB:.2f})  "
             f"step {step:7.2f} s  losses {[round(v, 4) for v in ranks[0]['losses']]}  "
             f"load {loads[name][0]:.1f}-{loads[name][1]:.1f}  {', '.join(ranks[0]['dtypes'])}"
         )
@@ -186,7 +233,9 @@ def _report(rows: dict[str, list[dict[str, Any]]], loads: dict[str, tuple[float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=list(SIZES), default="small")
-    parser.add_argument("--base", choices=list(BASES), default="bf16")
+    parser.add_argument(
+        "--base", nargs="+", choices=list(BASES), default=["bf16"], help="one or more; each base with every system"
+    )
     for flag in ("hidden", "layers", "vocab", "seq", "batch", "steps"):
         parser.add_argument(f"--{flag}", type=int, help=f"overrides --size's {flag}")
     parser.add_argument("--rank", type=int, default=16)
@@ -198,14 +247,17 @@ def main() -> None:
             setattr(args, flag, value)
     print(f"machine: {describe_machine()}")
     print(f"run: {vars(args)}", flush=True)
-    rows, loads = {}, {}
-    for name in args.systems:
-        start = os.getloadavg()[0]
-        rows[name] = on_fresh_ranks(_run, name, args)
-        loads[name] = (start, os.getloadavg()[0])
-        _report({name: rows[name]}, loads)
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {base: {} for base in args.base}
+    loads: dict[str, dict[str, tuple[float, float]]] = {base: {} for base in args.base}
+    for base in args.base:
+        for name in args.systems:
+            start = os.getloadavg()[0]
+            rows[base][name] = on_fresh_ranks(_run, name, base, args)
+            loads[base][name] = (start, os.getloadavg()[0])
+            _report({name: rows[base][name]}, loads[base], base)
     print("--- all rows")
-    _report(rows, loads)
+    for base in args.base:
+        _report(rows[base], loads[base], base)
 
 
 if __name__ == "__main__":
