@@ -110,17 +110,36 @@ def build(row: tuple[str, str], cfg: GPTConfig) -> tuple[nn.Module, list[torch.o
     name, optimizer = row
     torch.manual_seed(0)
     model = system(name).build(TinyGPT(cfg))
+    opts = optimizers(model, optimizer)
+    if optimizer != "adamw" and system(name).ours:
+        hook = whole_param_step(model, opts[0])
+        if optimizer == "muon-serial":  # the exchange as before the pipeline: gather all, step, scatter all
+            hook._can_pipeline = lambda bucket: False  # type: ignore[method-assign]
+    return model, opts
+
+
+def optimizers(model: nn.Module, optimizer: str) -> list[torch.optim.Optimizer]:
+    """AdamW over everything, or Muon (first) over the blocks' matrices and AdamW over the rest, as users set it up."""
     if optimizer == "adamw":
-        return model, [torch.optim.AdamW(model.parameters(), lr=3e-4)]
+        return [torch.optim.AdamW(model.parameters(), lr=3e-4)]
     hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]
-    muon = torch.optim.Muon(hidden, lr=0.02)
-    if system(name).ours:
-        hook = whole_param_step(model, muon)
-        if optimizer == "muon-serial":  # the exchange as before the pipeline: gather all, step, scatter all
-            hook._can_pipeline = lambda bucket: False  # type: ignore[method-assign]
-    return model, [muon, torch.optim.AdamW(rest, lr=3e-4)]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
+
+
+def timed_step(model: nn.Module, opts: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """One training step: (seconds in all, seconds in the optimizers, the loss tensor)."""
+    start = time.perf_counter()
+    loss = model(x, y)
+    loss.backward()
+    mid = time.perf_counter()
+    for opt in opts:
+        opt.step()
+    for opt in opts:
+        opt.zero_grad()
+    end = time.perf_counter()
+    return end - start, end - mid, loss
 
 
 def _shard(rank: int, world: int, cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,17 +163,9 @@ def _timed(rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, b
                 rec = out[label(rows[i])]
                 timers.seconds.clear()
                 dist.barrier()
-                start = time.perf_counter()
-                loss = model(x, y)
-                loss.backward()
-                mid = time.perf_counter()
-                for opt in opts:
-                    opt.step()
-                for opt in opts:
-                    opt.zero_grad()
-                end = time.perf_counter()
-                rec["step_s"].append(end - start)
-                rec["optimizer_s"].append(end - mid)
+                step_s, optimizer_s, loss = timed_step(model, opts, x, y)
+                rec["step_s"].append(step_s)
+                rec["optimizer_s"].append(optimizer_s)
                 rec["loss"].append(loss.item())
                 for phase in PHASES:
                     rec[phase].append(timers.seconds.get(phase, 0.0))
@@ -168,15 +179,7 @@ def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[
     for optimizer in ("adamw", "muon"):
         torch.manual_seed(0)
         model = TinyGPT(cfg)
-        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
-        ids = {id(p) for p in hidden}
-        rest = [p for p in model.parameters() if id(p) not in ids]
-        opts: list[torch.optim.Optimizer] = (
-            [torch.optim.AdamW(model.parameters(), lr=3e-4)]
-            if optimizer == "adamw"
-            else [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
-        )
-        rows[optimizer] = (model, opts)
+        rows[optimizer] = (model, optimizers(model, optimizer))
     timers = Timers()
     out: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in rows}
     with timers.installed():
@@ -185,16 +188,9 @@ def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[
             for name in list(rows) if step % 2 == 0 else list(rows)[::-1]:
                 model, opts = rows[name]
                 timers.seconds.clear()
-                start = time.perf_counter()
-                model(x, y).backward()
-                mid = time.perf_counter()
-                for opt in opts:
-                    opt.step()
-                for opt in opts:
-                    opt.zero_grad()
-                end = time.perf_counter()
-                out[name]["step_s"].append(end - start)
-                out[name]["optimizer_s"].append(end - mid)
+                step_s, optimizer_s, _ = timed_step(model, opts, x, y)
+                out[name]["step_s"].append(step_s)
+                out[name]["optimizer_s"].append(optimizer_s)
                 out[name][NS].append(timers.seconds.get(NS, 0.0))
     base = out["adamw"]["step_s"][warm:]
     return {
