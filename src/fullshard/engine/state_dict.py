@@ -392,20 +392,6 @@ def _save_extension(
             out[prefix + key] = value
 
 
-def _load_extension(unit: _DictUnit, ext: ExtensionParams, state_dict: dict[str, Any], prefix: str) -> None:
-    """Copy this rank's rows of each present extension parameter (its whole tensor, or a ``DTensor`` of its shard)
-    into its shard's inner tensors."""
-    for ep, keys in unit.extension_keys(ext):
-        present = [prefix + k for k in keys if prefix + k in state_dict]
-        if not present:
-            continue
-        value = state_dict.pop(present[0])
-        for key in present[1:]:
-            state_dict.pop(key)
-        unit.consumed.update(clean_key(k) for k in present)
-        ext.load(ep, value, clean_key(present[0]))
-
-
 def _rename_prefix(destination: dict[str, Any], raw: str, clean: str) -> None:
     """Replace the leading ``raw`` of keys by ``clean``, keeping the order (and the ``_metadata`` keys)."""
     for mapping in (destination, getattr(destination, "_metadata", None)):
@@ -450,14 +436,25 @@ def _pre_load(
         _materialize_for(group, state_dict, prefix, unit)
     with torch.no_grad():
         for sp, keys in unit.param_keys():
-            present = [prefix + k for k in keys if prefix + k in state_dict]
-            if not present:
-                continue
-            values = [state_dict.pop(k) for k in present]
-            unit.consumed.update(clean_key(k) for k in present)
-            sp.local_view(group.flat_shard).copy_(rows_of(group, sp, values[0], clean_key(present[0])))
+            taken = _take(unit, state_dict, prefix, keys)
+            if taken is not None:
+                sp.local_view(group.flat_shard).copy_(rows_of(group, sp, taken[1], taken[0]))
     if group.extension is not None:
-        _load_extension(unit, group.extension, state_dict, prefix)
+        for ep, keys in unit.extension_keys(group.extension):
+            taken = _take(unit, state_dict, prefix, keys)
+            if taken is not None:
+                group.extension.load(ep, taken[1], taken[0])
+
+
+def _take(unit: _DictUnit, state_dict: dict[str, Any], prefix: str, keys: list[str]) -> tuple[str, Any] | None:
+    """Pop every present name of one parameter (a tied one has several) and mark them consumed; return the first
+    one's clean key and value, or ``None`` if the state dict has none of them."""
+    present = [prefix + k for k in keys if prefix + k in state_dict]
+    if not present:
+        return None
+    values = [state_dict.pop(k) for k in present]
+    unit.consumed.update(clean_key(k) for k in present)
+    return clean_key(present[0]), values[0]
 
 
 def _materialize_for(group: ParamGroup, state_dict: dict[str, Any], prefix: str, unit: _DictUnit) -> None:
