@@ -358,8 +358,13 @@ class WholeParamStep:
             for group, params in zip(groups, saved, strict=True):
                 group["params"] = params
 
-    def _post_scatter(self, bucket: _Bucket, slot: dict[int, _Entry], state: dict[str, Any]) -> tuple[Any, ...]:
-        """Start slot ``slot``'s scatter (one all_to_all per piece, as :meth:`_scatter`); frees the owner's whole."""
+    def _post_scatter(
+        self, bucket: _Bucket, slot: dict[int, _Entry], state: dict[str, Any], background: bool = True
+    ) -> tuple[Any, ...]:
+        """Start slot ``slot``'s scatter (one all_to_all per piece: the parameter, then each state in spec order;
+        in the background, or each done before the next piece's send buffer is built); frees the owner's whole
+        tensors. ``state``: the owner's whole state of its parameter in the slot. :meth:`_finish_scatter` copies the
+        pieces into place."""
         me, works, outs = bucket.rank, [], []
         pieces = {id(e.param): self._scatter_pieces(e) for e in slot.values()}
         for k in range(max(len(p) for p in pieces.values())):
@@ -380,7 +385,8 @@ class WholeParamStep:
                 for o in range(bucket.world)
             ]
             out = torch.empty(sum(out_splits), dtype=torch.uint8)
-            _all_to_all_into(out, send, out_splits, in_splits, bucket, works)
+            _all_to_all_into(out, send, out_splits, in_splits, bucket, works if background else None)
+            del send  # in the background, the work holds it until done
             outs.append((out, at, out_splits))
         own = slot.get(me)
         if own is not None:  # sent (the send buffers are copies): free the whole tensors
@@ -498,45 +504,19 @@ class WholeParamStep:
     def _scatter(self, bucket: _Bucket, states: dict[int, dict[str, Any]]) -> None:
         entries = bucket.stepping
         self._exchange_specs(bucket, entries, states)
-        pieces = {id(e.param): self._scatter_pieces(e) for e in entries}
         owned = [[e for e in entries if e.owner == o] for o in range(bucket.world)]
-        me = bucket.rank
         # One all_to_all per owner slot and piece (parameter, then each state in spec order): in call (j, k) every
         # owner sends every rank its rows of piece k of its j-th parameter (a whole state: all of it); once a slot
         # is sent its whole tensors are freed and its pieces copied into place (see [Note: exchange memory]).
         for j in range(max((len(es) for es in owned), default=0)):
             slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
-            got: dict[int, list[torch.Tensor]] = {id(e.param): [] for e in slot.values()}
-            for k in range(max(len(pieces[id(e.param)]) for e in slot.values())):
-                at = {o: e for o, e in slot.items() if len(pieces[id(e.param)]) > k}
-                send, in_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
-                mine = at.get(me)
-                if mine is not None and mine.whole is not None:
-                    name, d, kind = pieces[id(mine.param)][k]
-                    src = mine.whole.detach() if name is None else states[id(mine.param)][name]
-                    if kind[0] == "whole":
-                        send = _concat([_as_bytes(src)] * bucket.world)
-                    else:
-                        send = _concat([_as_bytes(_rows_of(mine, src, r)) for r in range(bucket.world)])
-                    in_splits = [_nbytes(mine, r, d, kind) for r in range(bucket.world)]
-                out_splits = [
-                    _nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
-                    for o in range(bucket.world)
-                ]
-                out = torch.empty(sum(out_splits), dtype=torch.uint8)
-                _all_to_all_into(out, send, out_splits, in_splits, bucket)
-                del send
-                offset = 0
-                for o in range(bucket.world):
-                    if o in at:  # bytes, copied into place by _take_pieces
-                        got[id(at[o].param)].append(out.narrow(0, offset, out_splits[o]))
-                        offset += out_splits[o]
-            mine_j = slot.get(me)
-            if mine_j is not None:  # sent: free the whole tensors
-                mine_j.whole = None
-                states.pop(id(mine_j.param), None)
-            for e in slot.values():
-                self._take_pieces(e, got.pop(id(e.param)))
+            own = slot.get(bucket.rank)
+            state = states.get(id(own.param), {}) if own is not None else {}
+            posted = self._post_scatter(bucket, slot, state, background=False)
+            del state
+            if own is not None:  # sent: its whole state goes with its whole tensors
+                states.pop(id(own.param), None)
+            self._finish_scatter(posted)
         bucket.stepping = []
 
     def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
@@ -715,10 +695,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -> int:
     if kind[0] == "whole":
-        numel = 1
-        for d in kind[2]:
-            numel *= d
-        return numel * dtype.itemsize
+        return math.prod(kind[2]) * dtype.itemsize
     return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
 
 
