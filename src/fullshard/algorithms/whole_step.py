@@ -235,35 +235,52 @@ class WholeParamStep:
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
         dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
-        mine = [e for e in bucket.stepping if e.owner == bucket.rank]
-        wholes: dict[int, list[torch.Tensor]] = {id(e): [] for e in mine}
         owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
+        wholes = self._post_gather(bucket, owned, dtypes, 0, max(len(o) for o in owned), None)
+        for j, e in enumerate(owned[bucket.rank]):
+            self._own_whole(e, wholes[j])
+        return [id(e.param) for e in bucket.stepping]
+
+    def _post_gather(
+        self,
+        bucket: _Bucket,
+        owned: list[list[_Entry]],
+        dtypes: dict[int, list[torch.dtype]],
+        first: int,
+        last: int,
+        works: list[list[Any]] | None,
+    ) -> list[list[torch.Tensor]]:
+        """The gathers of owner slots ``first..last-1``; per slot, the whole tensors this rank receives as their
+        owner. Without ``works`` each is done at once and its whole tensor is in the parameter's dim order (of a
+        tensor parallel parameter: made whole by a gather over tp); with it (a list per slot) they run in the
+        background and the tensors, plain dim-0 rows, are filled once slot ``j``'s works are done."""
         # One all_to_all per piece (parameter, gradient, each per-element state) and slot: in call (k, j) every
         # owner receives piece k of its j-th parameter straight into that piece's whole tensor (rank r's rows at
         # rank r's place: the dim-0 layout), so nothing is received beside the whole tensors (see [Note: exchange
         # memory]).
+        me = bucket.rank
+        wholes: list[list[torch.Tensor]] = [[] for _ in range(last)]
         for k in range(max((len(d) for d in dtypes.values()), default=0)):
-            for j in range(max(len(o) for o in owned)):
+            for j in range(first, last):
                 to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
                 # rows in the layout's dim order (a Shard(d) parameter's dim d first: see [Note: Shard(d)])
-                send = [_as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())]
-                in_splits = [_nbytes(to[o], bucket.rank, dtypes[id(to[o].param)][k]) if o in to else 0
+                send = _concat([_as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())])
+                in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
                              for o in range(bucket.world)]  # fmt: skip
-                e = to.get(bucket.rank)
+                e = to.get(me)
                 if e is None:
-                    _all_to_all_into(torch.empty(0, dtype=torch.uint8), _concat(send), [0] * bucket.world, in_splits,
-                                     bucket)  # fmt: skip
-                    continue
-                d = dtypes[id(e.param)][k]
-                whole = torch.empty(e.sp.layout.shape, dtype=d)  # the layout's dim order
-                out_splits = [_nbytes(e, r, d) for r in range(bucket.world)]
-                _all_to_all_into(_as_bytes(whole), _concat(send), out_splits, in_splits, bucket)
-                # in the parameter's dim order, plain (a copy only for Shard(d), d > 0); of a tensor parallel
-                # parameter: its tp part, made whole by a gather over tp
-                wholes[id(e)].append(e.sp.full_of_gathered(e.sp.unmove(whole).contiguous()))
-        for e in mine:
-            self._own_whole(e, wholes.pop(id(e)))
-        return [id(e.param) for e in bucket.stepping]
+                    whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
+                else:
+                    whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])  # the layout's dim order
+                    out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
+                _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
+                                 bucket, None if works is None else works[j])  # fmt: skip
+                if e is not None:
+                    # in the parameter's dim order, plain (a copy only for Shard(d), d > 0; the background path
+                    # takes dim-0 rows only, see _can_pipeline)
+                    done = e.sp.full_of_gathered(e.sp.unmove(whole).contiguous()) if works is None else whole
+                    wholes[j].append(done)
+        return wholes
 
     # --- pipelined: gather, step and scatter one owner slot after another, the exchange in the background --
 
@@ -297,23 +314,8 @@ class WholeParamStep:
         mine = [owned[me][j] if j < len(owned[me]) else None for j in range(slots)]
         gathers: list[list[Any]] = [[] for _ in range(slots)]  # per slot: its all_to_all works
 
-        def post(first: int, last: int) -> None:  # the gathers of slots first..last-1, as in _gather
-            wholes: list[list[torch.Tensor]] = [[] for _ in range(slots)]
-            for k in range(max((len(d) for d in dtypes.values()), default=0)):
-                for j in range(first, last):
-                    to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
-                    send = _concat([_as_bytes(self._local_pieces(e)[k]) for _, e in sorted(to.items())])
-                    in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
-                                 for o in range(bucket.world)]  # fmt: skip
-                    e = to.get(me)
-                    if e is None:
-                        whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
-                    else:
-                        whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])
-                        out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
-                        wholes[j].append(whole)
-                    _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
-                                     bucket, gathers[j])  # fmt: skip
+        def post(first: int, last: int) -> None:  # the gathers of slots first..last-1, in the background
+            wholes = self._post_gather(bucket, owned, dtypes, first, last, gathers)
             for j in range(first, last):
                 e = mine[j]
                 if e is not None:  # the whole tensors as they will be once received (dim 0, no tp: plain views)
