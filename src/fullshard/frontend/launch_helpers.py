@@ -81,7 +81,8 @@ def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num
 
 class _ForgetParentGroup:
     """Runs ``function`` in a launched process after forgetting the shared Accelerator state a forked child
-    inherits, so that its ``Accelerator`` joins the group of the launched processes."""
+    inherits, so that its ``Accelerator`` joins the group of the launched processes; the group that joining made
+    is destroyed once every process has returned."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
@@ -90,7 +91,14 @@ class _ForgetParentGroup:
         from fullshard.frontend.processes.shared_state import AcceleratorState
 
         AcceleratorState._reset_state(True)
-        return self.function(*args)
+        result = self.function(*args)
+        # A forked child that returns with its gloo group alive can abort at exit ("terminate called without an
+        # active exception": gloo's threads still joinable at teardown), so the group ends here, after every
+        # process has finished the function (the barrier), never while a peer still talks to it.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        return result
 
 
 @contextlib.contextmanager
