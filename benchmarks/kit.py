@@ -140,6 +140,41 @@ def lora_ours_accelerate_units(model: nn.Module, layer_cls: type[nn.Module]) -> 
     return model
 
 
+def lora_lean_units(
+    model: nn.Module, layer_cls: type[nn.Module], shard: Callable[..., Any], **policy: Any
+) -> nn.Module:
+    """The smallest units a LoRA run can gather, with activation checkpointing: every decoder layer recomputes its
+    forward in backward, every LoRA-wrapped projection (its frozen ``base_layer`` with its adapters) is a unit of
+    its own inside its layer's unit (norms), the input embedding and ``lm_head`` are units, the root holds the
+    final norm. At most two projections (the largest 21 MiB in bf16 at 840M) are gathered at a time instead of two
+    decoder layers (96 MiB each), and backward keeps one layer's inputs per layer instead of its activations.
+    ``shard`` is fullshard's or torch's ``fully_shard``: the same units for both."""
+    for layer in [m for m in model.modules() if isinstance(m, layer_cls)]:
+        checkpoint_module(layer)
+        for module in layer.modules():
+            if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+                shard(module, **policy)
+        shard(layer, **policy)
+    shard(model.get_input_embeddings(), **policy)
+    shard(model.get_output_embeddings(), **policy)
+    shard(model, **policy)
+    return model
+
+
+def lora_ours_lean(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    from fullshard import fully_shard
+
+    return lora_lean_units(model, layer_cls, fully_shard, **lora_policy_kwargs(False))
+
+
+def lora_torch_fsdp2_lean(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
+    """torch's ``fully_shard`` on :func:`lora_lean_units`' units, bf16 policy as the fullshard row (no autocast:
+    both compute in the gathered bf16 weights)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return lora_lean_units(model, layer_cls, fully_shard, **lora_policy_kwargs(True))
+
+
 def lora_ours_fsdp(model: nn.Module, layer_cls: type[nn.Module]) -> nn.Module:
     mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, cast_forward_inputs=True)
     return OurFSDP(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), mixed_precision=mp, use_orig_params=True)
@@ -330,6 +365,8 @@ TRACE_DEFAULT = OURS_FSDP  # ``train.py steps --trace``
 LORA_ACCELERATOR = "fullshard Accelerator (FSDP2)"
 LORA_FSDP2_UPCAST = "torch FSDP2, all fp32 (Accelerate < #3848)"
 LORA_ACCELERATE_UNITS = "fullshard fully_shard, Accelerate's units"
+LORA_LEAN = "fullshard fully_shard, projection units +AC"
+LORA_FSDP2_LEAN = "torch FSDP2, projection units +AC"
 LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
     OURS_FULLY_SHARD: lora_ours_fully_shard,
     SHORT_FSDP: lora_ours_fsdp,
@@ -337,6 +374,8 @@ LORA_SYSTEMS: dict[str, Callable[[nn.Module, type[nn.Module]], nn.Module]] = {
     LORA_ACCELERATE_UNITS: lora_ours_accelerate_units,
     SHORT_FSDP2: lora_torch_fsdp2,
     LORA_FSDP2_UPCAST: functools.partial(lora_torch_fsdp2, upcast_all=True),
+    LORA_LEAN: lora_ours_lean,
+    LORA_FSDP2_LEAN: lora_torch_fsdp2_lean,
 }
 LORA_BASELINE = SHORT_FSDP2
 # ``muon.py``: (system, optimizer set-up) rows; the first is the baseline of its ratios

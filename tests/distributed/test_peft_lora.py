@@ -249,3 +249,44 @@ def test_bf16_base_with_fp32_adapters(pool2: WorkerPool, version: int, wrap: str
         optimizer.step()
         optimizer.zero_grad()
         assert loss == pytest.approx(expected.item(), abs=3e-2), step
+
+
+def projection_units_checkpointed(rank: int, world: int) -> dict[str, Any]:
+    from fullshard import checkpoint_module, fully_shard
+
+    model = _lora()
+    for layer in model.get_base_model().model.layers:
+        checkpoint_module(layer)  # recomputed in backward: its projections' units gather again inside it
+        for module in layer.modules():
+            if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+                fully_shard(module)
+        fully_shard(layer)
+    fully_shard(model.get_input_embeddings())
+    fully_shard(model.get_output_embeddings())
+    fully_shard(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(2):
+        ids = _batch(rank, step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    full = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    return {"adapters": _adapters(full), "losses": losses}
+
+
+def test_projection_units_inside_checkpointed_layers_train_as_one_process(pool2: WorkerPool) -> None:
+    # The leanest layout of docs/finetuning.md: every LoRA projection (frozen base_layer + adapters) a unit inside
+    # its decoder layer's unit, the layer recomputed in backward (so each projection is gathered three times a
+    # step: forward, recompute, backward), embedding and head units of their own. Adapters after two SGD steps
+    # with momentum equal one process on both ranks' rows.
+    results = pool2.run(projection_units_checkpointed)
+    expected, _ = _reference(2)
+    got = results[0]["adapters"]
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    initial = _adapters(_lora().state_dict())
+    assert all(not torch.equal(tensor, initial[name]) for name, tensor in expected.items())  # both A and B moved
