@@ -612,6 +612,17 @@ def test_one_process_checkpoint_without_fsdp_loads_as_it_is_and_sharded(monkeypa
     sharded_accelerator.backward(other(x).square().mean())
     other_optimizer.step()
     torch.testing.assert_close(other(x), expected)
+    sharded_accelerator.save_state(tmp_path / "sharded")  # and back: the sharded run's folder into a plain model
+    expected = sharded_accelerator.get_state_dict(other)
+
+    AcceleratorState._reset_state(True)
+    plain_accelerator = Accelerator()
+    plain, plain_optimizer, _ = _parts()
+    plain, plain_optimizer = plain_accelerator.prepare(plain, plain_optimizer)
+    plain_accelerator.fsdp_plugin.set_state_dict_type(layout)
+    plain_accelerator.load_state(tmp_path / "sharded")
+    assert not is_sharded(plain) and all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
+    assert plain_optimizer.state_dict()["state"][0]["step"] == 2
 
 
 def test_fsdp_asked_for_shards_one_process(monkeypatch) -> None:

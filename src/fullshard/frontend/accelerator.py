@@ -144,8 +144,8 @@ def _shards(plugin_given: bool, config: ParallelismConfig | None, num_processes:
 # (:func:`_fsdp_env`). Any of those, or a second process, shards as before (fullshard never runs DDP: several
 # processes without a plugin shard with the default one). Setting ``accelerator.state.distributed_type`` to
 # ``FSDP`` before the first ``prepare`` turns sharding on, as in Accelerate's tests. Without sharding, a
-# checkpoint of ``save_state`` is the same folder as with it (DCP model and optimizer folders), so a run
-# started on one process resumes sharded on several, and back.
+# checkpoint of ``save_state`` is the same folder as with it (the plugin's ``state_dict_type`` picks DCP folders
+# or full files; see ``saving/model_state.py``), so it loads into a sharded model, and back.
 
 
 def _resolve_precision(mixed_precision: object) -> PrecisionType:
