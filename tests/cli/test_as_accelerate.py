@@ -49,7 +49,7 @@ def test_accelerate_modules_and_metadata_are_fullshards() -> None:
         assert constants.FSDP_AUTO_WRAP_POLICY[:2] == ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"]
         assert importlib.metadata.version("accelerate") == "1.15.0"
         import os
-        assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # from_pretrained's cpu_ram_efficient_loading reads it
+        assert "ACCELERATE_USE_FSDP" not in os.environ  # one process: Accelerate's DistributedType.NO
         with pytest.raises(ModuleNotFoundError, match="fullshard's mirror, which has no fullshard.accelerate.commands"):
             import accelerate.commands.launch
         with pytest.raises(NotImplementedError, match="accelerate's DeepSpeedPlugin is not provided by fullshard"):
@@ -150,3 +150,14 @@ def test_peft_trl_and_the_trainer_import_under_the_mirror(tmp_path: Path) -> Non
     )
     out = _run("", "-m", "fullshard.cli.main", "launch", "--num_processes", "1", "--as_accelerate", str(script))
     assert "imports ok fullshard.accelerate" in out
+
+
+def test_install_says_fsdp_only_for_several_processes() -> None:
+    code = """
+        import os
+        from fullshard.cli import as_accelerate
+        as_accelerate.install()
+        print(os.environ.get("ACCELERATE_USE_FSDP"))
+    """
+    assert _run(code, env={"WORLD_SIZE": "2"}).strip() == "true"  # transformers' RAM-efficient loading reads it
+    assert _run(code, env={"WORLD_SIZE": "1"}).strip() == "None"

@@ -36,6 +36,7 @@ from fullshard.accelerate.utils import (
 )
 from fullshard.accelerate.utils import constants as accelerate_constants
 from fullshard.accelerate.utils.fsdp_utils import compile_regions_fsdp2, is_compiled_module
+from fullshard.engine import FullyShardedDataParallel
 from fullshard.engine.api import (
     BackwardPrefetch,
     CPUOffloadPolicy,
@@ -45,6 +46,7 @@ from fullshard.engine.api import (
 )
 from fullshard.frontend.launch_helpers import debug_launcher
 from fullshard.frontend.optim import AcceleratedOptimizer
+from fullshard.frontend.prepare import is_sharded
 from fullshard.utils import (
     FullyShardedDataParallelPlugin,
     enable_fsdp_ram_efficient_loading,
@@ -81,12 +83,19 @@ def test_gradient_accumulation_steps_setter_refuses_bad_values() -> None:
         accelerator.gradient_accumulation_steps = 0
 
 
-def test_distributed_type_accepts_fsdp_and_refuses_others() -> None:
+def test_distributed_type_accepts_fsdp_and_refuses_others(monkeypatch) -> None:
+    _no_fsdp_env(monkeypatch)
     accelerator = Accelerator()
-    accelerator.state.distributed_type = "FSDP"
-    assert accelerator.distributed_type == "FSDP"
-    with pytest.raises(ValueError, match=re.escape("accelerator.distributed_type = 'MULTI_GPU': fullshard always")):
+    assert accelerator.distributed_type == "NO"  # one process, nothing asks for FSDP: Accelerate's type
+    accelerator.state.distributed_type = "FSDP"  # as Accelerate's tests switch FSDP on
+    assert accelerator.distributed_type == "FSDP" and AcceleratorState().distributed_type == "FSDP"
+    assert AcceleratorState().fsdp_plugin is accelerator.fsdp_plugin
+    with pytest.raises(ValueError, match=re.escape("accelerator.distributed_type = 'MULTI_GPU': fullshard shards")):
         accelerator.distributed_type = "MULTI_GPU"
+    model = accelerator.prepare(nn.Linear(2, 2))
+    assert is_sharded(model)
+    with pytest.raises(ValueError, match=re.escape("= 'NO' after 1 model(s) were prepared as FSDP: set it before")):
+        accelerator.distributed_type = "NO"
 
 
 def test_prepared_objects_are_listed_and_marked() -> None:
@@ -359,6 +368,26 @@ def test_an_accelerator_fills_the_partial_state() -> None:
     assert PartialState().process_index == accelerator.process_index and PartialState._shared_state != {}
 
 
+def test_accelerator_answers_through_its_shared_state_until_it_is_reset() -> None:
+    """Accelerate's ``accelerator.state`` is the shared ``AcceleratorState``: attributes set on it are shared, and
+    after ``AcceleratorState._reset_state()`` the accelerator's process fields raise Accelerate's error (naming
+    the reset) until a new Accelerator is built."""
+    accelerator = Accelerator()
+    assert isinstance(accelerator.state, AcceleratorState) and accelerator.state.num_processes == 1
+    accelerator.state.someotherthing = "MyValue"
+    assert AcceleratorState().someotherthing == "MyValue"
+    accelerator.state._reset_state()
+    for name in ("num_processes", "process_index", "device", "is_main_process", "distributed_type"):
+        with pytest.raises(AttributeError) as info:
+            getattr(accelerator, name)
+        assert str(info.value) == (
+            f"`AcceleratorState` object has no attribute `{name}`. This happens if `AcceleratorState._reset_state()` "
+            "was called and an `Accelerator` or `PartialState` was not reinitialized."
+        )
+    again = Accelerator()
+    assert accelerator.num_processes == again.num_processes == 1  # a new Accelerator filled the state again
+
+
 @pytest.mark.parametrize("cls_name", ["PartialState", "AcceleratorState"])
 def test_shared_state_errors_use_accelerates_words(cls_name: str) -> None:
     from fullshard.accelerate import state as accelerate_state
@@ -486,8 +515,9 @@ def test_module_unwrapped_from_a_one_process_wrapper_computes_with_its_weights()
     torch.manual_seed(0)
     model = nn.Linear(2, 4)
     reference = copy.deepcopy(model)
-    accelerator = Accelerator()
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=1))
     prepared = accelerator.prepare(model)
+    assert isinstance(prepared, FullyShardedDataParallel)
     optimizer = accelerator.prepare(torch.optim.SGD(prepared.parameters(), lr=0.1))
     x = torch.randn(10, 2)
     accelerator.backward(prepared(x).sum())
@@ -500,3 +530,113 @@ def test_module_unwrapped_from_a_one_process_wrapper_computes_with_its_weights()
     unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     assert torch.equal(unwrapped(x), out)  # the one rank's shards are the whole (updated) weights
     assert torch.equal(pickle.loads(pickle.dumps(unwrapped))(x), out)
+
+
+# --- one process without FSDP: Accelerate's DistributedType.NO ----------------------------------------------------
+
+
+def _no_fsdp_env(monkeypatch) -> None:
+    for name in [n for n in os.environ if n.startswith(("FSDP_", "ACCELERATE_USE_"))]:
+        monkeypatch.delenv(name)
+
+
+def _parts():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1), torch.randn(6, 4)
+
+
+def test_one_process_without_fsdp_trains_the_model_as_it_is(monkeypatch) -> None:
+    """Accelerate's ``DistributedType.NO``: ``prepare`` returns the very model (hooks and attribute writes on the
+    user's object count), autocast for mixed precision, and a step equal to plain torch's to the bit."""
+    _no_fsdp_env(monkeypatch)
+    model, optimizer, x = _parts()
+    reference, reference_optimizer, _ = _parts()
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+    prepared, prepared_optimizer = accelerator.prepare(model, optimizer)
+    assert prepared is model and not is_sharded(model)
+    assert accelerator.distributed_type == "NO" and not accelerator.is_fsdp2
+    assert AcceleratorState().distributed_type == "NO" and AcceleratorState().fsdp_plugin is None  # the Trainer's test
+    for step in range(2):
+        with accelerator.accumulate(prepared):
+            out = prepared(x[3 * step : 3 * step + 3])
+            assert out.dtype == torch.float32
+            accelerator.backward(out.square().mean())
+            norm = accelerator.clip_grad_norm_(prepared.parameters(), 0.5)
+            prepared_optimizer.step()
+            prepared_optimizer.zero_grad()
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = reference(x[3 * step : 3 * step + 3])
+        (out.float().square().mean() / 2).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    reference_optimizer.step()
+    assert torch.equal(norm, expected_norm)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert accelerator.unwrap_model(prepared) is model
+    assert accelerator.get_state_dict(prepared).keys() == reference.state_dict().keys()
+
+
+@pytest.mark.parametrize("layout", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_one_process_checkpoint_without_fsdp_loads_as_it_is_and_sharded(monkeypatch, tmp_path, layout) -> None:
+    """``save_state`` of a model prepared as it is round-trips the model and the optimizer, and its folder is the
+    sharded layout: a sharded run (here one rank under a plugin) resumes from it to the same numbers."""
+    _no_fsdp_env(monkeypatch)
+    model, optimizer, x = _parts()
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(x).square().mean())
+    optimizer.step()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optimizer = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    accelerator.fsdp_plugin.set_state_dict_type(layout)  # the layout save_state writes
+    accelerator.save_state(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / ("pytorch_model_fsdp.bin" if layout == "FULL_STATE_DICT" else "optimizer_0")).exists()
+    optimizer.step()  # moves the weights and Adam's state on
+    optimizer.zero_grad()
+    accelerator.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(v, saved_model[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, saved_optimizer[k]) for k, v in optimizer.state_dict()["state"][0].items())
+    accelerator.backward(model(x).square().mean())
+    optimizer.step()
+    expected = model(x)
+
+    AcceleratorState._reset_state(True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=layout)
+    sharded_accelerator = Accelerator(fsdp_plugin=plugin)
+    other, other_optimizer, _ = _parts()
+    other, other_optimizer = sharded_accelerator.prepare(other, other_optimizer)
+    assert is_sharded(other)
+    sharded_accelerator.load_state(tmp_path / "ckpt")
+    sharded_accelerator.backward(other(x).square().mean())
+    other_optimizer.step()
+    torch.testing.assert_close(other(x), expected)
+    sharded_accelerator.save_state(tmp_path / "sharded")  # and back: the sharded run's folder into a plain model
+    expected = sharded_accelerator.get_state_dict(other)
+
+    AcceleratorState._reset_state(True)
+    plain_accelerator = Accelerator()
+    plain, plain_optimizer, _ = _parts()
+    plain, plain_optimizer = plain_accelerator.prepare(plain, plain_optimizer)
+    plain_accelerator.fsdp_plugin.set_state_dict_type(layout)
+    plain_accelerator.load_state(tmp_path / "sharded")
+    assert not is_sharded(plain) and all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
+    assert plain_optimizer.state_dict()["state"][0]["step"] == 2
+
+
+def test_fsdp_asked_for_shards_one_process(monkeypatch) -> None:
+    """A plugin, ``ACCELERATE_USE_FSDP=true`` or an ``FSDP_*`` variable (with ``ACCELERATE_USE_FSDP`` unset) shard
+    one process as before; ``ACCELERATE_USE_FSDP=false`` wins over the ``FSDP_*`` variables."""
+    _no_fsdp_env(monkeypatch)
+    assert is_sharded(Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin()).prepare(nn.Linear(2, 2)))
+    for variables, sharded in [
+        ({"ACCELERATE_USE_FSDP": "true"}, True),
+        ({"FSDP_VERSION": "2"}, True),
+        ({"FSDP_VERSION": "2", "ACCELERATE_USE_FSDP": "false"}, False),
+    ]:
+        AcceleratorState._reset_state(True)
+        with patch_environment(**variables):
+            accelerator = Accelerator()
+            assert is_sharded(accelerator.prepare(nn.Linear(2, 2))) is sharded, variables
+            assert accelerator.distributed_type == ("FSDP" if sharded else "NO")

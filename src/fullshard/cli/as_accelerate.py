@@ -109,8 +109,10 @@ def installed() -> bool:
 def install() -> None:
     """Serve ``accelerate`` from fullshard in this process (idempotent); see [Note: serving accelerate].
 
-    Also sets ``ACCELERATE_USE_FSDP=true`` unless it is set: under fullshard every prepared model is sharded,
-    and transformers' ``cpu_ram_efficient_loading`` (rank 0 alone reads the pretrained weights) looks for it.
+    Also sets ``ACCELERATE_USE_FSDP=true`` unless it is set, when several processes run (``WORLD_SIZE`` > 1):
+    there every prepared model is sharded, and transformers' ``cpu_ram_efficient_loading`` (rank 0 alone reads
+    the pretrained weights) looks for it. One process keeps Accelerate's ``DistributedType.NO`` unless FSDP is
+    asked for (see [Note: one process without FSDP] in ``frontend/accelerator.py``).
     """
     if installed():
         return
@@ -123,7 +125,16 @@ def install() -> None:
         )
     sys.meta_path.insert(0, AccelerateMirror())
     importlib.invalidate_caches()
-    # Every model an Accelerator prepares here is sharded, so say so as `accelerate launch --use_fsdp` does:
-    # transformers' from_pretrained reads this (with FSDP_CPU_RAM_EFFICIENT_LOADING, which TrainingArguments
-    # writes from fsdp_config) to load the weights on rank 0 only and build the model on meta elsewhere.
-    os.environ.setdefault(_USE_FSDP_VAR, "true")
+    # With several processes every model an Accelerator prepares is sharded, so say so as `accelerate launch
+    # --use_fsdp` does: transformers' from_pretrained reads this (with FSDP_CPU_RAM_EFFICIENT_LOADING, which
+    # TrainingArguments writes from fsdp_config) to load the weights on rank 0 only and build the model on meta
+    # elsewhere.
+    if _world_size() > 1:
+        os.environ.setdefault(_USE_FSDP_VAR, "true")
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1  # the process group's own setup names a malformed WORLD_SIZE

@@ -1,8 +1,10 @@
 """``Accelerator``: Accelerate's training front end over the fullshard engine.
 
 A script written for Accelerate keeps working after ``from accelerate import Accelerator`` becomes
-``from fullshard import Accelerator``. The model is always sharded: with no ``fsdp_plugin`` the default
-:class:`FullyShardedDataParallelPlugin` is used, which reads the ``FSDP_*`` variables ``fullshard launch`` sets.
+``from fullshard import Accelerator``. The model is sharded whenever FSDP is asked for or several processes run:
+with no ``fsdp_plugin`` the default :class:`FullyShardedDataParallelPlugin` is used, which reads the ``FSDP_*``
+variables ``fullshard launch`` sets. One process with nothing asking for FSDP runs the model as it is, as
+Accelerate's ``DistributedType.NO`` does (see [Note: one process without FSDP]).
 A script run without a launcher is one process with a process group of one rank (see [Note: single process]
 in ``processes/runtime.py``). This class only dispatches; the work is done in ``prepare.py`` (models), ``data/``
 (loaders), ``optim.py``, ``training.py`` (per-step helpers), ``invariant.py`` (world-size-invariant mode),
@@ -122,10 +124,46 @@ def _default_plugin(config: ParallelismConfig | None) -> FullyShardedDataParalle
     return FullyShardedDataParallelPlugin()
 
 
+def _fsdp_env() -> bool:
+    """Whether the environment asks for FSDP: ``ACCELERATE_USE_FSDP`` true (``accelerate launch --use_fsdp``,
+    ``fullshard launch --use_fsdp``), or, with it unset, any ``FSDP_*`` plugin variable set."""
+    use_fsdp = env.read_launch_env().get("use_fsdp")
+    return bool(use_fsdp) if use_fsdp is not None else bool(env.read_env())
+
+
+def _shards(plugin_given: bool, config: ParallelismConfig | None, num_processes: int) -> bool:
+    """Whether prepared models are sharded; see [Note: one process without FSDP]."""
+    return plugin_given or config is not None or num_processes > 1 or _fsdp_env()
+
+
+# [Note: one process without FSDP]
+# Accelerate runs one process without a launcher as ``DistributedType.NO``: ``prepare`` returns the model as it
+# is (moved to the device, its forward under autocast for mixed precision), and code that keeps using the model
+# it built (attribute writes, its own hooks) sees the prepared one. fullshard does the same for one process when
+# nothing asks for FSDP: no ``fsdp_plugin``, no ``parallelism_config``, and no FSDP in the environment
+# (:func:`_fsdp_env`). Any of those, or a second process, shards as before (fullshard never runs DDP: several
+# processes without a plugin shard with the default one). Setting ``accelerator.state.distributed_type`` to
+# ``FSDP`` before the first ``prepare`` turns sharding on, as in Accelerate's tests. Without sharding, a
+# checkpoint of ``save_state`` is the same folder as with it (the plugin's ``state_dict_type`` picks DCP folders
+# or full files; see ``saving/model_state.py``), so it loads into a sharded model, and back.
+
+
 def _resolve_precision(mixed_precision: object) -> PrecisionType:
     if mixed_precision is None:
         mixed_precision = env.read_launch_env().get("mixed_precision")
     return PrecisionType.parse(mixed_precision, arg="Accelerator(mixed_precision)")
+
+
+def _answered_by_state(name: str) -> property:
+    """A process field of the accelerator, answered while the shared AcceleratorState stands; see [Note: reset
+    state]."""
+    field: property = getattr(runtime.ProcessView, name)
+
+    def get(self: Accelerator) -> Any:
+        AcceleratorState.require(name)
+        return field.fget(self)  # type: ignore[misc]
+
+    return property(get, doc=field.__doc__)
 
 
 class Accelerator(runtime.ProcessView):
@@ -188,6 +226,9 @@ class Accelerator(runtime.ProcessView):
         )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
         PartialState._adopt(self._process, cpu)  # PartialState() now answers for this process, as in Accelerate
+        self._sharding = _shards(fsdp_plugin is not None, self.parallelism_config, self._process.num_processes)
+        self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
+        self._register_state()  # first: this accelerator's process fields are answered through it
         self.torch_device_mesh = None
         if self.parallelism_config is not None:  # checked against the processes first, then the mesh is built
             self.parallelism_config._validate_accelerator(self)
@@ -199,7 +240,6 @@ class Accelerator(runtime.ProcessView):
             self.gradient_state.num_steps = self._invariant.per_rank
             self.gradient_state.caller_steps = invariant.CallerSteps(self._invariant)
         self._accumulating = False
-        self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
         if self.mixed_precision == PrecisionType.FP16.value:  # loss scaling, the skip agreed by all ranks
             self._objects.scaler = grad.build_scaler(self._handlers.scaler, self.device)
         self.logging_dir = self.project_configuration.logging_dir
@@ -207,33 +247,79 @@ class Accelerator(runtime.ProcessView):
         self._tracking = TrackerSet(self.log_with, self.logging_dir)
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        AcceleratorState.register(self.fsdp_plugin, self.mixed_precision, self.dynamo_plugin, self.parallelism_config)
+
+    def _register_state(self) -> None:
+        """This accelerator's fields in Accelerate's shared ``AcceleratorState`` (its plugin only when sharding)."""
+        self._state = AcceleratorState.register(
+            self.fsdp_plugin if self._sharding else None,
+            self.mixed_precision,
+            self.dynamo_plugin,
+            self.parallelism_config,
+            distributed_type=DistributedType.FSDP if self._sharding else DistributedType.NO,
+            accelerator=self,
+        )
 
     # --- process ------------------------------------------------------------------------------------
 
     @property
-    def state(self) -> Accelerator:
-        """Accelerate's ``accelerator.state``: here the accelerator itself (``.fsdp_plugin``, ``.device``, ...)."""
-        return self
+    def state(self) -> AcceleratorState:
+        """Accelerate's ``accelerator.state``: the shared ``AcceleratorState`` (``.fsdp_plugin``, ``.device``, ...,
+        ``None`` for the plugin when nothing is sharded), which this accelerator filled; see [Note: reset state]."""
+        return self._state
+
+    # [Note: reset state]
+    # As in Accelerate, the accelerator's process fields are answered through the shared AcceleratorState: once
+    # ``AcceleratorState._reset_state()`` ran (Accelerate's tests do it between tests), they raise Accelerate's
+    # AttributeError naming the reset, until a new Accelerator (or PartialState) is built. The process group is
+    # the accelerator's own and stays; only the answers stop.
+    device = _answered_by_state("device")
+    process_index = _answered_by_state("process_index")
+    local_process_index = _answered_by_state("local_process_index")
+    num_processes = _answered_by_state("num_processes")
+    is_main_process = _answered_by_state("is_main_process")
+    is_local_main_process = _answered_by_state("is_local_main_process")
 
     @property
     def distributed_type(self) -> DistributedType:
-        return DistributedType.FSDP
+        """``FSDP`` when prepared models are sharded, ``NO`` for one process without FSDP (see [Note: one process
+        without FSDP])."""
+        AcceleratorState.require("distributed_type")
+        return DistributedType.FSDP if self._sharding else DistributedType.NO
 
     @distributed_type.setter
     def distributed_type(self, value: DistributedType | str) -> None:
-        """Accelerate's tests and some scripts write ``accelerator.state.distributed_type = DistributedType.FSDP``:
-        accepted, as it is what fullshard always does; any other type is refused, naming it."""
+        """Accelerate's tests and some scripts write ``accelerator.state.distributed_type = DistributedType.FSDP``.
+
+        ``FSDP`` turns sharding on (with ``fsdp_plugin``) before the first ``prepare``; ``NO`` turns it off for
+        one process without a ParallelismConfig, before the first ``prepare``. Other types, or a change after
+        models were prepared, are refused, naming why."""
         name = getattr(value, "value", value)
-        if name != DistributedType.FSDP.value:
+        wanted = name == DistributedType.FSDP.value
+        if name not in (DistributedType.FSDP.value, DistributedType.NO.value):
             raise ValueError(
-                f"accelerator.distributed_type = {value!r}: fullshard always shards (DistributedType.FSDP); it has "
-                "no other distributed type. Leave it as it is, or use the real Accelerate for another one."
+                f"accelerator.distributed_type = {value!r}: fullshard shards (DistributedType.FSDP) or, for one "
+                "process, runs the model as it is (DistributedType.NO); it has no other distributed type. Use the "
+                "real Accelerate for another one."
             )
+        if wanted == self._sharding:
+            return
+        if self._objects.models:
+            raise ValueError(
+                f"accelerator.distributed_type = {value!r} after {len(self._objects.models)} model(s) were prepared "
+                f"as {self.distributed_type.value}: set it before the first prepare()."
+            )
+        if not wanted and (self.num_processes > 1 or self.parallelism_config is not None):
+            raise ValueError(
+                f"accelerator.distributed_type = {value!r} with {self.num_processes} processes"
+                f"{' and a ParallelismConfig' if self.parallelism_config is not None else ''}: several processes "
+                "always shard (fullshard has no DDP). Leave it as DistributedType.FSDP."
+            )
+        self._sharding = wanted
+        self._register_state()
 
     @property
     def is_fsdp2(self) -> bool:
-        return self.fsdp_plugin.fsdp_version == 2
+        return self._sharding and self.fsdp_plugin.fsdp_version == 2
 
     @property
     def is_composable_parallelism_enabled(self) -> bool:
@@ -376,10 +462,14 @@ class Accelerator(runtime.ProcessView):
         _check_device_placement(device_placement, "Accelerator.prepare_model")
         if any(model is known for known in self._objects.models):  # prepared here already: as it is, listed once
             return model
-        prepared = prepare_model(model, self.fsdp_plugin, self.device, **self._mesh_options(model))
-        ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
+        if self._sharding:
+            prepared = prepare_model(model, self.fsdp_plugin, self.device, **self._mesh_options(model))
+            ddp.apply_ddp_kwargs(prepared, self._handlers.ddp, is_main=self.is_main_process)
+        else:  # [Note: one process without FSDP]: the model as it is, on the device
+            prepared = model if is_sharded(model) else model.to(self.device)
         precision = PrecisionType(self.mixed_precision)
-        autocast = training.needs_autocast(precision, self.fsdp_plugin.mixed_precision_policy)
+        policy = self.fsdp_plugin.mixed_precision_policy if is_sharded(prepared) else None
+        autocast = training.needs_autocast(precision, policy)
         training.wrap_forward_for_precision(
             prepared, precision, self.device, autocast=autocast, handler=self._handlers.autocast
         )
@@ -443,7 +533,8 @@ class Accelerator(runtime.ProcessView):
         if not isinstance(obj, torch.optim.Optimizer) or isinstance(obj, AcceleratedOptimizer):
             return obj
         switch_optimizer_to_sharded(obj)
-        prepare_whole_param_step(obj, self._objects.models, bool(self.fsdp_plugin.whole_param_step))
+        whole = bool(self.fsdp_plugin.whole_param_step) and self._sharding  # a model as it is steps whole anyway
+        prepare_whole_param_step(obj, self._objects.models, whole)
         wrapped = AcceleratedOptimizer(obj, self.gradient_state, self.scaler)
         self._objects.optimizers.append(wrapped)
         return wrapped

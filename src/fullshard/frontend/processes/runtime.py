@@ -3,9 +3,11 @@
 [Note: single process]
 ``Accelerator()`` in a script started without a launcher (``python train.py``: no ``RANK`` / ``WORLD_SIZE`` in
 the environment and no process group) initialises a process group of one rank (gloo on CPU, NCCL on CUDA)
-over an in-memory store, so the model is still wrapped by the engine and ``save_state`` writes the same
-sharded folders as a launched run (one shard each). This keeps one code path for 1 and N processes, and a
-checkpoint saved by a single process loads into 2 and back. Under ``fullshard launch`` / ``torchrun`` the
+over an in-memory store, so collectives, and a model wrapped by the engine (under a plugin or FSDP in the
+environment; without, the Accelerator runs it as it is: [Note: one process without FSDP] in
+``accelerator.py``), work as in a launched run, and ``save_state`` writes the same folders (one shard each).
+This keeps one code path for 1 and N processes, and a checkpoint saved by a single process loads into 2 and
+back. Under ``fullshard launch`` / ``torchrun`` the
 group is initialised from the environment (``env://``); a group the script initialised itself is used as it is.
 The group this module creates is destroyed by :func:`shutdown` (``Accelerator.end_training``).
 

@@ -11,11 +11,13 @@ instance sees the same state, and ``_reset_state`` forgets it.
   ``MULTI_GPU`` / ``MULTI_CPU`` for several.
 - ``AcceleratorState`` is filled by :meth:`AcceleratorState.register` when an ``Accelerator`` is built; it then
   says ``FSDP`` and holds that accelerator's ``fsdp_plugin``, ``mixed_precision`` and ``parallelism_config``
-  (with its ``device_mesh``). DeepSpeed and Megatron-LM plugins are always ``None``.
+  (with its ``device_mesh``), or says ``NO`` with no plugin for an accelerator that does not shard. DeepSpeed
+  and Megatron-LM plugins are always ``None``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -106,6 +108,7 @@ class AcceleratorState:
     """
 
     _shared_state: ClassVar[dict[str, Any]] = {}
+    _owner: ClassVar[weakref.ref[Any] | None] = None  # the Accelerator that filled the state
     deepspeed_plugin = None
     deepspeed_plugins = None
     megatron_lm_plugin = None
@@ -120,11 +123,22 @@ class AcceleratorState:
 
     @classmethod
     def register(
-        cls, fsdp_plugin: Any, mixed_precision: str, dynamo_plugin: Any = None, parallelism_config: Any = None
+        cls,
+        fsdp_plugin: Any,
+        mixed_precision: str,
+        dynamo_plugin: Any = None,
+        parallelism_config: Any = None,
+        *,
+        distributed_type: DistributedType = DistributedType.FSDP,
+        accelerator: Any = None,
     ) -> AcceleratorState:
-        """Called by ``Accelerator.__init__``: this process's state is now that accelerator's."""
+        """Called by ``Accelerator.__init__``: this process's state is now that accelerator's (``fsdp_plugin`` is
+        ``None`` and ``distributed_type`` ``NO`` for one that does not shard). ``accelerator`` (held weakly) takes
+        the writes to ``distributed_type``."""
         state = cls()
         state.fsdp_plugin = fsdp_plugin
+        state._distributed_type = distributed_type
+        cls._owner = weakref.ref(accelerator) if accelerator is not None else None  # not in the dict: it pickles
         state.parallelism_config = parallelism_config
         state._mixed_precision = mixed_precision
         state.dynamo_plugin = dynamo_plugin
@@ -134,9 +148,16 @@ class AcceleratorState:
     def initialized(self) -> bool:
         return "fsdp_plugin" in self._shared_state
 
+    @classmethod
+    def require(cls, name: str) -> None:
+        """Raise Accelerate's ``AttributeError`` for ``name`` when no Accelerator filled the state (it was reset)."""
+        if "fsdp_plugin" not in cls._shared_state:
+            raise _missing("AcceleratorState", name, True)
+
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
         AcceleratorState._shared_state.clear()
+        AcceleratorState._owner = None
         if reset_partial_state:
             PartialState._reset_state()
 
@@ -145,7 +166,22 @@ class AcceleratorState:
 
     @property
     def distributed_type(self) -> DistributedType:
-        return DistributedType.FSDP if self.initialized else self._partial.distributed_type
+        if not self.initialized:
+            return self._partial.distributed_type
+        return self.__dict__.get("_distributed_type", DistributedType.FSDP)
+
+    @distributed_type.setter
+    def distributed_type(self, value: Any) -> None:
+        """Accelerate's tests write ``accelerator.state.distributed_type = DistributedType.FSDP``: the accelerator
+        that filled the state takes it (``Accelerator.distributed_type``'s rules)."""
+        owner = AcceleratorState._owner if self.initialized else None
+        accelerator = owner() if owner is not None else None
+        if accelerator is None:
+            raise ValueError(
+                f"AcceleratorState().distributed_type = {value!r}: no Accelerator filled this state, so nothing would "
+                "change. Build the Accelerator first (its fsdp_plugin or the environment decide sharding)."
+            )
+        accelerator.distributed_type = value
 
     @property
     def is_fsdp2(self) -> bool:
