@@ -713,3 +713,31 @@ def test_unsynced_micro_batches_sum_in_reduce_dtype_as_torch(pool2: WorkerPool) 
     """bf16 compute, float32 reduce_dtype, sync off for three of four micro-batches: the unsharded gradients sum in
     float32 (torch's FSDP2 does; a bf16 sum was off by up to 30% per element)."""
     pool2.run(_unsynced_accumulation)
+
+
+# --- torch's replicate() over fully_shard units --------------------------------------------------------------------
+
+
+class _UnshardsFirst(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self[1].unshard(async_op=True)  # as torch's test_unshard_async does, after replicate's own lazy init
+        return super().forward(x)
+
+
+def _replicate_over_units(rank: int, world: int, unshard_first: bool) -> None:
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(0)
+    model = (_UnshardsFirst if unshard_first else nn.Sequential)(nn.Linear(4, 4), MLP(4, 8))
+    fully_shard(model[1])
+    replicate(model)
+    with pytest.raises(ValueError, match=r"replicate\(\)"):
+        model(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("unshard_first", [False, True])
+def test_torch_replicate_over_units_is_refused(pool2: WorkerPool, unshard_first: bool) -> None:
+    """torch's replicate() cannot see fullshard's units (torch keeps them in a private registry), so DDP localizes
+    their sharded parameters and broadcasts rank 0's shards over the others': refused on every rank, also when the
+    unit was gathered with ``unshard(async_op=True)`` before its first forward (that used to train on wrong shards)."""
+    pool2.run(_replicate_over_units, unshard_first)
