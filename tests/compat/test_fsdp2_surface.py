@@ -674,3 +674,70 @@ def _reapply(rank: int, world: int) -> None:
 
 def test_fully_shard_reapply_raises_as_torch(pool2: WorkerPool) -> None:
     pool2.run(_reapply)
+
+
+# --- gradient accumulation without sync under a wider reduce dtype -----------------------------------------------
+
+
+def _accumulated_grads(model: nn.Module, reshard_after_backward: bool) -> dict[str, torch.Tensor]:
+    """Four bf16 micro-batches, gradient sync off but on the last; the sharded gradients after it."""
+    for micro in range(4):
+        last = micro == 3
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last or reshard_after_backward)
+        torch.manual_seed(30 + 10 * micro + dist.get_rank())
+        model(torch.randn(4, 6, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+
+def _unsynced_accumulation(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    from fullshard import MixedPrecisionPolicy
+
+    for reshard_after_backward in (True, False):
+        mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        ours = _accumulated_grads(
+            _shard(_model(), fully_shard, mp_policy=MixedPrecisionPolicy(**mp)), reshard_after_backward
+        )
+        theirs = _accumulated_grads(
+            _shard(_model(), torch_fully_shard, mp_policy=TorchMixedPrecisionPolicy(**mp)), reshard_after_backward
+        )
+        assert ours.keys() == theirs.keys()
+        for name, grad in ours.items():
+            assert grad.dtype == theirs[name].dtype == torch.float32, name
+            torch.testing.assert_close(grad, theirs[name], atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_unsynced_micro_batches_sum_in_reduce_dtype_as_torch(pool2: WorkerPool) -> None:
+    """bf16 compute, float32 reduce_dtype, sync off for three of four micro-batches: the unsharded gradients sum in
+    float32 (torch's FSDP2 does; a bf16 sum was off by up to 30% per element)."""
+    pool2.run(_unsynced_accumulation)
+
+
+# --- torch's replicate() over fully_shard units --------------------------------------------------------------------
+
+
+class _UnshardsFirst(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self[1].unshard(async_op=True)  # as torch's test_unshard_async does, after replicate's own lazy init
+        return super().forward(x)
+
+
+def _replicate_over_units(rank: int, world: int, unshard_first: bool) -> None:
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(0)
+    model = (_UnshardsFirst if unshard_first else nn.Sequential)(nn.Linear(4, 4), MLP(4, 8))
+    fully_shard(model[1])
+    replicate(model)
+    with pytest.raises(ValueError, match=r"replicate\(\)"):
+        model(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("unshard_first", [False, True])
+def test_torch_replicate_over_units_is_refused(pool2: WorkerPool, unshard_first: bool) -> None:
+    """torch's replicate() cannot see fullshard's units (torch keeps them in a private registry), so DDP localizes
+    their sharded parameters and broadcasts rank 0's shards over the others': refused on every rank, also when the
+    unit was gathered with ``unshard(async_op=True)`` before its first forward (that used to train on wrong shards)."""
+    pool2.run(_replicate_over_units, unshard_first)

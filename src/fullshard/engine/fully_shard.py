@@ -30,8 +30,10 @@ from fullshard.engine.api import (
     OffloadPolicy,
     StateDictType,
 )
+from fullshard.engine.group import ShardState
 from fullshard.engine.mesh import require_process_group, shard_group_from_mesh
 from fullshard.engine.precision import casts_from_policy
+from fullshard.engine.reassign import adopt_replaced_params
 from fullshard.engine.unit import Ignored, InitOptions, build_unit, resolve_device
 from fullshard.engine.unit_state import (
     UnitConfig,
@@ -73,6 +75,8 @@ class FSDPModule:
         finishes the gather (the module's next forward waits for it too); otherwise wait here and return None."""
         group = self._fullshard_state().group
         if group is not None:
+            if group.state is ShardState.SHARDED:
+                adopt_replaced_params(group)  # before a first forward too (reassign.py)
             group.unshard()
         handle = UnshardHandle(group)
         if async_op:

@@ -182,6 +182,7 @@ class ParamGroup:
         self._packed_sizes = [sp.layout.padded_shard_numel for sp in self.packed]
         self.full_views_registered = False  # modules see views of flat_full (not the sharded parameters)
         self._stashed_grads: list[torch.Tensor | None] | None = None  # see expose_unsharded_grads
+        self._unsynced_grad: torch.Tensor | None = None  # see hold_unsynced_grad
         self._state = ShardState.SHARDED
         self._on_state_change: Callable[[ShardState, ShardState], None] | None = None  # see observe
         self._summoned = False  # full-precision copies registered by summon_full_params
@@ -637,9 +638,31 @@ class ParamGroup:
         leaf.grad = None
         self._full_views.take_received()
         rdtype = self.precision.reduce_dtype if dtype is None else dtype
+        held, self._unsynced_grad = self._unsynced_grad, None
+        if held is not None:
+            grad = held if grad is None else held.add_(grad)
         if grad is None:
             return torch.zeros(leaf.numel(), dtype=rdtype, device=self.device)
         return grad if grad.dtype == rdtype else grad.to(rdtype)
+
+    def hold_unsynced_grad(self) -> None:
+        """With gradient sync off, move this backward's unsharded gradient into a sum kept in ``reduce_dtype`` when
+        that is wider than the gradient (float32 under bf16 compute), as torch's FSDP2 does: micro-batches then add
+        up in float32 instead of in bf16 (autograd's own accumulation into ``grad_full.grad``). The next reduction
+        (:meth:`take_unsharded_grad`) adds its backward's gradient to the sum and reduces it. Unlike torch, a
+        narrower ``reduce_dtype`` keeps the sum in the gradient's dtype (torch sums in the narrower one): the result
+        is rounded to it once, at the reduction.
+        """
+        leaf = self.grad_full
+        grad = leaf.grad
+        rdtype = self.precision.reduce_dtype
+        if grad is None or rdtype.itemsize <= grad.dtype.itemsize or not rdtype.is_floating_point:
+            return
+        leaf.grad = None
+        if self._unsynced_grad is None:
+            self._unsynced_grad = grad.to(rdtype)
+        else:
+            self._unsynced_grad.add_(grad)
 
     def reduce_grads(self) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
@@ -665,6 +688,7 @@ class ParamGroup:
                 work.wait()
         self._pending.clear()
         self._partial_reduce = None
+        self._unsynced_grad = None
         if self.grad_full.grad is not None:
             self.grad_full.grad = None
 

@@ -2,8 +2,13 @@
 
 torch's FSDP2 lets a user replace a sharded parameter before the first forward (``module.w = nn.Parameter(full)``),
 re-read at lazy init. Here the unit state's lazy init calls :func:`adopt_replaced_params` on every group, which ends
-in :meth:`ParamGroup.adopt_applied_params`, as ``_apply`` does. (``load_state_dict(assign=True)`` onto a model
-sharded on ``meta`` is the state dict pre-hook's: ``state_dict._materialize_for``.)
+in :meth:`ParamGroup.adopt_applied_params`, as ``_apply`` does; so does ``FSDPModule.unshard()`` on a sharded unit
+(it may run before the first forward). (``load_state_dict(assign=True)`` onto a model sharded on ``meta`` is the state
+dict pre-hook's: ``state_dict._materialize_for``.)
+
+torch's ``replicate()`` (DDP) applied over a unit replaces its sharded parameters with DDP's local copies of their
+shards (marked ``_st_info``, torch's DDP + tensor-parallel helper) and broadcasts rank 0's over the others': torch
+leaves its own units alone through a private registry fullshard cannot join, so such a copy is refused here.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ def adopt_replaced_params(group: ParamGroup) -> None:
         current = module._parameters[name]
         if current is sp.sharded_param or current is None or group.state is not ShardState.SHARDED:
             continue
+        if getattr(current, "_st_info", None) is not None:
+            raise ValueError(
+                f"unit {group.label!r}: parameter {sp.fqn!r} was replaced by DDP's local copy of its shard: torch's "
+                "replicate() (or DistributedDataParallel) was applied over a module under fullshard's fully_shard, "
+                "and it has already broadcast rank 0's shards over the other ranks'. Apply replicate()/DDP only to "
+                "modules outside fully_shard's units (or use fully_shard on a 2-D (replicate, shard) mesh for HSDP), "
+                "and rebuild the model."
+            )
         if isinstance(current, DTensor):
             if tuple(current.placements) != group.placements_of(sp) or tuple(current.shape) != sp.shape:
                 current = current.full_tensor()

@@ -447,6 +447,8 @@ class UnitState:
                 ctx.backward.in_flight.append(group)
             elif self.config.expose_unsynced_grads:
                 group.expose_unsharded_grads()
+            else:
+                group.hold_unsynced_grad()
             # Free the gathered parameters before blocking on older reductions: they are not needed any more.
             group.reshard(keep_spare=_next_gather_fits(ctx, self, -1))
             ctx.backward.settle(_reductions_in_flight(group))
@@ -463,7 +465,11 @@ class UnitState:
                     invariant.fold_leftovers(ctx.states)
                 for state in ctx.states:
                     group = state.group
-                    if group is None or not state.requires_gradient_sync or state.config.invariant_micro_batches:
+                    if group is None or state.config.invariant_micro_batches:
+                        continue
+                    if not state.requires_gradient_sync:
+                        if not state.config.expose_unsynced_grads:
+                            group.hold_unsynced_grad()  # a unit whose post-backward did not run
                         continue
                     if state.ran_forward and not state.reduced and group.requires_grad:
                         group.reduce_grads()
