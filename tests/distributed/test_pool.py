@@ -35,3 +35,30 @@ def test_pool_reports_failure_and_recovers() -> None:
         assert pool.run(_all_reduce_rank) == [1.0, 1.0]
     finally:
         pool.close()
+
+
+def _start_state(rank: int, world: int) -> tuple[bool, str | None, int]:
+    import os
+    import sys
+
+    return (
+        "fullshard.frontend.accelerator" in sys.modules,
+        os.environ.get("FULLSHARD_POOL_PROBE"),
+        torch.get_num_threads(),
+    )
+
+
+def test_a_gloo_pool_forks_preloaded_ranks_with_the_current_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # [Note: forked from a server] in fullshard/testing/pool.py: the ranks start with the Accelerator imported (no
+    # 2.5 s of imports each), and with this process's environment as it is when the pool starts, as spawned ones
+    monkeypatch.setenv("FULLSHARD_POOL_PROBE", "set after the server started")
+    pool = WorkerPool(2)
+    try:
+        assert pool.run(_start_state) == [(True, "set after the server started", 1)] * 2
+    finally:
+        pool.close()
+    fresh = WorkerPool(1, start_method="spawn")  # what on_fresh_ranks and a pool with its own env get
+    try:
+        assert fresh.run(_start_state) == [(False, "set after the server started", 1)]
+    finally:
+        fresh.close()

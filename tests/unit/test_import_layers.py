@@ -21,8 +21,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fullshard"
 FORBIDDEN = ("torch.distributed.fsdp", "torch.distributed._composable", "accelerate", "deepspeed", "fairscale")
-# Torch-only modules every layer may import; they import nothing of fullshard.
-NEUTRAL = {"ranks"}
+# Torch-only (or standard-library-only) modules every layer may import; they import nothing of fullshard.
+NEUTRAL = {"ranks", "surface"}
 TOP_LEVEL = "top-level"  # the modules directly in fullshard/ (NEUTRAL aside), as one layer
 # Which top-level subpackages each layer may import from (besides itself and NEUTRAL).
 ALLOWED = {
@@ -116,11 +116,38 @@ def _source_graph(root: Path = SRC) -> dict[str, set[str]]:
 
 
 def _binds(init: Path, name: str) -> bool:
-    """``init`` (a package's ``__init__``) binds ``name`` itself, so ``from package import name`` takes that."""
-    tree = ast.parse(init.read_text())
-    return any(
-        (a.asname or a.name) == name for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names
-    )
+    """``init`` (a package's ``__init__``) binds ``name`` itself, so ``from package import name`` takes that (its
+    re-exports, eager or in the ``if TYPE_CHECKING:`` table that ``fullshard.surface`` imports on first use)."""
+    return any((a.asname or a.name) == name for n in _top_level(ast.parse(init.read_text())) for a in n.names)
+
+
+def _top_level(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """The imports of a module's body, those of its ``if TYPE_CHECKING:`` block included (a lazy surface's table)."""
+    body = [*tree.body, *(s for n in tree.body if isinstance(n, ast.If) for s in n.body)]
+    return [n for n in body if isinstance(n, ast.ImportFrom | ast.Import)]
+
+
+_LAZY_SURFACE = "__getattr__, __dir__ = lazy_surface(__name__, __file__)"
+
+
+def _re_exports(tree: ast.Module) -> tuple[list[ast.ImportFrom], list[ast.stmt]]:
+    """A surface's re-exports (the ``if TYPE_CHECKING:`` table of ``fullshard.surface.lazy_surface``) and the
+    statements of its body that are neither these, nor ``__all__``, a docstring, or the lazy surface's lines."""
+    exports: list[ast.ImportFrom] = []
+    others: list[ast.stmt] = []
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            exports += [n for n in node.body if isinstance(n, ast.ImportFrom)]
+            others += [n for n in node.body if not isinstance(n, ast.ImportFrom)]
+        elif isinstance(node, ast.ImportFrom) and node.module in ("typing", "fullshard.surface"):
+            continue  # TYPE_CHECKING, lazy_surface
+        elif isinstance(node, ast.Assign) and ast.unparse(node) == _LAZY_SURFACE:
+            continue
+        elif isinstance(node, ast.ImportFrom):
+            exports.append(node)
+        elif not isinstance(node, ast.Assign | ast.Expr):
+            others.append(node)
+    return exports, others
 
 
 # checkpoint/: the level of each module (docs/design.md, checkpoint/__init__.py); a module imports only modules
@@ -292,15 +319,14 @@ def test_engine_exemptions_are_still_used() -> None:
 
 def test_engine_surface_is_re_exports_only() -> None:
     # - Set up: what engine/__init__.py binds, and what it lists
-    tree = ast.parse((ENGINE / "__init__.py").read_text())
-    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
-    others = [n for n in tree.body if not isinstance(n, ast.ImportFrom | ast.Assign | ast.Expr)]
+    exports, others = _re_exports(ast.parse((ENGINE / "__init__.py").read_text()))
+    bound = {a.asname or a.name for n in exports for a in n.names}
     # - Check: every imported name is listed and every listed name imported, from a submodule; no logic
     assert bound == _engine_surface(), (
         f"imported but not in __all__, or listed but not imported: {bound ^ _engine_surface()}"
     )
     assert not others, "engine/__init__.py holds re-exports only"
-    sources = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    sources = {n.module for n in exports}
     assert all(m and m.startswith("fullshard.engine.") for m in sources), sources
 
 
@@ -376,9 +402,8 @@ def test_other_packages_use_the_checkpoint_surface(path: Path) -> None:
 
 
 def test_checkpoint_surface_is_re_exports_only() -> None:
-    tree = ast.parse((CHECKPOINT / "__init__.py").read_text())
-    bound = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
-    others = [n for n in tree.body if not isinstance(n, ast.ImportFrom | ast.Assign | ast.Expr)]
+    exports, others = _re_exports(ast.parse((CHECKPOINT / "__init__.py").read_text()))
+    bound = {a.asname or a.name for n in exports for a in n.names}
     assert bound == _surface(CHECKPOINT), (
         f"imported but not listed, or listed but not imported: {bound ^ _surface(CHECKPOINT)}"
     )
@@ -602,8 +627,8 @@ def _above_algorithms() -> list[Path]:
 def _surface_definitions() -> dict[str, ast.FunctionDef | ast.ClassDef]:
     """Each name of the engine's surface -> its definition (``from fullshard.engine.x import a as b``: ``a`` in x)."""
     found: dict[str, ast.FunctionDef | ast.ClassDef] = {}
-    for node in ast.parse((ENGINE / "__init__.py").read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module:
+    for node in _re_exports(ast.parse((ENGINE / "__init__.py").read_text()))[0]:
+        if node.module:
             tree = ast.parse((ENGINE / f"{node.module.rsplit('.', 1)[1]}.py").read_text())
             defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
             found.update({a.asname or a.name: defs[a.name] for a in node.names if a.name in defs})

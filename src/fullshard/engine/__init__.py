@@ -5,84 +5,92 @@ Layout rule: one module per noun (docs/design.md); a new module imports only eng
 utils/, accelerate/ and the top-level modules) imports engine names from ``fullshard.engine`` alone, never from a
 submodule (``tests/unit/test_import_layers.py``); a name another package needs goes into ``__all__`` here. Engine
 modules import each other by submodule, never from this surface, so importing any of them first has no circle.
+
+The names are imported on first use (PEP 562 ``__getattr__``; the table is the ``if TYPE_CHECKING:`` imports): a
+package that needs only ``api``'s enums (``frontend/env.py``, so ``fullshard launch``) does not import DTensor.
 """
 
-from fullshard.engine.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    CPUOffloadPolicy,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    Offload,
-    OffloadPolicy,
-    OptimStateDictConfig,
-    OptimStateKeyType,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
-from fullshard.engine.coerce import coerce_enum
-from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
-from fullshard.engine.fully_shard import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
-)
-from fullshard.engine.grad_norm import clip_grad_norm_, clip_module_grad_norm_
-from fullshard.engine.invariant import ENV as INVARIANT_ENV
-from fullshard.engine.invariant import (
-    invariant_micro_batches,
-    invariant_per_rank,
-    micro_batches_per_rank,
-    pending_micro_batches,
-    restore_step_in_progress,
-    step_in_progress,
-)
-from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
-from fullshard.engine.layout import ShardLayout
-from fullshard.engine.names import clean_key
-from fullshard.engine.optim_state import (
-    WHOLE_STATES_KEY,
-    StateSpec,
-    model_params,
-    optim_state_dict,
-    optim_state_dict_to_load,
-    scatter_full_optim_state_dict,
-    scatter_states,
-)
-from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
-from fullshard.engine.state_dict import expected_entries, extension_params, mismatches, state_dict_type
-from fullshard.engine.summon import summon_full_params
-from fullshard.engine.unit import InitOptions
-from fullshard.engine.unit_state import gradient_sync, has_units, is_unit
-from fullshard.engine.wrap import (
-    CustomPolicy,
-    ModuleWrapPolicy,
-    UnitPlan,
-    always_wrap_policy,
-    enable_wrap,
-    lambda_auto_wrap_policy,
-    plan_units,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-    wrap,
-)
-from fullshard.engine.wrapper import (
-    FSDP,
-    FULL_PRECISION_OUTPUT,
-    FullyShardedDataParallel,
-    plan_wrapper_units,
-    wrap_units,
-)
+from typing import TYPE_CHECKING
+
+from fullshard.surface import lazy_surface
+
+if TYPE_CHECKING:  # the table of what is imported from where, read by lazy_surface: imported on first use
+    from fullshard.engine.api import (
+        BackwardPrefetch,
+        CPUOffload,
+        CPUOffloadPolicy,
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        LocalOptimStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        Offload,
+        OffloadPolicy,
+        OptimStateDictConfig,
+        OptimStateKeyType,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        ShardingStrategy,
+        StateDictConfig,
+        StateDictSettings,
+        StateDictType,
+    )
+    from fullshard.engine.coerce import coerce_enum
+    from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
+    from fullshard.engine.fully_shard import (
+        FSDPModule,
+        UnshardHandle,
+        fully_shard,
+        register_fsdp_forward_method,
+        share_comm_ctx,
+    )
+    from fullshard.engine.grad_norm import clip_grad_norm_, clip_module_grad_norm_
+    from fullshard.engine.invariant import ENV as INVARIANT_ENV
+    from fullshard.engine.invariant import (
+        invariant_micro_batches,
+        invariant_per_rank,
+        micro_batches_per_rank,
+        pending_micro_batches,
+        restore_step_in_progress,
+        step_in_progress,
+    )
+    from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
+    from fullshard.engine.layout import ShardLayout
+    from fullshard.engine.names import clean_key
+    from fullshard.engine.optim_state import (
+        WHOLE_STATES_KEY,
+        StateSpec,
+        model_params,
+        optim_state_dict,
+        optim_state_dict_to_load,
+        scatter_full_optim_state_dict,
+        scatter_states,
+    )
+    from fullshard.engine.param import add_step_check, local_tensor, owner_label, replacement_for, retired_data_ptr
+    from fullshard.engine.state_dict import expected_entries, extension_params, mismatches, state_dict_type
+    from fullshard.engine.summon import summon_full_params
+    from fullshard.engine.unit import InitOptions
+    from fullshard.engine.unit_state import gradient_sync, has_units, is_unit
+    from fullshard.engine.wrap import (
+        CustomPolicy,
+        ModuleWrapPolicy,
+        UnitPlan,
+        always_wrap_policy,
+        enable_wrap,
+        lambda_auto_wrap_policy,
+        plan_units,
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+        wrap,
+    )
+    from fullshard.engine.wrapper import (
+        FSDP,
+        FULL_PRECISION_OUTPUT,
+        FullyShardedDataParallel,
+        plan_wrapper_units,
+        wrap_units,
+    )
 
 __all__ = [
     # the two entry points (wrapper.py, fully_shard.py) and auto-wrap (wrap.py)
@@ -171,3 +179,5 @@ __all__ = [
     "predivide_factor",
     "reduce_scatter_flat",
 ]
+
+__getattr__, __dir__ = lazy_surface(__name__, __file__)

@@ -259,7 +259,7 @@ def on_fresh_ranks(
     The ranks are stopped afterwards, so each call starts from a fresh allocator and interpreter. The long
     default timeouts are for a loaded shared machine, where a medium model's steps take minutes.
     """
-    pool = WorkerPool(world, timeout_s=timeout_s, grace_s=grace_s, backend=backend)
+    pool = WorkerPool(world, timeout_s=timeout_s, grace_s=grace_s, backend=backend, start_method="spawn")
     try:
         return pool.run(fn, *args)
     finally:

@@ -29,7 +29,6 @@ import click
 import torch
 from torch import nn
 
-from fullshard.checkpoint import parse_size
 from fullshard.cli.memory_estimate import (
     PROCESS_BASELINE,
     MemoryEstimate,
@@ -46,6 +45,8 @@ _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRI
 
 def _size(text: str, option: str) -> int:
     """``--budget`` / ``--baseline``: ``8GiB``, ``7.5 GB``, ``512MiB`` or a byte count (``checkpoint.parse_size``)."""
+    from fullshard.checkpoint import parse_size  # here: its module imports torch's DCP, `fullshard launch` needn't
+
     try:
         return parse_size(text, arg=option, minimum=0)
     except ValueError:

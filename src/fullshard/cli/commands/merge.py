@@ -18,10 +18,7 @@ import click
 
 from fullshard.checkpoint import (
     CHECKPOINT_MANIFEST,
-    CHECKPOINTS_FOLDER,
     DCP_METADATA_FILE,
-    checkpoint_index,
-    is_complete_checkpoint,
     model_folder_name,
 )
 
@@ -86,6 +83,8 @@ def _is_checkpoint(folder: Path) -> bool:
 def checkpoints_under(folder: str | Path) -> list[Path]:
     """The checkpoint folders directly in ``folder`` or in its ``checkpoints/`` (``checkpoint_<i>`` in the order
     of ``i``, then others by name); empty when ``folder`` is a checkpoint itself or holds none."""
+    from fullshard.checkpoint import CHECKPOINTS_FOLDER, checkpoint_index  # here: their module imports torch's DCP
+
     root = Path(folder)
     if not root.is_dir() or _is_checkpoint(root):
         return []
@@ -101,6 +100,8 @@ def not_a_checkpoint_but_holds(
 
     It lists them (``(incomplete)`` after a ``checkpoint_<i>`` whose save did not finish) and suggests the latest
     complete one, followed by its subfolder ``sub`` when it has one and by ``then`` (the other arguments)."""
+    from fullshard.checkpoint import checkpoint_index, is_complete_checkpoint  # here: they import torch's DCP
+
     root = Path(folder)
     found = checkpoints_under(root)
     if not found:
