@@ -20,10 +20,24 @@ copied into storage of its own through ``__tensor_flatten__`` / ``__tensor_unfla
   registered for compute. Resharding frees the buffers' storage (``resize_(0)``) but keeps the full tensor
   object, so a tensor autograd saved in forward sees the data of the next gather (backward gathers again).
 
-Such parameters must be frozen: they get no gradient, no reduction and no optimizer state (QLoRA trains adapters
-beside them). A subclass that requires grad, or one without the protocol (bitsandbytes' ``Params4bit``), is refused
-by name (:func:`refuse_unshardable`). The shards split evenly or the parameter is refused. With one rank per shard
-group nothing is split and nothing gathered.
+A frozen one (a QLoRA base) gets no gradient, no reduction and no optimizer state; its shard is registered as a
+plain ``nn.Parameter`` of its class. A trainable one (torch FSDP2's tests train ``TwoTensor`` weights and weights
+gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` shards it:
+
+- at rest: a ``DTensor`` (``Shard(0)`` on the unit's mesh) over the local subclass shard, the tensor the optimizer
+  steps; the hooks are read from that local tensor at each gather, so hooks set on ``param._local_tensor`` after
+  sharding are used;
+- gathered: the full tensor that ``fsdp_post_all_gather`` returned, registered as an autograd leaf that requires
+  grad (the same object every gather, so autograd's accumulation into its ``.grad`` spans a backward, or several
+  with gradient sync off);
+- after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
+  into a plain tensor of the parameter's dtype by the subclass's own ``copy_``) is reduce-scattered over the shard
+  group by rows, all-reduced over the replicas under HSDP, averaged over the data-parallel ranks as a plain
+  parameter's gradient, and added to the sharded parameter's ``.grad``: a ``DTensor`` over a plain local tensor.
+
+A subclass without the protocol (bitsandbytes' ``Params4bit``) is refused by name (:func:`refuse_unshardable`). The
+shards split evenly or the parameter is refused. With one rank per shard group nothing is split and nothing
+gathered (a trainable one stays the parameter it was, and autograd gives it its gradient).
 """
 
 from __future__ import annotations
@@ -38,14 +52,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import collective_check, trace
-from fullshard.engine.collectives import all_gather_flat
+from fullshard.engine.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import set_owner
 
 __all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
 
 _FIX = (
-    "Freeze it and keep its all-gather protocol (param.requires_grad_(False), as PEFT does for the base model; "
+    "Keep its all-gather protocol (param.requires_grad_(False), as PEFT does for the base model; "
     "torchao's NF4Tensor implements fsdp_pre_all_gather/fsdp_post_all_gather), load the base model unquantized "
     "(e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded (ignored_modules=... or "
     "ignored_params=...)."
@@ -81,13 +95,8 @@ def refuse_unshardable(param: nn.Parameter, fqn: str) -> None:
         raise ValueError(
             f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight "
             "(QLoRA) without torch FSDP2's all-gather protocol (fsdp_pre_all_gather/fsdp_post_all_gather); "
-            "fullshard shards plain tensors, DTensors and frozen subclasses with that protocol only, and would lose "
+            "fullshard shards plain tensors, DTensors and subclasses with that protocol only, and would lose "
             f"its quantization metadata. {_FIX}"
-        )
-    if param.requires_grad:
-        raise ValueError(
-            f"parameter {fqn!r} is a {kind} ({param.dtype}) with requires_grad=True; fullshard gathers such "
-            f"tensor-subclass parameters for compute but never reduces their gradients, so they must be frozen. {_FIX}"
         )
 
 
@@ -103,6 +112,13 @@ class ExtensionParam:
     buffers: list[torch.Tensor] = field(default_factory=list)  # 1D, world * shard numel: the all-gather outputs
     metadata: Any = None  # from the last fsdp_pre_all_gather, until the gather is rebuilt
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # of what fsdp_pre_all_gather returned
+    trainable: bool = False  # sharded as a DTensor over the subclass shard, its gradient reduced (see the note)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's rows, of the parameter's class (the local tensor of a trainable one's ``DTensor``)."""
+        param = self.sharded_param
+        return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[return-value]
 
     def register(self, tensor: torch.Tensor) -> None:
         for module, name in self.registrations:
@@ -119,7 +135,10 @@ class ExtensionParams:
         self.shard_group = shard_group
         self.world = shard_group.shard_size
         self.device = shard_group.device
-        self.params = [ExtensionParam(fqn, regs, tuple(p.shape), self._shard(fqn, p)) for fqn, regs, p in entries]
+        self.params = [
+            ExtensionParam(fqn, regs, tuple(p.shape), self._shard(fqn, p), trainable=p.requires_grad)
+            for fqn, regs, p in entries
+        ]
         self._mesh: DeviceMesh | None = None
         self._works: list[Any] | None = None  # the gathers in flight
         self.gathered = False  # the full tensors are registered and current
@@ -130,7 +149,7 @@ class ExtensionParams:
     def _shard(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
         data = _data(param).detach()
         if self.world == 1:
-            return nn.Parameter(data, requires_grad=False)
+            return nn.Parameter(data, requires_grad=param.requires_grad)
         rank = self.shard_group.shard_rank
         rows = param.shape[0] if param.dim() else 0
         problem = None
@@ -148,7 +167,10 @@ class ExtensionParams:
                 "to_nf4(w, block_size, scaler_block_size): rows/world * cols divisible by block_size * "
                 "scaler_block_size), or leave it unsharded (ignored_params=...)."
             )
-        return nn.Parameter(_copy(chunk), requires_grad=False)  # storage of its own: the full tensor can be freed
+        local = _copy(chunk)  # storage of its own: the full tensor can be freed
+        if not param.requires_grad:
+            return nn.Parameter(local, requires_grad=False)
+        return nn.Parameter(self.shard_group.dtensor(local, tuple(param.shape)), requires_grad=True)
 
     # --- gather / free ------------------------------------------------------------------------------
 
@@ -158,7 +180,7 @@ class ExtensionParams:
         return self._mesh
 
     def _pre_all_gather(self, ep: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:
-        local = ep.sharded_param
+        local = ep.local
         if local.device != self.device:
             local = local.to(self.device)
         hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
@@ -208,11 +230,11 @@ class ExtensionParams:
 
     def _rebuild(self, ep: ExtensionParam) -> None:
         outputs = tuple(buf.view(-1, *shape[1:]) for buf, shape in zip(ep.buffers, ep.input_shapes))
-        post = ep.sharded_param.fsdp_post_all_gather  # type: ignore[attr-defined]
+        post = ep.local.fsdp_post_all_gather  # type: ignore[attr-defined]
         dtype = ep.sharded_param.dtype
         if ep.full is None:
             full, _ = post(outputs, ep.metadata, dtype)
-            ep.full = nn.Parameter(full, requires_grad=False)
+            ep.full = nn.Parameter(full, requires_grad=ep.trainable)
         else:
             post(outputs, ep.metadata, dtype, out=ep.full)
         ep.metadata = None
@@ -233,11 +255,47 @@ class ExtensionParams:
                 buf.untyped_storage().resize_(0)
         self.gathered = False
 
+    @property
+    def trainable(self) -> list[ExtensionParam]:
+        return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
+
+    def reduce_grads(self) -> None:
+        """Reduce each trainable parameter's unsharded gradient (of this backward, or summed over the backwards
+        since the last reduction) to its shard and add it to the sharded parameter's ``.grad`` (see the note); a
+        collective over the shard group (and the replicas) when any such parameter has a gradient on a rank."""
+        eps = self.trainable
+        if self.world == 1 or not eps:
+            return
+        pg, rpg = self.shard_group.shard_pg, self.shard_group.replicate_pg
+        for ep in eps:
+            grad = ep.full.grad if ep.full is not None else None
+            dtype = ep.sharded_param.dtype
+            flat = torch.zeros(ep.shape, dtype=dtype, device=self.device)
+            if grad is not None:
+                with torch.no_grad():
+                    flat.copy_(grad)  # a wrapper subclass's gradient through its own copy_
+                ep.full.grad = None  # type: ignore[union-attr]
+            rows = torch.empty(tuple(ep.local.shape), dtype=dtype, device=self.device)
+            with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
+                work = reduce_scatter_flat(rows.view(-1), flat.view(-1), pg, async_op=False, scratch_input=True)
+                if work is not None:
+                    work.wait()
+            if rpg is not None:
+                with collective_check.collective("all_reduce", self.label, rpg):
+                    all_reduce_flat(rows, rpg, async_op=False)
+            rows.div_(self.shard_group.data_parallel_size)
+            sharded = ep.sharded_param
+            if sharded.grad is None:
+                sharded.grad = self.shard_group.dtensor_like(rows, sharded)  # type: ignore[arg-type]
+            else:
+                with torch.no_grad():
+                    sharded.grad._local_tensor.add_(rows)  # type: ignore[union-attr]
+
     def full_copies(self) -> list[torch.Tensor]:
         """Every extension parameter's full tensor in storage of its own, gathered into new buffers (a collective
         over the shard group; what the modules have registered does not change)."""
         if self.world == 1:
-            return [_copy(ep.sharded_param) for ep in self.params]
+            return [_copy(ep.local) for ep in self.params]
         pg = self.shard_group.shard_pg
         copies = []
         with collective_check.collective("all_gather", self.label, pg):
@@ -248,7 +306,7 @@ class ExtensionParams:
                     out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device)
                     all_gather_flat(out, t.contiguous().view(-1), pg, async_op=False)
                     outputs.append(out.view(-1, *t.shape[1:]))
-                full, _ = ep.sharded_param.fsdp_post_all_gather(tuple(outputs), metadata, ep.sharded_param.dtype)  # type: ignore[attr-defined]
+                full, _ = ep.local.fsdp_post_all_gather(tuple(outputs), metadata, ep.sharded_param.dtype)  # type: ignore[attr-defined]
                 copies.append(full)
         return copies
 
@@ -257,7 +315,7 @@ class ExtensionParams:
         parameter's class) into its shard's inner tensors; the next gather sees them."""
         self.reshard()
         local = value.to_local() if isinstance(value, DTensor) else value
-        shard = ep.sharded_param
+        shard = ep.local
         if type(local) is type(shard) and tuple(value.shape) == ep.shape and self.world > 1 and local is value:
             local = torch.chunk(local, self.world, dim=0)[self.shard_group.shard_rank]
         if type(local) is not type(shard) or tuple(local.shape) != tuple(shard.shape):

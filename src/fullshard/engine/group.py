@@ -813,6 +813,8 @@ class ParamGroup:
 def main_dtype(params: list[nn.Parameter]) -> torch.dtype:
     """The dtype a group's gradients land in: its trainable parameters' (one dtype: see [Note: mixed dtypes]), or
     the first parameter's when none is trainable."""
+    if not params:  # a unit of tensor-subclass parameters only (see extension.py)
+        return torch.get_default_dtype()
     trainable = {p.dtype for p in params if p.requires_grad}
     if len(trainable) > 1:
         raise ValueError(

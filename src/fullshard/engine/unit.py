@@ -270,11 +270,12 @@ def build_unit(
             param.data = param.data.to(device)
     if sync:
         _broadcast_from_rank0(label, entries, modules, problem)
+    every = entries
     entries, extension = _split_extension(label, entries, shard_group)
     group = None
     handles = []
-    if entries:
-        precision = group_precision(config.casts, _unit_dtype(label, entries, config.casts))
+    if entries or extension is not None:
+        precision = group_precision(config.casts, _unit_dtype(label, entries or every, config.casts))
         warn_if_slow_bf16(precision.param_dtype, device)
         dims = shard_dims(entries, shard_placement_fn, label)
         group = ParamGroup(
@@ -295,12 +296,12 @@ def build_unit(
 def _split_extension(
     label: str, entries: list[Entry], shard_group: ShardGroup
 ) -> tuple[list[Entry], ExtensionParams | None]:
-    """The plain parameters (for the group's flat shard) and the frozen tensor-subclass ones, sharded here (see
+    """The plain parameters (for the group's flat shard) and the tensor-subclass ones, sharded here (see
     [Note: extension parameters] in ``extension.py``)."""
     plain = [e for e in entries if is_plain(e[2])]
     if len(plain) == len(entries):
         return entries, None
-    if not plain:
+    if not plain and not any(e[2].requires_grad for e in entries):
         names = [fqn for fqn, _, _ in entries]
         raise ValueError(
             f"unit {label!r} holds only quantized tensor-subclass parameters ({names}); fullshard gathers those with "

@@ -1,0 +1,112 @@
+"""Trainable tensor-subclass parameters with torch FSDP2's all-gather extension protocol (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``) under ``fully_shard``, against torch's own ``fully_shard`` on the same ranks, model and data
+(as torch's ``test_fully_shard_extensions.py`` trains ``TwoTensor`` weights). Frozen ones (QLoRA bases) are
+``tests/distributed/test_qlora.py``'s."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.two_tensor import TwoTensor
+
+from fullshard import fully_shard
+from fullshard.testing import WorkerPool
+
+ATOL, RTOL = 1e-6, 1e-5
+
+
+def _pre_all_gather(self, mesh):
+    return (self.a, self.b), None
+
+
+def _post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+    a, b = outputs
+    if out is not None:  # gathered again into the same buffers: out already views them
+        if a.dtype != param_dtype:
+            out.a.copy_(a)
+            out.b.copy_(b)
+        return None
+    return TwoTensor(a, b).to(param_dtype), (a, b)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def _model(bias: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(4, 8, bias), MLP(4, 8, bias))
+    for mlp in model:
+        for lin in (mlp.in_proj, mlp.out_proj):
+            # b differs from a, so the test sees which of the two the gradient and the step follow
+            lin.weight = nn.Parameter(TwoTensor(lin.weight.detach().clone(), 2 * lin.weight.detach()))
+    return model
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _planes(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t.a, t.b] if isinstance(t, TwoTensor) else [t]
+
+
+def _train(model: nn.Module, shard_fn, reshard: bool, steps: int = 3) -> tuple[list[float], dict[str, list]]:
+    for mlp in model:
+        shard_fn(mlp, reshard_after_forward=reshard)
+    shard_fn(model, reshard_after_forward=reshard)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(100 + 10 * step + dist.get_rank())
+        loss = model(torch.randn(3, 4)).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=step % 2 == 0)
+        losses.append(float(loss.detach().a if isinstance(loss, TwoTensor) else loss.detach()))
+    state = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        state[name] = [x.detach().clone() for x in _planes(_local(p))]
+        if p.grad is not None:
+            state[name + ".grad"] = [x.clone() for x in _planes(_local(p.grad))]
+    return losses, state
+
+
+def _parity(rank: int, world: int, bias: bool, reshard: bool) -> None:
+    TwoTensor.fsdp_pre_all_gather = _pre_all_gather
+    TwoTensor.fsdp_post_all_gather = _post_all_gather
+    try:
+        model = _model(bias)
+        ours = _train(copy.deepcopy(model), fully_shard, reshard)
+        theirs = _train(model, torch_fully_shard, reshard)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), atol=ATOL, rtol=RTOL)
+    assert ours[1].keys() == theirs[1].keys()
+    for name in ours[1]:
+        for mine, ref in zip(ours[1][name], theirs[1][name], strict=True):
+            assert type(mine) is type(ref), name
+            torch.testing.assert_close(mine, ref, atol=ATOL, rtol=RTOL, msg=name)
+    # the sharded weights are DTensors over this rank's TwoTensor rows, and they moved
+    weight = _model(bias)[0].in_proj.weight
+    rows = torch.chunk(weight.a, world, 0)[rank]
+    assert not torch.allclose(ours[1]["0.in_proj.weight"][0], rows)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["subclass-only", "with-plain"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_trainable_two_tensor_matches_torch(pool2: WorkerPool, bias: bool, reshard: bool) -> None:
+    pool2.run(_parity, bias, reshard)
