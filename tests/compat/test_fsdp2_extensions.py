@@ -25,6 +25,17 @@ def _pre_all_gather(self, mesh):
     return (self.a, self.b), None
 
 
+def _pre_all_gather_padded(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """Each plane padded to a full shard's rows (torch's fully_shard needs the extension to pad uneven shards)."""
+    rows = -(-outer_size[0] // mesh.size())
+    padded = []
+    for t in (self.a, self.b):
+        out = t.new_zeros((rows, *t.shape[1:]))
+        out[: t.shape[0]].copy_(t)
+        padded.append(out)
+    return tuple(padded), None
+
+
 def _post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
     a, b = outputs
     if out is not None:  # gathered again into the same buffers: out already views them
@@ -45,9 +56,9 @@ class MLP(nn.Module):
         return self.out_proj(torch.relu(self.in_proj(x)))
 
 
-def _model(bias: bool) -> nn.Sequential:
+def _model(bias: bool, hidden: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(MLP(4, 8, bias), MLP(4, 8, bias))
+    model = nn.Sequential(MLP(4, hidden, bias), MLP(4, hidden, bias))
     for mlp in model:
         for lin in (mlp.in_proj, mlp.out_proj):
             # b differs from a, so the test sees which of the two the gradient and the step follow
@@ -85,11 +96,11 @@ def _train(model: nn.Module, shard_fn, reshard: bool, steps: int = 3) -> tuple[l
     return losses, state
 
 
-def _parity(rank: int, world: int, bias: bool, reshard: bool) -> None:
-    TwoTensor.fsdp_pre_all_gather = _pre_all_gather
+def _parity(rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8) -> None:
+    TwoTensor.fsdp_pre_all_gather = _pre_all_gather if hidden % world == 0 else _pre_all_gather_padded
     TwoTensor.fsdp_post_all_gather = _post_all_gather
     try:
-        model = _model(bias)
+        model = _model(bias, hidden)
         ours = _train(copy.deepcopy(model), fully_shard, reshard)
         theirs = _train(model, torch_fully_shard, reshard)
     finally:
@@ -101,7 +112,7 @@ def _parity(rank: int, world: int, bias: bool, reshard: bool) -> None:
             assert type(mine) is type(ref), name
             torch.testing.assert_close(mine, ref, atol=ATOL, rtol=RTOL, msg=name)
     # the sharded weights are DTensors over this rank's TwoTensor rows, and they moved
-    weight = _model(bias)[0].in_proj.weight
+    weight = _model(bias, hidden)[0].in_proj.weight
     rows = torch.chunk(weight.a, world, 0)[rank]
     assert not torch.allclose(ours[1]["0.in_proj.weight"][0], rows)
 
@@ -110,3 +121,8 @@ def _parity(rank: int, world: int, bias: bool, reshard: bool) -> None:
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_trainable_two_tensor_matches_torch(pool2: WorkerPool, bias: bool, reshard: bool) -> None:
     pool2.run(_parity, bias, reshard)
+
+
+def test_trainable_two_tensor_uneven_rows_match_torch(pool2: WorkerPool) -> None:
+    """5 rows over 2 ranks: rank 0 holds 3, rank 1 holds 2; gathered from padded shards, cut back to 5 rows."""
+    pool2.run(_parity, True, True, 5)

@@ -35,8 +35,13 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
   group by rows, all-reduced over the replicas under HSDP, averaged over the data-parallel ranks as a plain
   parameter's gradient, and added to the sharded parameter's ``.grad``: a ``DTensor`` over a plain local tensor.
 
-A subclass without the protocol (bitsandbytes' ``Params4bit``) is refused by name (:func:`refuse_unshardable`). The
-shards split evenly or the parameter is refused. With one rank per shard group nothing is split and nothing
+A frozen subclass without the protocol (bitsandbytes' ``Params4bit``), or a trainable one whose inner tensors hold
+integer codes (a trainable ``NF4Tensor``: no gradient can be reduced into it), is refused by name
+(:func:`refuse_unshardable`); a trainable wrapper subclass of floating inner tensors is taken without it (torch's
+tests set the hooks on the local shard after sharding) and refused at its first gather if it still lacks them. A
+frozen one's shards split evenly or it is refused; a trainable one's rows may not (torch's contract: its
+``fsdp_pre_all_gather`` pads to ``ceil(rows / world)`` rows, else an input of this rank's rows is padded here; the
+gathered tensor is cut back to the parameter's rows). With one rank per shard group nothing is split and nothing
 gathered (a trainable one stays the parameter it was, and autograd gives it its gradient).
 """
 
@@ -59,7 +64,7 @@ from fullshard.engine.param import set_owner
 __all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
 
 _FIX = (
-    "Keep its all-gather protocol (param.requires_grad_(False), as PEFT does for the base model; "
+    "Freeze it and keep its all-gather protocol (param.requires_grad_(False), as PEFT does for the base model; "
     "torchao's NF4Tensor implements fsdp_pre_all_gather/fsdp_post_all_gather), load the base model unquantized "
     "(e.g. in bf16, and train LoRA adapters on it), or leave the quantized modules unsharded (ignored_modules=... or "
     "ignored_params=...)."
@@ -91,13 +96,36 @@ def refuse_unshardable(param: nn.Parameter, fqn: str) -> None:
         return
     data = _data(param)
     kind = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
-    if not has_protocol(param):
+    if not has_protocol(param) and not (param.requires_grad and _floating_wrapper(data)):
         raise ValueError(
             f"parameter {fqn!r} is a {kind} ({param.dtype}), a tensor subclass such as a 4-bit quantized weight "
             "(QLoRA) without torch FSDP2's all-gather protocol (fsdp_pre_all_gather/fsdp_post_all_gather); "
             "fullshard shards plain tensors, DTensors and subclasses with that protocol only, and would lose "
             f"its quantization metadata. {_FIX}"
         )
+    coded = [n for n, t in _inner(data) if not (t.is_floating_point() or t.is_complex())]
+    if param.requires_grad and coded:
+        raise ValueError(
+            f"parameter {fqn!r} is a {kind} ({param.dtype}) with requires_grad=True whose inner tensors {coded} hold "
+            "integer data (quantized codes): a gradient cannot be reduced into it nor an optimizer step it (fullshard "
+            f"trains tensor-subclass parameters whose inner tensors are floating point, such as TwoTensor). {_FIX}"
+        )
+
+
+def _floating_wrapper(tensor: torch.Tensor) -> bool:
+    """A traceable wrapper subclass whose inner tensors are all floating point (``TwoTensor``): trainable without
+    the protocol at sharding, as torch reads the hooks from the local shard at each gather (see the note)."""
+    inner = _inner(tensor)
+    return bool(inner) and all(t.is_floating_point() for _, t in inner)
+
+
+def _inner(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A traceable wrapper subclass's inner tensors by name (none for another tensor)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    names, _ = flatten()
+    return [(n, getattr(tensor, n)) for n in names]
 
 
 @dataclass
@@ -140,6 +168,7 @@ class ExtensionParams:
             for fqn, regs, p in entries
         ]
         self._mesh: DeviceMesh | None = None
+        self.param_dtype: torch.dtype | None = None  # the unit's compute dtype (MixedPrecisionPolicy.param_dtype)
         self._works: list[Any] | None = None  # the gathers in flight
         self.gathered = False  # the full tensors are registered and current
         for ep in self.params:
@@ -153,11 +182,15 @@ class ExtensionParams:
         rank = self.shard_group.shard_rank
         rows = param.shape[0] if param.dim() else 0
         problem = None
-        if rows % self.world:
+        if rows % self.world and not param.requires_grad:
             problem = f"its {rows} rows do not split evenly over {self.world} ranks"
         else:
-            try:
-                chunk = torch.chunk(data, self.world, dim=0)[rank]
+            try:  # uneven (trainable only): torch.chunk's rows, none for the ranks past them (see _padded_rows)
+                if rows % self.world == 0:
+                    chunk = torch.chunk(data, self.world, dim=0)[rank]
+                else:
+                    padded = _padded_rows(rows, self.world)
+                    chunk = data[min(rank * padded, rows) : min((rank + 1) * padded, rows)]
             except (AssertionError, NotImplementedError, RuntimeError) as err:
                 problem = f"{type(data).__name__} could not split it by rows ({err})"
         if problem is not None:
@@ -180,10 +213,27 @@ class ExtensionParams:
         return self._mesh
 
     def _pre_all_gather(self, ep: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:
+        inputs, metadata = self._call_pre_all_gather(ep)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        # uneven rows: an input of this rank's rows is padded to a full shard's rows, so every rank sends as many
+        padded, local_rows = _padded_rows(ep.shape[0], self.world), ep.local.shape[0]
+        if ep.trainable and ep.shape and local_rows != padded:
+            inputs = tuple(_pad_rows(t, padded) if t.dim() and t.shape[0] == local_rows else t for t in inputs)
+        return tuple(inputs), metadata
+
+    def _call_pre_all_gather(self, ep: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = ep.local
         if local.device != self.device:
             local = local.to(self.device)
-        hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        hook = getattr(local, "fsdp_pre_all_gather", None)
+        if hook is None or not callable(getattr(local, "fsdp_post_all_gather", None)):
+            raise ValueError(
+                f"unit {self.label!r}: parameter {ep.fqn!r} (a {type(local).__name__}) has no fsdp_pre_all_gather/"
+                "fsdp_post_all_gather at its gather: fullshard gathers a tensor-subclass parameter through torch "
+                "FSDP2's all-gather protocol only. Define both on its class, or set them on its local shard "
+                "(param.to_local() or param._local_tensor) before the first forward."
+            )
         if len(inspect.signature(hook).parameters) == 1:
             return hook(self._shard_mesh())
         stride = torch.empty(ep.shape, device="meta").stride()
@@ -205,7 +255,7 @@ class ExtensionParams:
                     ]
                 for buf, t in zip(ep.buffers, inputs):
                     buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-                    works.append(all_gather_flat(buf, t.contiguous().view(-1), pg, async_op=True))
+                    works.append(all_gather_flat(buf, _plain(t).view(-1), pg, async_op=True))
                 ep.input_shapes = [tuple(t.shape) for t in inputs]
         self._works = works
 
@@ -231,9 +281,12 @@ class ExtensionParams:
     def _rebuild(self, ep: ExtensionParam) -> None:
         outputs = tuple(buf.view(-1, *shape[1:]) for buf, shape in zip(ep.buffers, ep.input_shapes))
         post = ep.local.fsdp_post_all_gather  # type: ignore[attr-defined]
-        dtype = ep.sharded_param.dtype
+        # a trainable one is gathered in the compute dtype, as torch's fully_shard does (frozen ones as they are)
+        dtype = (self.param_dtype if ep.trainable else None) or ep.sharded_param.dtype
         if ep.full is None:
             full, _ = post(outputs, ep.metadata, dtype)
+            if tuple(full.shape) != ep.shape:  # gathered from padded shards: the parameter's rows (as torch)
+                full = torch.as_strided(full, ep.shape, torch.empty(ep.shape, device="meta").stride(), 0)
             ep.full = nn.Parameter(full, requires_grad=ep.trainable)
         else:
             post(outputs, ep.metadata, dtype, out=ep.full)
@@ -270,12 +323,13 @@ class ExtensionParams:
         for ep in eps:
             grad = ep.full.grad if ep.full is not None else None
             dtype = ep.sharded_param.dtype
-            flat = torch.zeros(ep.shape, dtype=dtype, device=self.device)
+            padded = _padded_rows(ep.shape[0], self.world)
+            flat = torch.zeros((self.world * padded, *ep.shape[1:]), dtype=dtype, device=self.device)
             if grad is not None:
                 with torch.no_grad():
-                    flat.copy_(grad)  # a wrapper subclass's gradient through its own copy_
+                    flat[: ep.shape[0]].copy_(grad)  # a wrapper subclass's gradient through its own copy_
                 ep.full.grad = None  # type: ignore[union-attr]
-            rows = torch.empty(tuple(ep.local.shape), dtype=dtype, device=self.device)
+            rows = torch.empty((padded, *ep.shape[1:]), dtype=dtype, device=self.device)
             with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
                 work = reduce_scatter_flat(rows.view(-1), flat.view(-1), pg, async_op=False, scratch_input=True)
                 if work is not None:
@@ -283,7 +337,7 @@ class ExtensionParams:
             if rpg is not None:
                 with collective_check.collective("all_reduce", self.label, rpg):
                     all_reduce_flat(rows, rpg, async_op=False)
-            rows.div_(self.shard_group.data_parallel_size)
+            rows = rows[: ep.local.shape[0]].div_(self.shard_group.data_parallel_size)
             sharded = ep.sharded_param
             if sharded.grad is None:
                 sharded.grad = self.shard_group.dtensor_like(rows, sharded)  # type: ignore[arg-type]
@@ -304,7 +358,7 @@ class ExtensionParams:
                 outputs = []
                 for t in inputs:
                     out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device)
-                    all_gather_flat(out, t.contiguous().view(-1), pg, async_op=False)
+                    all_gather_flat(out, _plain(t).view(-1), pg, async_op=False)
                     outputs.append(out.view(-1, *t.shape[1:]))
                 full, _ = ep.local.fsdp_post_all_gather(tuple(outputs), metadata, ep.sharded_param.dtype)  # type: ignore[attr-defined]
                 copies.append(full)
@@ -331,8 +385,36 @@ class ExtensionParams:
                 getattr(shard, name).copy_(getattr(local, name))
 
 
+def _padded_rows(rows: int, world: int) -> int:
+    """A shard's rows: ``ceil(rows / world)``, the last ranks' shards shorter or empty (as ``torch.chunk``)."""
+    return -(-rows // world)
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` (plain) with zero rows appended up to ``rows``."""
+    out = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out[: tensor.shape[0]].copy_(tensor)
+    return out
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous, as a plain tensor (a subclass all-gather input is copied by its own ``copy_``)."""
+    if type(tensor) is torch.Tensor:
+        return tensor.contiguous()
+    plain = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    with torch.no_grad():
+        plain.copy_(tensor)
+    return plain
+
+
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     """A traceable wrapper subclass tensor with its inner tensors copied (``clone`` may re-quantize)."""
     names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = {n: getattr(tensor, n).clone() for n in names}
-    return type(tensor).__tensor_unflatten__(inner, ctx, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
+    try:
+        copy = type(tensor).__tensor_unflatten__(inner, ctx, tensor.size(), tensor.stride())  # type: ignore[attr-defined]
+    except TypeError:  # not the traceable signature
+        copy = None
+    if type(copy) is not type(tensor):  # an unflatten that does not rebuild its class: the subclass's own clone
+        return tensor.clone()
+    return copy

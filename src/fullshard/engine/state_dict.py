@@ -383,7 +383,7 @@ def _save_extension(
     else:
         group = ext.shard_group
         values = [
-            group.dtensor(ep.sharded_param.detach(), ep.shape) if ext.world > 1 else ep.sharded_param.detach()
+            group.dtensor(ep.local.detach(), ep.shape) if ext.world > 1 else ep.local.detach()
             for ep in ext.params
         ]
     for (_, keys), value in zip(keyed, values):
