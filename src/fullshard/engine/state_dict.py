@@ -383,8 +383,7 @@ def _save_extension(
     else:
         group = ext.shard_group
         values = [
-            group.dtensor(ep.local.detach(), ep.shape) if ext.world > 1 else ep.local.detach()
-            for ep in ext.params
+            group.dtensor(ep.local.detach(), ep.shape) if ext.world > 1 else ep.local.detach() for ep in ext.params
         ]
     for (_, keys), value in zip(keyed, values):
         value = value.cpu() if offload and value.device.type != "cpu" else value
