@@ -74,7 +74,9 @@ def _planes(t: torch.Tensor) -> list[torch.Tensor]:
     return [t.a, t.b] if isinstance(t, TwoTensor) else [t]
 
 
-def _train(model: nn.Module, shard_fn, reshard: bool, steps: int = 3) -> tuple[list[float], dict[str, list]]:
+def _train(
+    model: nn.Module, shard_fn, reshard: bool, steps: int = 3, accumulate: bool = False
+) -> tuple[list[float], dict[str, list]]:
     for mlp in model:
         shard_fn(mlp, reshard_after_forward=reshard)
     shard_fn(model, reshard_after_forward=reshard)
@@ -82,12 +84,19 @@ def _train(model: nn.Module, shard_fn, reshard: bool, steps: int = 3) -> tuple[l
     losses = []
     for step in range(steps):
         torch.manual_seed(100 + 10 * step + dist.get_rank())
+        if accumulate:  # a micro-batch without gradient sync first: its gradient waits for the synced one
+            model.set_requires_gradient_sync(False)
+            (model(torch.randn(3, 4)).sum() * 0.5).backward()
+            model.set_requires_gradient_sync(True)
         loss = model(torch.randn(3, 4)).sum()
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=step % 2 == 0)
         losses.append(float(loss.detach().a if isinstance(loss, TwoTensor) else loss.detach()))
     state = {}
+    for name, value in model.state_dict().items():  # the sharded parameters, as DTensors over TwoTensor rows
+        assert isinstance(value, DTensor), name
+        state["state_dict." + name] = [x.detach().clone() for x in _planes(_local(value))]
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         state[name] = [x.detach().clone() for x in _planes(_local(p))]
@@ -96,13 +105,13 @@ def _train(model: nn.Module, shard_fn, reshard: bool, steps: int = 3) -> tuple[l
     return losses, state
 
 
-def _parity(rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8) -> None:
+def _parity(rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8, accumulate: bool = False) -> None:
     TwoTensor.fsdp_pre_all_gather = _pre_all_gather if hidden % world == 0 else _pre_all_gather_padded
     TwoTensor.fsdp_post_all_gather = _post_all_gather
     try:
         model = _model(bias, hidden)
-        ours = _train(copy.deepcopy(model), fully_shard, reshard)
-        theirs = _train(model, torch_fully_shard, reshard)
+        ours = _train(copy.deepcopy(model), fully_shard, reshard, accumulate=accumulate)
+        theirs = _train(model, torch_fully_shard, reshard, accumulate=accumulate)
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), atol=ATOL, rtol=RTOL)
@@ -126,3 +135,26 @@ def test_trainable_two_tensor_matches_torch(pool2: WorkerPool, bias: bool, resha
 def test_trainable_two_tensor_uneven_rows_match_torch(pool2: WorkerPool) -> None:
     """5 rows over 2 ranks: rank 0 holds 3, rank 1 holds 2; gathered from padded shards, cut back to 5 rows."""
     pool2.run(_parity, True, True, 5)
+
+
+def test_trainable_two_tensor_gradient_accumulation_matches_torch(pool2: WorkerPool) -> None:
+    """With gradient sync off for a micro-batch, its unsharded gradient is added to the next synced one's."""
+    pool2.run(_parity, True, True, 8, True)
+
+
+def _fsdp1_refuses(rank: int, world: int) -> str:
+    from fullshard import FullyShardedDataParallel
+
+    TwoTensor.fsdp_pre_all_gather = _pre_all_gather
+    TwoTensor.fsdp_post_all_gather = _post_all_gather
+    try:
+        with pytest.raises(ValueError, match="does not train tensor-subclass parameters") as err:
+            FullyShardedDataParallel(_model(False))
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    return str(err.value)
+
+
+def test_fsdp_class_refuses_trainable_subclass_parameters(pool2: WorkerPool) -> None:
+    for message in pool2.run(_fsdp1_refuses):  # on every rank, naming the parameters and the fix
+        assert "'0.in_proj.weight'" in message and "Use fully_shard" in message

@@ -271,6 +271,14 @@ def build_unit(
     if sync:
         _broadcast_from_rank0(label, entries, modules, problem)
     every = entries
+    trainable = [fqn for fqn, _, p in entries if not is_plain(p) and p.requires_grad]
+    if trainable and not use_dtensor:
+        raise ValueError(
+            f"unit {label!r}: FullyShardedDataParallel does not train tensor-subclass parameters ({trainable}); "
+            "fully_shard does (sharded as DTensors over the subclass's rows, gathered through its "
+            "fsdp_pre_all_gather/fsdp_post_all_gather). Use fully_shard (FSDP2), or freeze them "
+            "(param.requires_grad_(False))."
+        )
     entries, extension = _split_extension(label, entries, shard_group)
     group = None
     handles = []
