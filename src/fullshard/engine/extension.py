@@ -1,4 +1,5 @@
-"""Extension parameters: frozen tensor-subclass parameters that bring their own all-gather (4-bit QLoRA bases).
+"""Extension parameters: tensor-subclass parameters that bring their own all-gather (4-bit QLoRA bases, frozen;
+subclasses trained under fully_shard, as torch FSDP2's tests train them).
 
 [Note: extension parameters]
 A tensor subclass such as torchao's ``NF4Tensor`` holds more than its elements: packed 4-bit codes plus block

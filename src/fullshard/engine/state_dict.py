@@ -522,7 +522,7 @@ def sharded_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[Para
 
 def extension_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ExtensionParams, ExtensionParam]]:
     """``(id(holder module), attribute)`` -> (extension, parameter) for every extension parameter in ``module``'s
-    units (frozen quantized tensor-subclass parameters, see ``extension.py``)."""
+    units (tensor-subclass parameters: frozen quantized weights, trainable ones; see ``extension.py``)."""
     return {
         (id(holder), name): (state.group.extension, ep)
         for state in unit_states_in(module)
