@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
@@ -44,6 +45,21 @@ def _post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
             out.b.copy_(b)
         return None
     return TwoTensor(a, b).to(param_dtype), (a, b)
+
+
+def _pre_all_gather_bf16(self, mesh):
+    return (self.a.to(torch.bfloat16),), None
+
+
+def _post_all_gather_bf16(self, outputs, metadata, param_dtype, *, out=None):
+    """Gathered in bf16, given to compute as a plain tensor upcast to the parameter's dtype (freed at reshard)."""
+    (tensor,) = outputs
+    if out is not None:  # autograd saved out in forward: the regather must not bump its version (torch's contract)
+        with torch.no_grad(), _unsafe_preserve_version_counter(out):
+            out.copy_(tensor)
+        return None
+    upcast = tensor.to(param_dtype)
+    return upcast, (tensor, upcast)
 
 
 class MLP(nn.Module):
@@ -81,7 +97,7 @@ def _train(
         shard_fn(mlp, reshard_after_forward=reshard)
     shard_fn(model, reshard_after_forward=reshard)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
+    losses, grads = [], {}
     for step in range(steps):
         torch.manual_seed(100 + 10 * step + dist.get_rank())
         if accumulate:  # a micro-batch without gradient sync first: its gradient waits for the synced one
@@ -90,6 +106,9 @@ def _train(
             model.set_requires_gradient_sync(True)
         loss = model(torch.randn(3, 4)).sum()
         loss.backward()
+        if step == steps - 1:  # the last step's sharded gradients (reduced, averaged), before the optimizer's
+            for name, p in model.named_parameters():
+                grads["grad." + name] = [x.clone() for x in _planes(_local(p.grad))]
         optim.step()
         optim.zero_grad(set_to_none=step % 2 == 0)
         losses.append(float(loss.detach().a if isinstance(loss, TwoTensor) else loss.detach()))
@@ -100,17 +119,30 @@ def _train(
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         state[name] = [x.detach().clone() for x in _planes(_local(p))]
-        if p.grad is not None:
-            state[name + ".grad"] = [x.clone() for x in _planes(_local(p.grad))]
-    return losses, state
+    return losses, {**state, **grads}
 
 
-def _parity(rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8, accumulate: bool = False) -> None:
+def _extension_params(model: nn.Module) -> list:
+    return [ep for mlp in model for ep in fully_shard.state(mlp).group.extension.params]
+
+
+def _parity(
+    rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8, accumulate: bool = False, bf16: bool = False
+) -> None:
     TwoTensor.fsdp_pre_all_gather = _pre_all_gather if hidden % world == 0 else _pre_all_gather_padded
     TwoTensor.fsdp_post_all_gather = _post_all_gather
+    if bf16:
+        TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = _pre_all_gather_bf16, _post_all_gather_bf16
     try:
         model = _model(bias, hidden)
-        ours = _train(copy.deepcopy(model), fully_shard, reshard, accumulate=accumulate)
+        mine = copy.deepcopy(model)
+        ours = _train(mine, fully_shard, reshard, accumulate=accumulate)
+        # at rest, nothing gathered holds memory (the upcast full tensors of the bf16 hooks included)
+        for mlp in mine:
+            for lin in (mlp.in_proj, mlp.out_proj):
+                assert isinstance(lin.weight, DTensor)
+        held = [sum(x.untyped_storage().nbytes() for x in _planes(ep.full)) for ep in _extension_params(mine)]
+        assert held == [0] * 4, held
         theirs = _train(model, torch_fully_shard, reshard, accumulate=accumulate)
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
@@ -140,6 +172,12 @@ def test_trainable_two_tensor_uneven_rows_match_torch(pool2: WorkerPool) -> None
 def test_trainable_two_tensor_gradient_accumulation_matches_torch(pool2: WorkerPool) -> None:
     """With gradient sync off for a micro-batch, its unsharded gradient is added to the next synced one's."""
     pool2.run(_parity, True, True, 8, True)
+
+
+def test_trainable_subclass_gathered_in_bf16_matches_torch(pool2: WorkerPool) -> None:
+    """Hooks that gather bf16 and give a plain fp32 tensor to compute (torch's test's pattern): same numbers as
+    torch, and the upcast full tensors are freed at reshard."""
+    pool2.run(_parity, False, True, 8, False, True)
 
 
 def _fsdp1_refuses(rank: int, world: int) -> str:

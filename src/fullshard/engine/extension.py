@@ -30,7 +30,8 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
   sharding are used;
 - gathered: the full tensor that ``fsdp_post_all_gather`` returned, registered as an autograd leaf that requires
   grad (the same object every gather, so autograd's accumulation into its ``.grad`` spans a backward, or several
-  with gradient sync off);
+  with gradient sync off); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
+  their storage freed at reshard and given back before the next gather's ``out=`` call, as the buffers';
 - after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
   into a plain tensor of the parameter's dtype by the subclass's own ``copy_``) is reduce-scattered over the shard
   group by rows, all-reduced over the replicas under HSDP, averaged over the data-parallel ranks as a plain
@@ -142,6 +143,7 @@ class ExtensionParam:
     metadata: Any = None  # from the last fsdp_pre_all_gather, until the gather is rebuilt
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # of what fsdp_pre_all_gather returned
     trainable: bool = False  # sharded as a DTensor over the subclass shard, its gradient reduced (see the note)
+    to_free: list[torch.Tensor] = field(default_factory=list)  # a trainable one's, from fsdp_post_all_gather
 
     @property
     def local(self) -> torch.Tensor:
@@ -285,11 +287,17 @@ class ExtensionParams:
         # a trainable one is gathered in the compute dtype, as torch's fully_shard does (frozen ones as they are)
         dtype = (self.param_dtype if ep.trainable else None) or ep.sharded_param.dtype
         if ep.full is None:
-            full, _ = post(outputs, ep.metadata, dtype)
+            full, to_free = post(outputs, ep.metadata, dtype)
+            if ep.trainable:  # what the hook says may be freed, freed at reshard as torch does (see reshard)
+                ep.to_free = [t for t in to_free if type(t) is torch.Tensor]
             if tuple(full.shape) != ep.shape:  # gathered from padded shards: the parameter's rows (as torch)
                 full = torch.as_strided(full, ep.shape, torch.empty(ep.shape, device="meta").stride(), 0)
             ep.full = nn.Parameter(full, requires_grad=ep.trainable)
         else:
+            for t in ep.to_free:  # storage back for the hook's out= form (buffers' views already have it)
+                nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+                if t.untyped_storage().nbytes() < nbytes:
+                    t.untyped_storage().resize_(nbytes)
             post(outputs, ep.metadata, dtype, out=ep.full)
         ep.metadata = None
 
@@ -305,8 +313,8 @@ class ExtensionParams:
             self.wait()
         self.register_sharded()
         for ep in self.params:
-            for buf in ep.buffers:
-                buf.untyped_storage().resize_(0)
+            for t in [*ep.buffers, *ep.to_free]:
+                t.untyped_storage().resize_(0)
         self.gathered = False
 
     @property
