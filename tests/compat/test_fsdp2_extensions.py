@@ -91,11 +91,13 @@ def _planes(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _train(
-    model: nn.Module, shard_fn, reshard: bool, steps: int = 3, accumulate: bool = False
+    model: nn.Module, shard_fn, reshard: bool, steps: int = 3, accumulate: bool = False, freeze: bool = False
 ) -> tuple[list[float], dict[str, list]]:
     for mlp in model:
         shard_fn(mlp, reshard_after_forward=reshard)
     shard_fn(model, reshard_after_forward=reshard)
+    if freeze:  # frozen after sharding (as torch's test_fully_shard_frozen does)
+        model[0].in_proj.weight.requires_grad_(False)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, grads = [], {}
     for step in range(steps):
@@ -108,7 +110,7 @@ def _train(
         loss.backward()
         if step == steps - 1:  # the last step's sharded gradients (reduced, averaged), before the optimizer's
             for name, p in model.named_parameters():
-                grads["grad." + name] = [x.clone() for x in _planes(_local(p.grad))]
+                grads["grad." + name] = [x.clone() for x in _planes(_local(p.grad))] if p.grad is not None else None
         optim.step()
         optim.zero_grad(set_to_none=step % 2 == 0)
         losses.append(float(loss.detach().a if isinstance(loss, TwoTensor) else loss.detach()))
@@ -127,7 +129,14 @@ def _extension_params(model: nn.Module) -> list:
 
 
 def _parity(
-    rank: int, world: int, bias: bool, reshard: bool, hidden: int = 8, accumulate: bool = False, bf16: bool = False
+    rank: int,
+    world: int,
+    bias: bool,
+    reshard: bool,
+    hidden: int = 8,
+    accumulate: bool = False,
+    bf16: bool = False,
+    freeze: bool = False,
 ) -> None:
     TwoTensor.fsdp_pre_all_gather = _pre_all_gather if hidden % world == 0 else _pre_all_gather_padded
     TwoTensor.fsdp_post_all_gather = _post_all_gather
@@ -136,26 +145,29 @@ def _parity(
     try:
         model = _model(bias, hidden)
         mine = copy.deepcopy(model)
-        ours = _train(mine, fully_shard, reshard, accumulate=accumulate)
+        ours = _train(mine, fully_shard, reshard, accumulate=accumulate, freeze=freeze)
         # at rest, nothing gathered holds memory (the upcast full tensors of the bf16 hooks included)
         for mlp in mine:
             for lin in (mlp.in_proj, mlp.out_proj):
                 assert isinstance(lin.weight, DTensor)
         held = [sum(x.untyped_storage().nbytes() for x in _planes(ep.full)) for ep in _extension_params(mine)]
         assert held == [0] * 4, held
-        theirs = _train(model, torch_fully_shard, reshard, accumulate=accumulate)
+        theirs = _train(model, torch_fully_shard, reshard, accumulate=accumulate, freeze=freeze)
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), atol=ATOL, rtol=RTOL)
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:
+        if ours[1][name] is None or theirs[1][name] is None:  # no gradient (a frozen weight)
+            assert ours[1][name] is theirs[1][name] is None, name
+            continue
         for mine, ref in zip(ours[1][name], theirs[1][name], strict=True):
             assert type(mine) is type(ref), name
             torch.testing.assert_close(mine, ref, atol=ATOL, rtol=RTOL, msg=name)
     # the sharded weights are DTensors over this rank's TwoTensor rows, and they moved
     weight = _model(bias, hidden)[0].in_proj.weight
     rows = torch.chunk(weight.a, world, 0)[rank]
-    assert not torch.allclose(ours[1]["0.in_proj.weight"][0], rows)
+    assert torch.equal(ours[1]["0.in_proj.weight"][0], rows) == freeze
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["subclass-only", "with-plain"])
@@ -178,6 +190,11 @@ def test_trainable_subclass_gathered_in_bf16_matches_torch(pool2: WorkerPool) ->
     """Hooks that gather bf16 and give a plain fp32 tensor to compute (torch's test's pattern): same numbers as
     torch, and the upcast full tensors are freed at reshard."""
     pool2.run(_parity, False, True, 8, False, True)
+
+
+def test_trainable_subclass_frozen_after_sharding_matches_torch(pool2: WorkerPool) -> None:
+    """A TwoTensor weight frozen after fully_shard gets no gradient and keeps its value, as under torch."""
+    pool2.run(_parity, True, True, 8, False, False, True)
 
 
 def _fsdp1_refuses(rank: int, world: int) -> str:

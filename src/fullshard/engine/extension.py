@@ -290,8 +290,7 @@ class ExtensionParams:
             full, to_free = post(outputs, ep.metadata, dtype)
             if ep.trainable:  # what the hook says may be freed, freed at reshard as torch does (see reshard)
                 ep.to_free = [t for t in to_free if type(t) is torch.Tensor]
-            if tuple(full.shape) != ep.shape:  # gathered from padded shards: the parameter's rows (as torch)
-                full = torch.as_strided(full, ep.shape, torch.empty(ep.shape, device="meta").stride(), 0)
+            full = _cut(full, ep.shape)
             ep.full = nn.Parameter(full, requires_grad=ep.trainable)
         else:
             for t in ep.to_free:  # storage back for the hook's out= form (buffers' views already have it)
@@ -299,6 +298,9 @@ class ExtensionParams:
                 if t.untyped_storage().nbytes() < nbytes:
                     t.untyped_storage().resize_(nbytes)
             post(outputs, ep.metadata, dtype, out=ep.full)
+        wanted = ep.trainable and ep.sharded_param.requires_grad  # frozen (or unfrozen) since sharding: followed
+        if ep.full.requires_grad != wanted:  # type: ignore[union-attr]
+            ep.full.requires_grad_(wanted)  # type: ignore[union-attr]
         ep.metadata = None
 
     def register_sharded(self) -> None:
@@ -319,6 +321,10 @@ class ExtensionParams:
 
     @property
     def trainable(self) -> list[ExtensionParam]:
+        """The trainable ones not frozen since sharding (the gradients of those that were are dropped)."""
+        for ep in self.params:
+            if ep.trainable and not ep.sharded_param.requires_grad and ep.full is not None:
+                ep.full.grad = None
         return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
 
     def reduce_grads(self) -> None:
@@ -370,7 +376,7 @@ class ExtensionParams:
                     all_gather_flat(out, _plain(t).view(-1), pg, async_op=False)
                     outputs.append(out.view(-1, *t.shape[1:]))
                 full, _ = ep.local.fsdp_post_all_gather(tuple(outputs), metadata, ep.sharded_param.dtype)  # type: ignore[attr-defined]
-                copies.append(full)
+                copies.append(_cut(full, ep.shape))
         return copies
 
     def load(self, ep: ExtensionParam, value: Any, key: str) -> None:
@@ -392,6 +398,13 @@ class ExtensionParams:
         with torch.no_grad():
             for name in names:
                 getattr(shard, name).copy_(getattr(local, name))
+
+
+def _cut(full: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``full`` gathered from padded shards cut back to the parameter's rows (a view), as torch's ``fully_shard``."""
+    if tuple(full.shape) == shape:
+        return full
+    return torch.as_strided(full, shape, torch.empty(shape, device="meta").stride(), 0)
 
 
 def _padded_rows(rows: int, world: int) -> int:
