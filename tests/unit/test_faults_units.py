@@ -102,6 +102,28 @@ def test_the_first_exception_is_the_root_cause_even_within_one_second() -> None:
     assert outcome.exit_code == 1
 
 
+def test_a_rank_stopped_within_the_second_of_anothers_exception_is_not_the_first() -> None:
+    # Seen under load: rank 1 raised at 59.699; the agent stopped rank 0 with SIGTERM and stamped it 59 (torch
+    # keeps whole seconds), which sorted before 59.699 and named rank 0 the cause.
+    outcome = failures.describe_failures(
+        {
+            0: _Failure(0, -signal.SIGTERM, 59),
+            1: _Failure(1, 1, 59, error_file_data=_raised("ValueError: injected failure on rank 1", 59.699)),
+        }
+    )
+    assert outcome.message.startswith("fullshard launch: rank 1 failed first (exit code 1)"), outcome.message
+    assert "  then rank 0 failed (killed by SIGTERM)" in outcome.message.splitlines()
+    assert outcome.exit_code == 1
+
+
+def test_a_rank_killed_a_second_before_anothers_exception_is_the_first() -> None:
+    outcome = failures.describe_failures(
+        {0: _Failure(0, -signal.SIGKILL, 58), 1: _Failure(1, 1, 59, error_file_data=_raised("ValueError: x", 59.2))}
+    )
+    assert outcome.message.startswith("fullshard launch: rank 0 failed first (killed by SIGKILL)"), outcome.message
+    assert outcome.exit_code == 128 + signal.SIGKILL
+
+
 def test_a_killed_rank_comes_before_the_peers_that_lost_it() -> None:
     lost = _raised("RuntimeError: [pair.cc] Connection closed by peer [127.0.0.1]:1", 99.0)
     outcome = failures.describe_failures(

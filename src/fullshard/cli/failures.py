@@ -5,8 +5,8 @@ When one rank fails, the others usually fail after it: the agent stops them with
 collective raises because the peer's connection closed. torch orders failures by the whole second of its
 error file, so a secondary failure can pass for the first. Here a failure whose message says a peer's
 connection was lost counts as secondary, and the rest are ordered by the exact time the worker wrapper
-(``worker.py``) recorded, else torch's timestamp (a killed worker leaves no file: torch stamps the time it
-noticed). The summary names that rank, how it ended (exit code or signal), its error, and where its output is.
+(``worker.py``) recorded, else torch's timestamp (a killed worker leaves no file: torch stamps the whole
+second it noticed, so exact and whole-second times are compared to the second, the exact one first). The summary names that rank, how it ended (exit code or signal), its error, and where its output is.
 
 [Note: an unreadable error file]
 torch's agent reads a failed worker's error file when it notices the exit, and raises out of the launcher
@@ -131,10 +131,17 @@ def _error(failure: object) -> tuple[str, str, float | None]:
     return text, stack, float(exact) if exact is not None else None
 
 
-def _order_key(failure: object) -> tuple[bool, float]:
+def _order_key(failure: object) -> tuple[bool, int, bool, float]:
+    """Sort key: primary failures first, then by time. torch's stamp is the whole second in which the agent
+    noticed the exit (after it happened), so it is compared with exact times only to the second; within that
+    second a failure with its own exact time comes first: a rank the agent stopped with SIGTERM after another
+    rank raised at 59.7 is stamped 59, and must not pass for the first."""
     text, _, exact = _error(failure)
     secondary = peer_lost(text)
-    return secondary, exact if exact is not None else float(getattr(failure, "timestamp", 0))
+    if exact is not None:
+        return secondary, int(exact), False, exact
+    noticed = int(getattr(failure, "timestamp", 0))
+    return secondary, noticed, True, float(noticed)
 
 
 def _log_of(local_rank: int, log_dir: str | None) -> str:
