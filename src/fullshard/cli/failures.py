@@ -6,7 +6,8 @@ collective raises because the peer's connection closed. torch orders failures by
 error file, so a secondary failure can pass for the first. Here a failure whose message says a peer's
 connection was lost counts as secondary, and the rest are ordered by the exact time the worker wrapper
 (``worker.py``) recorded, else torch's timestamp (a killed worker leaves no file: torch stamps the whole
-second it noticed, so exact and whole-second times are compared to the second, the exact one first). The summary names that rank, how it ended (exit code or signal), its error, and where its output is.
+second it noticed, so exact and whole-second times are compared to the second, the exact one first). The
+summary names that rank, how it ended (exit code or signal), its error, and where its output is.
 
 [Note: an unreadable error file]
 torch's agent reads a failed worker's error file when it notices the exit, and raises out of the launcher
