@@ -46,3 +46,24 @@ def test_every_listed_name_resolves_and_is_listed_by_dir(package: str) -> None:
     assert set(module.__all__) <= set(dir(module))
     with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'not_a_name'"):
         module.not_a_name  # noqa: B018
+
+
+def test_preparing_a_model_imports_no_optional_library() -> None:
+    # peft, and through it transformers, torchao and scipy, cost ~1.7 s of CPU per rank when ``prepare`` asked
+    # whether the model is a PEFT model by importing peft; a model can only be one once peft is imported
+    code = (
+        "import os, torch\nos.environ['ACCELERATE_USE_FSDP'] = 'true'\nfrom fullshard import Accelerator\n"
+        "from fullshard.utils import is_peft_model\naccelerator = Accelerator()\n"
+        "model = accelerator.prepare(torch.nn.Linear(2, 2))\n"
+        "assert type(model).__name__ == 'FullyShardedDataParallel' and not is_peft_model(model)"
+    )
+    optional = {"peft", "transformers", "torchao", "scipy", "accelerate"}
+    assert not optional & _modules_after(code), sorted(optional & _modules_after(code))
+    # and a PEFT model is still seen as one once peft is imported
+    pytest.importorskip("peft")
+    _modules_after(
+        "import torch, peft\nfrom fullshard.utils import is_peft_model\n"
+        "base = torch.nn.Sequential(torch.nn.Linear(2, 2))\n"
+        "model = peft.get_peft_model(base, peft.LoraConfig(target_modules=['0'], r=1))\n"
+        "assert is_peft_model(model) and not is_peft_model(base)"
+    )

@@ -19,6 +19,7 @@ none of this: its nested wrappers gather their own entries, and its names are th
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -32,12 +33,14 @@ __all__ = ["full_adapter_state_dict", "is_peft_model", "save_adapters_whole"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    """Whether ``model`` (a prepared model, or the user's module) is a ``peft.PeftModel``."""
-    if not is_peft_available():
-        return False
-    from peft import PeftModel
+    """Whether ``model`` (a prepared model, or the user's module) is a ``peft.PeftModel``.
 
-    return isinstance(extract_model_from_parallel(model), PeftModel)
+    Never imports peft: a model can only be a ``PeftModel`` once peft is imported, and importing it (with
+    transformers, torchao, scipy and the rest it pulls in) costs seconds of every ``prepare``."""
+    peft = sys.modules.get("peft")
+    if peft is None or not is_peft_available():
+        return False
+    return isinstance(extract_model_from_parallel(model), peft.PeftModel)
 
 
 def full_adapter_state_dict(model: nn.Module) -> dict[str, Any]:
