@@ -220,7 +220,7 @@ class Accelerator(ShardingChoice, TrainingStep, AcceleratorCheckpoints, runtime.
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
-    # --- process ------------------------------------------------------------------------------------
+    # --- process (distributed_type and is_fsdp2: ShardingChoice, one_process.py) ----------------------
 
     @property
     def state(self) -> AcceleratorState:
@@ -447,8 +447,6 @@ class Accelerator(ShardingChoice, TrainingStep, AcceleratorCheckpoints, runtime.
         wrapped = AcceleratedScheduler(obj, optimizers, self.gradient_state, steps, self.step_scheduler_with_optimizer)
         self._objects.schedulers.append(wrapped)
         return wrapped
-
-    # --- training step: training_step.py ------------------------------------------------------------
 
     # --- data across processes ----------------------------------------------------------------------
 
