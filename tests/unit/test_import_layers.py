@@ -731,11 +731,11 @@ FRONTEND = SRC / "frontend"
 # Each flat module of frontend/ -> its topic. A topic of three or more modules is a folder named for it, so no topic
 # here has three modules, nor a folder's name. A new flat module gets a topic here (or goes into its topic's folder).
 FRONTEND_TOPICS = {
-    "accelerator": "accelerator",
+    "accelerator": "accelerator", "one_process": "accelerator",
     "plugin": "plugin", "plugin_values": "plugin",
     "prepare": "prepare",
     "optim": "optimizer",
-    "training": "training",
+    "training": "training", "training_step": "training",
     "invariant": "invariant",
     "compile": "compile",
     "adapters": "peft",

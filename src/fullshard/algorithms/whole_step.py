@@ -1,5 +1,9 @@
 """Optimizer steps on whole parameters (Muon, Adafactor, a user's Shampoo) while everything stays sharded at rest.
 
+This module holds the hooks (``WholeParamStep``) and the serial exchange; beside it, ``whole_owners.py`` (the
+parameters by shard group, and who steps each), ``whole_pieces.py`` (a parameter's state kinds and its pieces as
+bytes) and ``whole_pipeline.py`` (Muon's exchange pipelined, mixed into ``WholeParamStep``).
+
 [Note: whole-parameter steps]
 A matrix optimizer computes on each parameter as a whole: Muon orthogonalises the momentum of the full matrix,
 Adafactor keeps row and column statistics and scales by the parameter's norm. Run on a rank's rows only, it
@@ -30,35 +34,18 @@ so that each of its sharded parameters is stepped whole, by one rank:
   names, shapes and dtypes with one ``all_gather_object``; afterwards the layout is known on every rank.
 
 [Note: exchange memory]
-Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters
-whole (parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced; pipelined,
-about four of them at a time: [Note: pipelined whole steps]), and nothing else of that size. The gather runs
-one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each
-owner receives piece ``k`` (parameter, gradient, each per-element state) of its ``j``-th parameter straight into
-that piece's whole tensor, rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer
-nor concatenation on the owner. The scatter runs one per (owner slot, piece): each owner sends its ``j``-th
-parameter's piece, then frees that parameter's whole tensors, and every rank copies the bytes it received for
-slot ``j`` straight into its shards and states. The calls are many but small (``3`` then ``2`` per owned matrix
-for Muon). Traffic per step: the parameter, gradient and per-element state bytes gathered and the parameter and
-state bytes scattered, once each. Parameters outside every unit are whole on every rank and stepped by every
-rank, as without this hook. Element-wise optimizers (AdamW, SGD) never need it.
-
-[Note: pipelined whole steps]
-Above, the exchange and the step follow each other: every gather, then every matrix's Newton-Schulz, then every
-scatter, each rank waiting in each all-to-all for the slowest one. For ``torch.optim.Muon`` (exactly that class:
-its step is the same computed one parameter at a time, with no state but each parameter's ``momentum_buffer``)
-the pre-hook pipelines them once every rank knows the state's kinds (from the second step), on a 1-D shard group
-with dim-0 rows. It posts the gathers (``async_op``, the calls above, into the whole tensors) of the first two
-owner slots and wraps them in whole parameters; then for owner slot ``j`` it waits for that slot's pieces, posts
-the gathers of slot ``j + 2``, runs the optimizer's own ``step`` (its undecorated function, without its hooks)
-with only the owner's ``j``-th whole parameter in its param group, and posts slot ``j``'s scatter at once (the
-owner's whole tensors are freed as soon as their bytes are copied into the send buffers). At most two posted
-scatters are unfinished; the post-hook finishes the rest. The gathers of later slots and the scatters of earlier
-ones move while Newton-Schulz runs, a rank waits only where its next slot's bytes have not come, and an owner
-holds about four of its matrices whole at a time (two gathering, one stepping, one being sent) instead of all of
-them. The kernels and their inputs are those of the unsharded step (one parameter per call, as Muon loops over
-them anyway), so it is bitwise the same; other optimizers (whose state may span parameters: a step counter per
-call, a shared preconditioner) keep the sequence above.
+Parameters, gradients and state stay sharded between steps; during the step an owner holds its own parameters whole
+(parameter, gradient, state: about ``3/N`` of the model's fp32 bytes when owners are balanced; pipelined, about four
+of them at a time: [Note: pipelined whole steps] in ``whole_pipeline.py``), and nothing else of that size. The
+gather runs one ``all_to_all`` per (piece, owner slot): in call ``(k, j)`` each owner receives piece ``k``
+(parameter, gradient, each per-element state) of its ``j``-th parameter straight into that piece's whole tensor,
+rank ``r``'s rows at their place (the dim-0 layout), so there is no received buffer nor concatenation on the owner.
+The scatter runs one per (owner slot, piece): each owner sends its ``j``-th parameter's piece, then frees that
+parameter's whole tensors, and every rank copies the bytes it received for slot ``j`` straight into its shards and
+states. The calls are many but small (``3`` then ``2`` per owned matrix for Muon). Traffic per step: the parameter,
+gradient and per-element state bytes gathered and the parameter and state bytes scattered, once each. Parameters
+outside every unit are whole on every rank and stepped by every rank, as without this hook. Element-wise optimizers
+(AdamW, SGD) never need it.
 
 Tensor parallel parameters (a ``(dp, tp)`` mesh): the owner is a shard rank of the dp group, the same for every
 tp rank (owners are planned on global shapes). After the gather over dp, the owners of one dp position (one per
@@ -74,14 +61,28 @@ after the first step is refused by the owner (the others then wait in the collec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from fullshard.algorithms.whole_owners import Bucket, Entry, assign_owners, is_muon, newton_schulz_cost, plan_owners
+from fullshard.algorithms.whole_pieces import (
+    Kind,
+    as_bytes,
+    concat,
+    copy_bytes,
+    fits,
+    may_change,
+    nbytes,
+    rows_like,
+    rows_of,
+    set_whole_names,
+    whole_names_of,
+    whole_spec,
+)
+from fullshard.algorithms.whole_pipeline import PipelinedSteps
 from fullshard.engine import WHOLE_STATES_KEY, add_step_check, local_tensor, model_params, owner_label
 
 __all__ = [
@@ -121,39 +122,7 @@ def is_matrix_optimizer(optimizer: object) -> bool:
     return isinstance(optimizer, tuple(MATRIX_OPTIMIZERS))
 
 
-# pipelined steps: owner slots whose gathers run ahead of the one being stepped, and posted scatters left unfinished
-_AHEAD = 2
-
-# kinds of one state value: ("rows", dtype) per-element; ("whole", dtype, shape) the same on every rank;
-# ("value", object) a non-tensor value
-_Kind = tuple[Any, ...]
-
-
-@dataclass
-class _Entry:
-    """A sharded parameter of the optimizer, stepped whole on ``owner`` (a rank of its shard group)."""
-
-    param: nn.Parameter
-    fqn: str
-    sp: Any  # the engine's ShardedParam: its layout, rows_of
-    owner: int = 0
-    whole: nn.Parameter | None = None  # on the owner, during the step
-
-
-@dataclass
-class _Bucket:
-    """The entries of one shard group."""
-
-    pg: dist.ProcessGroup | None
-    world: int
-    rank: int
-    entries: list[_Entry] = field(default_factory=list)
-    stepping: list[_Entry] = field(default_factory=list)  # those with a gradient, in this step
-    pipelined: bool = False  # this step's exchange is pipelined (see [Note: pipelined whole steps])
-    scatters: list[Any] = field(default_factory=list)  # posted scatters the post-hook finishes
-
-
-class WholeParamStep:
+class WholeParamStep(PipelinedSteps):
     """Steps ``optimizer``'s sharded parameters whole, one owning rank each; see [Note: whole-parameter steps].
 
     Built by :func:`whole_param_step`; ``owners`` maps each sharded parameter's name to its owner's shard rank;
@@ -164,7 +133,7 @@ class WholeParamStep:
         self.optimizer = optimizer
         self._model = model
         self._groups: list[list[Any]] | None = None  # the param groups' lists, while swapped
-        self._specs: dict[int, list[tuple[str, _Kind]]] = {}  # id(param) -> its state's kinds, as every rank has them
+        self._specs: dict[int, list[tuple[str, Kind]]] = {}  # id(param) -> its state's kinds, as every rank has them
         self._known: set[int] = set()  # parameters whose state's kinds the owner has sent
         self._build()
         self._handles = [
@@ -178,7 +147,7 @@ class WholeParamStep:
         owners may change at any step, since nothing lives on an owner between steps)."""
         optimizer = self.optimizer
         by_id = {id(p.param): p for p in model_params(self._model)}
-        buckets: dict[int, _Bucket] = {}
+        buckets: dict[int, Bucket] = {}
         self._position: dict[int, tuple[int, int]] = {}  # id(param) -> (its param group, its place there)
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
@@ -194,12 +163,12 @@ class WholeParamStep:
                     continue  # outside every unit: whole on every rank, stepped by every rank
                 shard = info.unit.shard_group
                 bucket = buckets.setdefault(
-                    id(shard.shard_pg), _Bucket(shard.shard_pg, shard.shard_size, shard.shard_rank)
+                    id(shard.shard_pg), Bucket(shard.shard_pg, shard.shard_size, shard.shard_rank)
                 )
-                bucket.entries.append(_Entry(param, info.fqn, info.sp))
+                bucket.entries.append(Entry(param, info.fqn, info.sp))
         self._buckets = list(buckets.values())
         for bucket in self._buckets:
-            _assign_owners(bucket, newton_schulz_cost if _is_muon(optimizer) else math.prod)
+            assign_owners(bucket, newton_schulz_cost if is_muon(optimizer) else math.prod)
         self.owners = {e.fqn: e.owner for b in self._buckets for e in b.entries}
         self._param_ids = [id(p) for group in optimizer.param_groups for p in group["params"]]
 
@@ -230,7 +199,7 @@ class WholeParamStep:
                 stepping.update(self._gather(bucket))
         self._swap_groups(stepping)
 
-    def _gather(self, bucket: _Bucket) -> list[int]:
+    def _gather(self, bucket: Bucket) -> list[int]:
         bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
@@ -243,8 +212,8 @@ class WholeParamStep:
 
     def _post_gather(
         self,
-        bucket: _Bucket,
-        owned: list[list[_Entry]],
+        bucket: Bucket,
+        owned: list[list[Entry]],
         dtypes: dict[int, list[torch.dtype]],
         first: int,
         last: int,
@@ -264,16 +233,16 @@ class WholeParamStep:
             for j in range(first, last):
                 to = {o: es[j] for o, es in enumerate(owned) if j < len(es) and len(dtypes[id(es[j].param)]) > k}
                 # rows in the layout's dim order (a Shard(d) parameter's dim d first: see [Note: Shard(d)])
-                send = _concat([_as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())])
-                in_splits = [_nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
+                send = concat([as_bytes(e.sp.move(self._local_pieces(e)[k])) for _, e in sorted(to.items())])
+                in_splits = [nbytes(to[o], me, dtypes[id(to[o].param)][k]) if o in to else 0
                              for o in range(bucket.world)]  # fmt: skip
                 e = to.get(me)
                 if e is None:
                     whole, out_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
                 else:
                     whole = torch.empty(e.sp.layout.shape, dtype=dtypes[id(e.param)][k])  # the layout's dim order
-                    out_splits = [_nbytes(e, r, whole.dtype) for r in range(bucket.world)]
-                _all_to_all_into(_as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
+                    out_splits = [nbytes(e, r, whole.dtype) for r in range(bucket.world)]
+                _all_to_all_into(as_bytes(whole) if e is not None else whole, send, out_splits, in_splits,
                                  bucket, None if works is None else works[j])  # fmt: skip
                 if e is not None:
                     # in the parameter's dim order, plain (a copy only for Shard(d), d > 0; the background path
@@ -282,86 +251,8 @@ class WholeParamStep:
                     wholes[j].append(done)
         return wholes
 
-    # --- pipelined: gather, step and scatter one owner slot after another, the exchange in the background --
-
-    def _can_pipeline(self, bucket: _Bucket) -> bool:
-        """Whether ``bucket`` can be stepped slot by slot (see [Note: pipelined whole steps]): an optimizer whose
-        step is the same one parameter at a time (Muon: no state but each parameter's), state of known kinds,
-        plain dim-0 rows on a 1-D shard group."""
-        if type(self.optimizer) is not getattr(torch.optim, "Muon", None) or bucket.world == 1:
-            return False
-        if not hasattr(type(self.optimizer).step, "__wrapped__"):  # no step without its hooks to call per matrix
-            return False
-        stepping = [e for e in bucket.entries if e.param.grad is not None]
-        return all(
-            e.sp.shard_dim == 0
-            and e.sp.tp is None
-            and id(e.param) in self._known
-            and not _may_change(self._specs.get(id(e.param), []))
-            for e in stepping
-        )
-
-    def _pipeline(self, bucket: _Bucket) -> None:
-        """Per owner slot: wait for its pieces, post the gathers of the slot ``_AHEAD`` further, step the owner's
-        matrix alone, post its scatter; the post-hook finishes the scatters (see [Note: pipelined whole steps])."""
-        bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
-        for e in bucket.stepping:
-            self._specs[id(e.param)] = self._rest_spec(e)
-        dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
-        owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
-        slots = max((len(es) for es in owned), default=0)
-        me = bucket.rank
-        mine = [owned[me][j] if j < len(owned[me]) else None for j in range(slots)]
-        gathers: list[list[Any]] = [[] for _ in range(slots)]  # per slot: its all_to_all works
-
-        def post(first: int, last: int) -> None:  # the gathers of slots first..last-1, in the background
-            wholes = self._post_gather(bucket, owned, dtypes, first, last, gathers)
-            for j in range(first, last):
-                e = mine[j]
-                if e is not None:  # the whole tensors as they will be once received (dim 0, no tp: plain views)
-                    self._own_whole(e, wholes[j])
-
-        post(0, min(_AHEAD, slots))
-        bucket.scatters = []
-        for j in range(slots):
-            for work in gathers[j]:
-                work.wait()
-            gathers[j] = []  # its send buffers
-            if j + _AHEAD < slots:
-                post(j + _AHEAD, j + _AHEAD + 1)
-            e = mine[j]
-            state: dict[str, Any] = {}
-            if e is not None:
-                self._step_alone(e)
-                state = self.optimizer.state.pop(e.whole, {})
-                if _whole_spec(e, state) != self._specs[id(e.param)]:
-                    raise RuntimeError(
-                        f"[rank {dist.get_rank()}] whole_param_step: the optimizer changed the state names of "
-                        f"{e.fqn!r} after its first step; whole-parameter steps need a state that keeps its names "
-                        "and shapes once created. Create every state at the first step."
-                    )
-            slot = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
-            bucket.scatters.append(self._post_scatter(bucket, slot, state))
-            del state
-            if len(bucket.scatters) > _AHEAD:  # bounded: the bytes of _AHEAD slots in flight
-                self._finish_scatter(bucket.scatters.pop(0))
-
-    def _step_alone(self, e: _Entry) -> None:
-        """The optimizer's own step (without its hooks) on ``e``'s whole parameter alone, in its param group."""
-        groups = self.optimizer.param_groups
-        saved = [group["params"] for group in groups]
-        try:
-            for group in groups:
-                group["params"] = []
-            groups[self._position[id(e.param)][0]]["params"] = [e.whole]
-            with torch.no_grad():
-                type(self.optimizer).step.__wrapped__(self.optimizer)
-        finally:
-            for group, params in zip(groups, saved, strict=True):
-                group["params"] = params
-
     def _post_scatter(
-        self, bucket: _Bucket, slot: dict[int, _Entry], state: dict[str, Any], background: bool = True
+        self, bucket: Bucket, slot: dict[int, Entry], state: dict[str, Any], background: bool = True
     ) -> tuple[Any, ...]:
         """Start slot ``slot``'s scatter (one all_to_all per piece: the parameter, then each state in spec order;
         in the background, or each done before the next piece's send buffer is built); frees the owner's whole
@@ -377,13 +268,13 @@ class WholeParamStep:
                 name, d, kind = pieces[id(mine.param)][k]
                 src = mine.whole.detach() if name is None else state[name]
                 if kind[0] == "whole":
-                    send = _concat([_as_bytes(src)] * bucket.world)
+                    send = concat([as_bytes(src)] * bucket.world)
                 else:
-                    send = _concat([_as_bytes(_rows_of(mine, src, r)) for r in range(bucket.world)])
+                    send = concat([as_bytes(rows_of(mine, src, r)) for r in range(bucket.world)])
                 del src
-                in_splits = [_nbytes(mine, r, d, kind) for r in range(bucket.world)]
+                in_splits = [nbytes(mine, r, d, kind) for r in range(bucket.world)]
             out_splits = [
-                _nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
+                nbytes(at[o], me, pieces[id(at[o].param)][k][1], pieces[id(at[o].param)][k][2]) if o in at else 0
                 for o in range(bucket.world)
             ]
             out = torch.empty(sum(out_splits), dtype=torch.uint8)
@@ -409,11 +300,11 @@ class WholeParamStep:
         for e in slot.values():
             self._take_pieces(e, got.pop(id(e.param)))
 
-    def _rest_spec(self, e: _Entry) -> list[tuple[str, _Kind]]:
+    def _rest_spec(self, e: Entry) -> list[tuple[str, Kind]]:
         """The kinds of ``e``'s state at rest, the same on every rank (the whole names are in its param group)."""
         state = self.optimizer.state.get(e.param, {})
-        whole_names = set(_whole_names_of(self.optimizer, self._position[id(e.param)]))
-        spec: list[tuple[str, _Kind]] = []
+        whole_names = set(whole_names_of(self.optimizer, self._position[id(e.param)]))
+        spec: list[tuple[str, Kind]] = []
         for name in sorted(state):
             value = state[name]
             if not isinstance(value, torch.Tensor):
@@ -424,19 +315,19 @@ class WholeParamStep:
                 spec.append((name, ("whole", value.dtype, tuple(value.shape))))
         return spec
 
-    def _piece_dtypes(self, e: _Entry) -> list[torch.dtype]:
+    def _piece_dtypes(self, e: Entry) -> list[torch.dtype]:
         grad = e.param.grad
         if grad is None:
             raise AssertionError(f"whole_param_step: {e.fqn!r} is stepping without a gradient")
         rows = [kind[1] for _, kind in self._specs[id(e.param)] if kind[0] == "rows"]
         return [e.param.dtype, grad.dtype, *rows]
 
-    def _local_pieces(self, e: _Entry) -> list[torch.Tensor]:
+    def _local_pieces(self, e: Entry) -> list[torch.Tensor]:
         state = self.optimizer.state.get(e.param, {})
         rows = [state[name] for name, kind in self._specs[id(e.param)] if kind[0] == "rows"]
         return [local_tensor(t).detach() for t in (e.param, e.param.grad, *rows)]
 
-    def _own_whole(self, e: _Entry, wholes: list[torch.Tensor]) -> None:
+    def _own_whole(self, e: Entry, wholes: list[torch.Tensor]) -> None:
         """On the owner: a whole parameter with ``wholes`` (parameter, gradient, per-element states), its state."""
         whole = nn.Parameter(wholes[0], requires_grad=e.param.requires_grad)
         whole.grad = wholes[1]
@@ -475,7 +366,7 @@ class WholeParamStep:
                     spec = dict(self._specs.get(id(e.param), []))
                     for name, kind in spec.items():
                         if kind[0] == "rows" and name in state:
-                            state[name] = _rows_like(e.param, _rows_of(e, state[name]).clone())
+                            state[name] = rows_like(e.param, rows_of(e, state[name]).clone())
                     if state:
                         self.optimizer.state[e.param] = state
                     e.whole = None
@@ -503,7 +394,7 @@ class WholeParamStep:
             for e in bucket.entries:
                 e.whole = None
 
-    def _scatter(self, bucket: _Bucket, states: dict[int, dict[str, Any]]) -> None:
+    def _scatter(self, bucket: Bucket, states: dict[int, dict[str, Any]]) -> None:
         entries = bucket.stepping
         self._exchange_specs(bucket, entries, states)
         owned = [[e for e in entries if e.owner == o] for o in range(bucket.world)]
@@ -521,19 +412,19 @@ class WholeParamStep:
             self._finish_scatter(posted)
         bucket.stepping = []
 
-    def _exchange_specs(self, bucket: _Bucket, entries: list[_Entry], states: dict[int, dict[str, Any]]) -> None:
+    def _exchange_specs(self, bucket: Bucket, entries: list[Entry], states: dict[int, dict[str, Any]]) -> None:
         """Owners tell every rank the kinds of new state (first step, or non-tensor values)."""
-        changing = [e for e in entries if id(e.param) not in self._known or _may_change(self._specs[id(e.param)])]
+        changing = [e for e in entries if id(e.param) not in self._known or may_change(self._specs[id(e.param)])]
         if not changing:
             for e in entries:
-                if e.owner == bucket.rank and _whole_spec(e, states[id(e.param)]) != self._specs[id(e.param)]:
+                if e.owner == bucket.rank and whole_spec(e, states[id(e.param)]) != self._specs[id(e.param)]:
                     raise RuntimeError(
                         f"[rank {dist.get_rank() if dist.is_initialized() else 0}] whole_param_step: the optimizer "
                         f"changed the state names of {e.fqn!r} after its first step; whole-parameter steps need a "
                         "state that keeps its names and shapes once created. Create every state at the first step."
                     )
             return
-        mine = {e.fqn: _whole_spec(e, states[id(e.param)]) for e in changing if e.owner == bucket.rank}
+        mine = {e.fqn: whole_spec(e, states[id(e.param)]) for e in changing if e.owner == bucket.rank}
         if bucket.world > 1:
             gathered: list[Any] = [None] * bucket.world
             dist.all_gather_object(gathered, mine, group=bucket.pg)
@@ -543,20 +434,20 @@ class WholeParamStep:
         for e in changing:
             self._known.add(id(e.param))
             self._specs[id(e.param)] = merged[e.fqn]
-            _set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
+            set_whole_names(self.optimizer, self._position[id(e.param)], merged[e.fqn])
 
-    def _scatter_pieces(self, e: _Entry) -> list[tuple[str | None, torch.dtype, _Kind]]:
+    def _scatter_pieces(self, e: Entry) -> list[tuple[str | None, torch.dtype, Kind]]:
         """What the owner sends back of ``e``, in order: (state name, or None for the parameter; dtype; kind)."""
         spec = self._specs[id(e.param)]
-        pieces: list[tuple[str | None, torch.dtype, _Kind]] = [(None, e.param.dtype, ("rows", e.param.dtype))]
+        pieces: list[tuple[str | None, torch.dtype, Kind]] = [(None, e.param.dtype, ("rows", e.param.dtype))]
         pieces += [(name, kind[1], kind) for name, kind in spec if kind[0] in ("rows", "whole")]
         return pieces
 
-    def _take_pieces(self, e: _Entry, pieces: list[torch.Tensor]) -> None:
+    def _take_pieces(self, e: Entry, pieces: list[torch.Tensor]) -> None:
         """This rank's rows of the stepped parameter and its state, from the owner (``pieces``: their bytes)."""
         local = local_tensor(e.param)
         with torch.no_grad():
-            _copy_bytes(local, pieces[0])
+            copy_bytes(local, pieces[0])
         old = self.optimizer.state.get(e.param, {})
         state: dict[str, Any] = {}
         it = iter(pieces[1:])
@@ -567,13 +458,13 @@ class WholeParamStep:
                 state[name] = next(it).clone().view(kind[1]).view(kind[2])
             else:
                 rows, previous = next(it), old.get(name)
-                if _fits(previous, local.shape, kind[1]):
-                    _copy_bytes(local_tensor(previous), rows)
+                if fits(previous, local.shape, kind[1]):
+                    copy_bytes(local_tensor(previous), rows)
                     state[name] = previous
                 else:
                     new = torch.empty_like(local, dtype=kind[1])  # the shard's strides (Shard(d): a movedim view)
-                    _copy_bytes(new, rows)
-                    state[name] = _rows_like(e.param, new)
+                    copy_bytes(new, rows)
+                    state[name] = rows_like(e.param, new)
         if state:
             self.optimizer.state[e.param] = state
 
@@ -594,119 +485,12 @@ def whole_param_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Whol
     return installed if installed is not None else WholeParamStep(model, optimizer)
 
 
-def plan_owners(costs: list[int], world: int) -> list[int]:
-    """The owner of each of parameters costing ``costs`` (elements, or :func:`newton_schulz_cost`) among ``world``
-    ranks: costliest first, each to the rank with the least cost so far (ties: lowest rank).
-    ``benchmarks/simulate.py`` plans with it too."""
-    load = [0] * world
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += costs[i]
-    return owners
-
-
-def newton_schulz_cost(shape: tuple[int, ...]) -> int:
-    """What Muon's step costs on a matrix of ``shape``, up to a constant: ``m * n * min(m, n)`` (its Newton-Schulz
-    products); elements for a parameter that is not 2-D."""
-    numel = math.prod(shape)
-    return numel * min(shape) if len(shape) == 2 else numel
-
-
-def _is_muon(optimizer: torch.optim.Optimizer) -> bool:
-    muon = getattr(torch.optim, "Muon", None)
-    return muon is not None and isinstance(optimizer, muon)
-
-
-def _assign_owners(bucket: _Bucket, cost: Any) -> None:
-    # global shapes: a tensor parallel parameter's tp part may differ in size across tp ranks (uneven splits),
-    # and the ranks of a tp group must agree on the owners (they gather over tp together)
-    owners = plan_owners([cost(tuple(e.sp.shape)) for e in bucket.entries], bucket.world)
-    for e, owner in zip(bucket.entries, owners, strict=True):
-        e.owner = owner
-
-
-def _rows_of(e: _Entry, whole: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-    """Shard rank ``rank``'s rows of the whole (global) ``whole``: of its tp part, for a tensor parallel one."""
-    return e.sp.rows_of(e.sp.gathered_of_full(whole), rank)
-
-
-def _whole_spec(e: _Entry, state: dict[str, Any]) -> list[tuple[str, _Kind]]:
-    """The kinds of the owner's whole state: a tensor shaped like the parameter is per-element, others whole."""
-    spec: list[tuple[str, _Kind]] = []
-    for name in sorted(state):
-        value = state[name]
-        if not isinstance(value, torch.Tensor):
-            spec.append((name, ("value", value)))
-        elif value.dim() > 0 and tuple(value.shape) == tuple(e.sp.shape):
-            spec.append((name, ("rows", value.dtype)))
-        else:
-            spec.append((name, ("whole", value.dtype, tuple(value.shape))))
-    return spec
-
-
-def _may_change(spec: list[tuple[str, _Kind]]) -> bool:
-    """Whether the owner's step may give state of other kinds than ``spec`` (the same answer on every rank)."""
-    return not spec or any(kind[0] == "value" for _, kind in spec)
-
-
-def _whole_names_of(optimizer: torch.optim.Optimizer, position: tuple[int, int]) -> list[str]:
-    group, i = optimizer.param_groups[position[0]], position[1]
-    lists = group.get(WHOLE_STATES_KEY)
-    return list(lists[i]) if lists and i < len(lists) else []
-
-
-def _set_whole_names(
-    optimizer: torch.optim.Optimizer, position: tuple[int, int], spec: list[tuple[str, _Kind]]
-) -> None:
-    group, i = optimizer.param_groups[position[0]], position[1]
-    lists = group.setdefault(WHOLE_STATES_KEY, [])
-    lists.extend([] for _ in range(len(group["params"]) - len(lists)))
-    lists[i] = [name for name, kind in spec if kind[0] == "whole" and len(kind[2]) > 0]
-
-
-def _rows_like(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` as the optimizer holds a per-element state of ``param`` (a ``DTensor`` like it, if it is one)."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            rows, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return rows
-
-
-def _fits(old: Any, shape: torch.Size, dtype: torch.dtype) -> bool:
-    return isinstance(old, torch.Tensor) and local_tensor(old).shape == shape and old.dtype == dtype
-
-
-def _copy_bytes(dst: torch.Tensor, data: torch.Tensor) -> None:
-    """Copy ``data`` (``dst``'s bytes, uint8) into ``dst`` without an intermediate tensor where ``dst`` allows."""
-    if dst.is_contiguous():
-        dst.reshape(-1).view(torch.uint8).copy_(data)
-    else:  # a Shard(d) parameter's movedim view
-        dst.copy_(data.clone().view(dst.dtype).view(dst.shape))
-
-
-def _concat(pieces: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _nbytes(e: _Entry, rank: int, dtype: torch.dtype, kind: _Kind = ("rows",)) -> int:
-    if kind[0] == "whole":
-        return math.prod(kind[2]) * dtype.itemsize
-    return e.sp.layout.for_rank(rank).local_numel * dtype.itemsize
-
-
 def _all_to_all_into(
     out: torch.Tensor,
     inp: torch.Tensor,
     out_splits: list[int],
     in_splits: list[int],
-    bucket: _Bucket,
+    bucket: Bucket,
     works: list[Any] | None = None,
 ) -> None:
     """``all_to_all_single`` of bytes into ``out`` (a view of the tensors it fills); started in the background

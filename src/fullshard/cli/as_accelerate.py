@@ -112,7 +112,7 @@ def install() -> None:
     Also sets ``ACCELERATE_USE_FSDP=true`` unless it is set, when several processes run (``WORLD_SIZE`` > 1):
     there every prepared model is sharded, and transformers' ``cpu_ram_efficient_loading`` (rank 0 alone reads
     the pretrained weights) looks for it. One process keeps Accelerate's ``DistributedType.NO`` unless FSDP is
-    asked for (see [Note: one process without FSDP] in ``frontend/accelerator.py``).
+    asked for (see [Note: one process without FSDP] in ``frontend/one_process.py``).
     """
     if installed():
         return

@@ -8,8 +8,8 @@ The user then gives the model storage with ``model.to_empty(device=...)`` and in
 
 ``to_empty`` goes through ``nn.Module._apply``, which hands each sharded parameter new local storage (in
 place: ``torch.utils.swap_tensors`` for ``DTensor``s, ``.data`` for plain parameters). The unit's
-``_apply`` override then calls :meth:`ParamGroup.adopt_applied_params` (``group.py``), which allocates a real
-``flat_shard`` and makes the parameters views of it again (see [Note: group buffers] there), so the values the
+``_apply`` override then calls :meth:`ParamGroup.adopt_applied_params` (``group_moves.py``), which allocates a real
+``flat_shard`` and makes the parameters views of it again (see [Note: group buffers] in ``group.py``), so the values the
 user writes into them are what the next all-gather reads. Torch's FSDP2 re-reads its sharded parameters the same way
 after ``_apply``.
 

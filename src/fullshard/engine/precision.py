@@ -28,6 +28,7 @@ __all__ = [
     "Casts",
     "GroupPrecision",
     "cast_floating",
+    "cast_to",
     "casts_from_mixed_precision",
     "casts_from_policy",
     "group_precision",
@@ -150,3 +151,11 @@ def cast_floating(obj: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(obj, Mapping):
         return type(obj)({k: cast_floating(v, dtype) for k, v in obj.items()})
     return obj
+
+
+def cast_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, non_blocking: bool) -> torch.Tensor:
+    """``tensor.to(device, dtype, non_blocking=...)``, without dispatching an op when it is there already (once per
+    gather and per reduction)."""
+    if tensor.dtype == dtype and tensor.device == device:
+        return tensor
+    return tensor.to(device, dtype, non_blocking=non_blocking)

@@ -17,12 +17,12 @@ topic of one or two modules is flat here; no flat module shares a folder's topic
   ``tqdm`` and ``get_logger``;
 - ``handlers/``: the kwargs handlers; ``bigmodel/``: Accelerate's big-model utilities (one process, no sharding).
 
-The flat topics: ``accelerator``; ``plugin`` + ``plugin_values``; ``prepare``; ``optim``; ``training``;
-``invariant``; ``compile``; ``adapters`` (PEFT); ``parallelism``; ``project``; ``preemption``; ``enums``; ``ops``;
-``memory``; ``trackers`` + ``tracker_selection``; ``env`` + ``launch_helpers`` (the launch environment);
-``availability`` + ``versions`` (installed packages); ``refused`` (Accelerate's names fullshard refuses). A new
-module joins its topic's folder, or a flat topic; the third module of a flat topic makes it a folder.
-``tests/unit/test_import_layers.py`` checks all of this (``FRONTEND_TOPICS``).
+The flat topics: ``accelerator`` + ``one_process``; ``plugin`` + ``plugin_values``; ``prepare``; ``optim``;
+``training`` + ``training_step``; ``invariant``; ``compile``; ``adapters`` (PEFT); ``parallelism``; ``project``;
+``preemption``; ``enums``; ``ops``; ``memory``; ``trackers`` + ``tracker_selection``; ``env`` + ``launch_helpers``
+(the launch environment); ``availability`` + ``versions`` (installed packages); ``refused`` (Accelerate's names
+fullshard refuses). A new module joins its topic's folder, or a flat topic; the third module of a flat topic makes
+it a folder. ``tests/unit/test_import_layers.py`` checks all of this (``FRONTEND_TOPICS``).
 
 Accelerate's public module paths (``accelerate.utils``, ``accelerate.state``, ...) are mirrored one to one by the
 re-export package ``fullshard.accelerate`` (which ``fullshard launch --as_accelerate`` serves as ``accelerate``), and

@@ -4,45 +4,39 @@ A script written for Accelerate keeps working after ``from accelerate import Acc
 ``from fullshard import Accelerator``. The model is sharded whenever FSDP is asked for or several processes run:
 with no ``fsdp_plugin`` the default :class:`FullyShardedDataParallelPlugin` is used, which reads the ``FSDP_*``
 variables ``fullshard launch`` sets. One process with nothing asking for FSDP runs the model as it is, as
-Accelerate's ``DistributedType.NO`` does (see [Note: one process without FSDP]).
+Accelerate's ``DistributedType.NO`` does (see [Note: one process without FSDP] in ``one_process.py``).
 A script run without a launcher is one process with a process group of one rank (see [Note: single process]
-in ``processes/runtime.py``). This class only dispatches; the work is done in ``prepare.py`` (models), ``data/``
-(loaders), ``optim.py``, ``training.py`` (per-step helpers), ``invariant.py`` (world-size-invariant mode),
-``saving/`` (checkpoints) and ``processes/`` (the process and Accelerate's shared state); Accelerate's utilities in
-``handlers/`` (kwargs handlers), ``trackers.py`` with ``tracker_selection.py`` (trackers) and ``ops.py`` (tensor
-operations across processes: gather, reduce, pad, ...).
+in ``processes/runtime.py``). This class checks its arguments, holds the run's state and dispatches; the work is
+done in ``prepare.py`` (models), ``data/`` (loaders), ``optim.py``, ``training.py`` (per-step helpers),
+``invariant.py`` (world-size-invariant mode), ``saving/`` (checkpoints) and ``processes/`` (the process and
+Accelerate's shared state); Accelerate's utilities in ``handlers/`` (kwargs handlers), ``trackers.py`` with
+``tracker_selection.py`` (trackers) and ``ops.py`` (tensor operations across processes: gather, reduce, pad, ...).
+Three groups of its methods live in the classes it mixes in, each a job of its own: ``one_process.py``
+(``ShardingChoice``: whether it shards, ``distributed_type``), ``training_step.py`` (``TrainingStep``: ``backward``,
+``accumulate``, clipping, ``autocast``, ...) and ``saving/accelerator_checkpoints.py`` (``AcceleratorCheckpoints``:
+``save_state``, ``load_state``, ``save_model``, ...). They hold no state of their own: the attributes they read are
+set here, in ``__init__``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 
-from fullshard.algorithms.grad_scaler import ShardedGradScaler
-from fullshard.checkpoint import save_weights
 from fullshard.frontend import env, invariant, memory, ops, preemption, training
 from fullshard.frontend.compile import TorchDynamoPlugin, compile_model, resolve_dynamo_plugin
 from fullshard.frontend.data.dataloader_config import DataLoaderConfiguration, resolve_dataloader_config
 from fullshard.frontend.data.loader_parts import dealt_as_accelerate, dispatch_loader, shard_loader
 from fullshard.frontend.data.sharded_loader import RNG_TYPES, GradientState, prepare_data_loader, skip_first_batches
-from fullshard.frontend.enums import DistributedType, DynamoBackend, PrecisionType
-from fullshard.frontend.handlers import (
-    AutocastKwargs,
-    ProfileKwargs,
-    collect_handlers,
-    ddp,
-    grad,
-    process_group_kwargs,
-    profiling,
-)
+from fullshard.frontend.enums import DynamoBackend, PrecisionType
+from fullshard.frontend.handlers import collect_handlers, ddp, grad, process_group_kwargs
+from fullshard.frontend.one_process import ShardingChoice, wants_sharding
 from fullshard.frontend.optim import AcceleratedOptimizer, AcceleratedScheduler
 from fullshard.frontend.parallelism import (
     ParallelismConfig,
@@ -56,9 +50,11 @@ from fullshard.frontend.processes import runtime
 from fullshard.frontend.processes import work_split as processes
 from fullshard.frontend.processes.shared_state import AcceleratorState, PartialState
 from fullshard.frontend.project import ProjectConfiguration, resolve_project_configuration
-from fullshard.frontend.saving import model_state, state_io
+from fullshard.frontend.saving import state_io
+from fullshard.frontend.saving.accelerator_checkpoints import AcceleratorCheckpoints
 from fullshard.frontend.tracker_selection import TrackerSet, resolve_log_with
 from fullshard.frontend.trackers import GeneralTracker
+from fullshard.frontend.training_step import TrainingStep
 
 __all__ = ["Accelerator"]
 
@@ -124,30 +120,6 @@ def _default_plugin(config: ParallelismConfig | None) -> FullyShardedDataParalle
     return FullyShardedDataParallelPlugin()
 
 
-def _fsdp_env() -> bool:
-    """Whether the environment asks for FSDP: ``ACCELERATE_USE_FSDP`` true (``accelerate launch --use_fsdp``,
-    ``fullshard launch --use_fsdp``), or, with it unset, any ``FSDP_*`` plugin variable set."""
-    use_fsdp = env.read_launch_env().get("use_fsdp")
-    return bool(use_fsdp) if use_fsdp is not None else bool(env.read_env())
-
-
-def _shards(plugin_given: bool, config: ParallelismConfig | None, num_processes: int) -> bool:
-    """Whether prepared models are sharded; see [Note: one process without FSDP]."""
-    return plugin_given or config is not None or num_processes > 1 or _fsdp_env()
-
-
-# [Note: one process without FSDP]
-# Accelerate runs one process without a launcher as ``DistributedType.NO``: ``prepare`` returns the model as it
-# is (moved to the device, its forward under autocast for mixed precision), and code that keeps using the model
-# it built (attribute writes, its own hooks) sees the prepared one. fullshard does the same for one process when
-# nothing asks for FSDP: no ``fsdp_plugin``, no ``parallelism_config``, and no FSDP in the environment
-# (:func:`_fsdp_env`). Any of those, or a second process, shards as before (fullshard never runs DDP: several
-# processes without a plugin shard with the default one). Setting ``accelerator.state.distributed_type`` to
-# ``FSDP`` before the first ``prepare`` turns sharding on, as in Accelerate's tests. Without sharding, a
-# checkpoint of ``save_state`` is the same folder as with it (the plugin's ``state_dict_type`` picks DCP folders
-# or full files; see ``saving/model_state.py``), so it loads into a sharded model, and back.
-
-
 def _resolve_precision(mixed_precision: object) -> PrecisionType:
     if mixed_precision is None:
         mixed_precision = env.read_launch_env().get("mixed_precision")
@@ -166,7 +138,7 @@ def _answered_by_state(name: str) -> property:
     return property(get, doc=field.__doc__)
 
 
-class Accelerator(runtime.ProcessView):
+class Accelerator(ShardingChoice, TrainingStep, AcceleratorCheckpoints, runtime.ProcessView):
     """Prepares models, optimizers, dataloaders and schedulers for sharded training; see the module docstring."""
 
     deepspeed_plugin = None  # accelerator.state.deepspeed_plugin: scripts test it to pick DeepSpeed's placeholders
@@ -226,7 +198,7 @@ class Accelerator(runtime.ProcessView):
         )
         self._process = runtime.init_process_state(cpu=cpu, **init_kwargs)
         PartialState._adopt(self._process, cpu)  # PartialState() now answers for this process, as in Accelerate
-        self._sharding = _shards(fsdp_plugin is not None, self.parallelism_config, self._process.num_processes)
+        self._sharding = wants_sharding(fsdp_plugin is not None, self.parallelism_config, self._process.num_processes)
         self._objects = state_io.TrainingObjects(gradient_state=self.gradient_state)
         self._register_state()  # first: this accelerator's process fields are answered through it
         self.torch_device_mesh = None
@@ -248,18 +220,7 @@ class Accelerator(runtime.ProcessView):
         self._save_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
 
-    def _register_state(self) -> None:
-        """This accelerator's fields in Accelerate's shared ``AcceleratorState`` (its plugin only when sharding)."""
-        self._state = AcceleratorState.register(
-            self.fsdp_plugin if self._sharding else None,
-            self.mixed_precision,
-            self.dynamo_plugin,
-            self.parallelism_config,
-            distributed_type=DistributedType.FSDP if self._sharding else DistributedType.NO,
-            accelerator=self,
-        )
-
-    # --- process ------------------------------------------------------------------------------------
+    # --- process (distributed_type and is_fsdp2: ShardingChoice, one_process.py) ----------------------
 
     @property
     def state(self) -> AcceleratorState:
@@ -278,52 +239,6 @@ class Accelerator(runtime.ProcessView):
     num_processes = _answered_by_state("num_processes")
     is_main_process = _answered_by_state("is_main_process")
     is_local_main_process = _answered_by_state("is_local_main_process")
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """``FSDP`` when prepared models are sharded, ``NO`` for one process without FSDP (see [Note: one process
-        without FSDP])."""
-        AcceleratorState.require("distributed_type")
-        return DistributedType.FSDP if self._sharding else DistributedType.NO
-
-    @distributed_type.setter
-    def distributed_type(self, value: DistributedType | str) -> None:
-        """Accelerate's tests and some scripts write ``accelerator.state.distributed_type = DistributedType.FSDP``.
-
-        ``FSDP`` turns sharding on (with ``fsdp_plugin``) before the first ``prepare``; ``NO`` turns it off for
-        one process without a ParallelismConfig, before the first ``prepare``. Other types, or a change after
-        models were prepared, are refused, naming why."""
-        name = getattr(value, "value", value)
-        wanted = name == DistributedType.FSDP.value
-        if name not in (DistributedType.FSDP.value, DistributedType.NO.value):
-            raise ValueError(
-                f"accelerator.distributed_type = {value!r}: fullshard shards (DistributedType.FSDP) or, for one "
-                "process, runs the model as it is (DistributedType.NO); it has no other distributed type. Use the "
-                "real Accelerate for another one."
-            )
-        if wanted == self._sharding:
-            return
-        if self._objects.models:
-            raise ValueError(
-                f"accelerator.distributed_type = {value!r} after {len(self._objects.models)} model(s) were prepared "
-                f"as {self.distributed_type.value}: set it before the first prepare()."
-            )
-        if not wanted and (self.num_processes > 1 or self.parallelism_config is not None):
-            raise ValueError(
-                f"accelerator.distributed_type = {value!r} with {self.num_processes} processes"
-                f"{' and a ParallelismConfig' if self.parallelism_config is not None else ''}: several processes "
-                "always shard (fullshard has no DDP). Leave it as DistributedType.FSDP."
-            )
-        self._sharding = wanted
-        self._register_state()
-
-    @property
-    def is_fsdp2(self) -> bool:
-        return self._sharding and self.fsdp_plugin.fsdp_version == 2
-
-    @property
-    def is_composable_parallelism_enabled(self) -> bool:
-        return self.is_fsdp2
 
     def _mesh_rank(self, dim: str, what: str) -> int:
         if self.parallelism_config is None:
@@ -383,15 +298,6 @@ class Accelerator(runtime.ProcessView):
         self.dataloader_config.even_batches = value
 
     @property
-    def sync_gradients(self) -> bool:
-        """Whether this step reduces gradients and steps the optimizer (``False`` on accumulation steps)."""
-        return self.gradient_state.sync_gradients
-
-    @sync_gradients.setter
-    def sync_gradients(self, value: bool) -> None:
-        self.gradient_state._set_sync_gradients(value)
-
-    @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
@@ -406,15 +312,6 @@ class Accelerator(runtime.ProcessView):
                 f"follow from the plugin's invariant_micro_batches ({self._invariant.micro_batches}); change that."
             )
         self.gradient_state.num_steps = steps
-
-    @property
-    def scaler(self) -> ShardedGradScaler | None:
-        """The fp16 loss scaler (``None`` unless ``mixed_precision="fp16"``)."""
-        return self._objects.scaler
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        return any(opt.step_was_skipped for opt in self._objects.optimizers)
 
     def set_trigger(self) -> None:
         """Raise this process's stop flag; the next :meth:`check_trigger` is True on every rank."""
@@ -551,66 +448,6 @@ class Accelerator(runtime.ProcessView):
         self._objects.schedulers.append(wrapped)
         return wrapped
 
-    # --- training step ------------------------------------------------------------------------------
-
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by ``1 / gradient_accumulation_steps`` (and the fp16 loss scale).
-
-        World-size-invariant mode: outside ``accumulate()`` with ``G/N > 1`` only in a loop that announces its
-        micro-batches (transformers' Trainer), and scaled by the steps the Accelerator was created with; see
-        [Note: the Trainer in invariant mode] in ``invariant.py``.
-        """
-        steps = invariant.loss_divisor(
-            self._invariant, self.gradient_accumulation_steps, self._accumulating, self.gradient_state.caller_steps
-        )
-        loss = loss / steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(**kwargs)
-
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Divide the gradients by the fp16 loss scale (a no-op otherwise); at most once per optimizer step.
-
-        Skipped on accumulation steps: the gradients are incomplete, and the next backward would add scaled
-        values to unscaled ones.
-        """
-        if self.scaler is None or not self.sync_gradients:
-            return
-        optimizers = self._objects.optimizers if optimizer is None else [optimizer]
-        for opt in optimizers:
-            self.scaler.unscale_(opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt)
-
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
-        """One micro-batch: no gradient reduction unless it completes an accumulation step (or the loader)."""
-        training.advance_step(self.gradient_state)
-        with contextlib.ExitStack() as stack:
-            if not (self.sync_gradients or (self.gradient_state.sync_each_batch and self.use_distributed)):
-                for model in models:
-                    stack.enter_context(training.no_sync(model))
-            self._accumulating = True
-            stack.callback(setattr, self, "_accumulating", False)
-            yield
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return training.no_sync(model)
-
-    def clip_grad_norm_(
-        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor:
-        """Clip gradients to a global norm over all shards; returns the norm before clipping (equal on all ranks).
-
-        With fp16 the gradients are unscaled first, so ``max_norm`` applies to the true gradients.
-        """
-        self.unscale_gradients()
-        return training.clip_grad_norm(self._objects.models, parameters, max_norm, norm_type)
-
-    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
-        """``torch.autocast`` in the run's mixed precision; ``autocast_handler`` (else the Accelerator's
-        ``AutocastKwargs``) sets its ``enabled`` and ``cache_enabled``."""
-        handler = autocast_handler if autocast_handler is not None else self._handlers.autocast
-        return training.autocast_context(PrecisionType(self.mixed_precision), self.device, handler)
-
     # --- data across processes ----------------------------------------------------------------------
 
     def gather(self, tensor: Any) -> Any:
@@ -628,121 +465,7 @@ class Accelerator(runtime.ProcessView):
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
         return ops.pad_across_processes(tensor, dim, pad_index, pad_first)
 
-    # --- checkpoints and weights --------------------------------------------------------------------
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore ``objects`` (with ``state_dict``/``load_state_dict``) in ``save_state``/``load_state``."""
-        bad = [
-            f"Item at index {i} ({type(o).__name__})"
-            for i, o in enumerate(objects)
-            if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
-        ]
-        if bad:
-            raise ValueError(
-                f"Accelerator.register_for_checkpointing(...): {', '.join(bad)} lack state_dict() and "
-                "load_state_dict(). Register objects that have both (or wrap yours in a class that does)."
-            )
-        self._objects.custom.extend(objects)
-
-    project_dir = property(lambda self: self.project_configuration.project_dir, doc="ProjectConfiguration's folder.")
-    save_iteration = property(lambda self: self.project_configuration.iteration, doc="The next checkpoint_<i>.")
-
-    def save_state(
-        self,
-        output_dir: str | Path | None = None,
-        safe_serialization: bool = True,
-        *,
-        async_save: bool | None = None,
-        **kwargs: Any,
-    ) -> str:
-        """Write a checkpoint folder (see ``saving/state_io.py``) as one atomic unit; returns its path.
-
-        With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the folder is
-        ``<project_dir>/checkpoints/checkpoint_<save_iteration>`` (``output_dir`` is ignored, as in Accelerate)
-        and, once it is complete, the oldest complete checkpoints beyond ``total_limit`` are deleted. The hooks of
-        :meth:`register_save_state_pre_hook` run first. ``safe_serialization`` is accepted as in Accelerate,
-        where under FSDP it changes nothing either: sharded models and optimizers are DCP folders, full ones
-        ``.bin`` files. Accelerate's other keywords go to DeepSpeed's ``save_checkpoint`` and are refused here.
-
-        ``async_save=True`` (torch's ``dcp.async_save``): return once this rank's state is copied to host memory;
-        the files are written, checksummed and committed in a background thread, and the old checkpoints rotated
-        after. The next ``save_state``, ``load_state`` and ``end_training`` (and process exit) wait for it, and
-        raise its failure; the folder appears only once complete. The host copy's buffers are kept for the next
-        async save (copied into again when the shapes and dtypes match: much faster than new memory), so one
-        copy of this rank's sharded model and optimizer state (fp32 AdamW: 12 bytes per parameter / ranks)
-        stays in host memory, pinned for CUDA state, until ``end_training`` or process exit. See
-        ``docs/checkpoints.md``. ``async_save=None`` (not given): ``ProjectConfiguration(async_save=...)``, whose
-        default is ``FULLSHARD_ASYNC_SAVE`` (else off).
-        """
-        _refuse_extra_kwargs("save_state", kwargs, "they are DeepSpeed's save_checkpoint arguments")
-        del safe_serialization
-
-        def run_hooks(folder: Path) -> None:  # no weights list: FSDP models save themselves
-            for hook in self._save_state_pre_hooks.values():
-                hook(self._objects.models, [], str(folder))
-
-        return str(state_io.save_state_as_configured(output_dir, self._objects, self.fsdp_plugin,
-                                                     self.project_configuration, before=run_hooks,
-                                                     async_save=async_save if async_save is not None
-                                                     else bool(self.project_configuration.async_save)))  # fmt: skip
-
-    def load_state(
-        self,
-        input_dir: str | Path | None = None,
-        load_kwargs: dict[str, Any] | None = None,
-        *,
-        verify: bool = False,
-        strict: bool = True,
-        map_location: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        """Restore models, optimizers, schedulers, registered objects and RNG states from ``save_state``'s folder.
-
-        With no ``input_dir`` and automatic checkpoint naming, the newest complete checkpoint is loaded (and
-        named on the main process); ``verify=True`` checks every file's checksum first (``fullshard verify``);
-        ``strict=False`` ignores model keys the checkpoint has and the models lack. The hooks of
-        :meth:`register_load_state_pre_hook` run first. ``map_location`` may be None, ``"cpu"`` or
-        ``"on_device"`` (everything is read on the CPU and placed where the prepared objects live);
-        ``load_kwargs`` and other keywords are DeepSpeed's in Accelerate and are refused.
-        """
-        _refuse_extra_kwargs("load_state", {**kwargs, **(load_kwargs or {})}, "they are DeepSpeed's arguments")
-        if map_location not in (None, "cpu", "on_device"):
-            raise ValueError(
-                f"Accelerator.load_state(map_location={map_location!r}): expected None, 'cpu' or 'on_device'; "
-                "files are read on the CPU and each object keeps its device."
-            )
-
-        def run_hooks(folder: Path) -> None:
-            for hook in self._load_state_pre_hooks.values():
-                hook(self._objects.models, str(folder))
-
-        state_io.load_state_as_configured(input_dir, self._objects, self.fsdp_plugin, self.project_configuration,
-                                          verify=verify, strict=strict, say=self.print, before=run_hooks)  # fmt: skip
-
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The full state dict on rank 0, on the CPU, by original names (``{}`` on the other ranks); a collective."""
-        del unwrap  # names are always the original module's
-        if not model_state.has_units(model):  # never prepared: its own state dict, as Accelerate returns it
-            return model.state_dict()
-        return model_state.full_model_state_dict(model)
-
-    def save_model(
-        self,
-        model: nn.Module,
-        save_directory: str | Path,
-        max_shard_size: int | str = "10GB",
-        safe_serialization: bool = True,
-    ) -> None:
-        """Write the full weights (``model.safetensors`` or ``pytorch_model.bin``, sharded above ``max_shard_size``)."""
-        state_dict = self.get_state_dict(model)
-        if self.is_main_process:
-            save_weights(
-                state_dict, save_directory, safe_serialization=safe_serialization, max_shard_size=max_shard_size
-            )
-        self.wait_for_everyone()
-
-    def save(self, obj: Any, f: str | Path, safe_serialization: bool = False) -> None:
-        ops.save(obj, f, safe_serialization=safe_serialization)
+    # --- checkpoints and weights: saving/accelerator_checkpoints.py; the user's module ----------------
 
     def unwrap_model(
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool | None = None
@@ -750,23 +473,6 @@ class Accelerator(runtime.ProcessView):
         """The user's module (``extract_model_from_parallel``). The Accelerator compiles a model in place, so
         ``keep_torch_compile`` (``None``: false, as Accelerate) only matters for a ``torch.compile(...)`` given."""
         return training.extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
-
-    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, weights, output_dir)`` at the start of every ``save_state`` (``weights`` is ``[]``:
-        sharded models write their own files, as under FSDP in Accelerate); ``handle.remove()`` unregisters it.
-
-        ``output_dir`` is the save's staging folder (``<folder>.incomplete``, existing and empty but for the save's
-        tag): the files the hook writes there are committed with the checkpoint, renamed into ``<folder>`` with
-        it, and recorded in its manifest."""
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, input_dir)`` at the start of every ``load_state``."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
 
     # --- trackers (trackers.py) -----------------------------------------------------------------------
 
@@ -821,44 +527,6 @@ class Accelerator(runtime.ProcessView):
 
     clear = free_memory
 
-    # --- more training-step helpers (training.py, handlers/profiling.py) ----------------
-
-    def trigger_sync_in_backward(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return training.trigger_sync(model)
-
-    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
-        """Clamp gradients into ``[-clip_value, clip_value]`` (after fp16 unscaling); exact on shards."""
-        self.unscale_gradients()
-        training.clip_grad_value(parameters, clip_value)
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
-        """Run the block with the prepared loaders' ``even_batches`` set to ``even_batches`` (if given).
-
-        A sharded model cannot "join": every forward and backward is a collective, so a rank that ran out of
-        batches would leave the others waiting. Uneven batches on several processes are therefore refused.
-        """
-        del joinables
-        if even_batches is False and self.num_processes > 1:
-            raise ValueError(
-                "Accelerator.join_uneven_inputs(even_batches=False): a sharded model cannot run uneven batches "
-                "(each forward/backward is a collective every rank must join). Keep even_batches=True."
-            )
-        samplers = [dl.batch_sampler for dl in self._objects.dataloaders if hasattr(dl.batch_sampler, "even_batches")]
-        previous = [s.even_batches for s in samplers]
-        for sampler in samplers if even_batches is not None else []:
-            sampler.even_batches = even_batches
-        try:
-            yield
-        finally:
-            for sampler, value in zip(samplers, previous):
-                sampler.even_batches = value
-
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager[Any]:
-        """``torch.profiler`` over the block; traces go to ``output_trace_dir`` (see ``handlers/profiling.py``)."""
-        handler = profile_handler or self._handlers.profile
-        return profiling.profile(handler, self.process_index, self.wait_for_everyone)
-
 
 _ACCELERATE_ONLY = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin")
 
@@ -871,12 +539,6 @@ def _refuse_accelerate_only_plugins(kwargs: dict[str, Any]) -> None:
                 f"Accelerator({name}=...): fullshard is FSDP only (no DeepSpeed or Megatron-LM; tensor parallelism "
                 "goes through parallelism_config=ParallelismConfig(tp_size=...)). Leave it None."
             )
-
-
-def _refuse_extra_kwargs(method: str, kwargs: dict[str, Any], why: str) -> None:
-    if kwargs:
-        names = ", ".join(f"{k}=" for k in sorted(kwargs))
-        raise TypeError(f"Accelerator.{method}({names}...): not supported; {why}. Remove them.")
 
 
 def _all_tensors(data: Any) -> bool:

@@ -5,7 +5,7 @@
 the environment and no process group) initialises a process group of one rank (gloo on CPU, NCCL on CUDA)
 over an in-memory store, so collectives, and a model wrapped by the engine (under a plugin or FSDP in the
 environment; without, the Accelerator runs it as it is: [Note: one process without FSDP] in
-``accelerator.py``), work as in a launched run, and ``save_state`` writes the same folders (one shard each).
+``one_process.py``), work as in a launched run, and ``save_state`` writes the same folders (one shard each).
 This keeps one code path for 1 and N processes, and a checkpoint saved by a single process loads into 2 and
 back. Under ``fullshard launch`` / ``torchrun`` the
 group is initialised from the environment (``env://``); a group the script initialised itself is used as it is.

@@ -8,7 +8,7 @@ the unwrapped model's names (parameter names for the optimizer, as torch's ``get
 writes them), so a checkpoint of either entry point, or of torch's FSDP, loads into the other.
 
 A model prepared without sharding (one process, no FSDP: [Note: one process without FSDP] in
-``frontend/accelerator.py``) has no units and takes the same calls, answered from its plain tensors under the
+``frontend/one_process.py``) has no units and takes the same calls, answered from its plain tensors under the
 same names, so its checkpoint folders are the sharded layout and load into a sharded model, and back.
 
 Full state dicts are gathered to rank 0 (``full_model_state_dict``, ``full_optim_state``) and loaded from rank
