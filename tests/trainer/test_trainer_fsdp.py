@@ -107,8 +107,9 @@ def test_fsdp1_and_fsdp2_train_as_accelerate_ddp(tmp_path: Path) -> None:
     #   Accelerate's DDP, side by side (each launch costs ~11 s of CPU, mostly importing transformers)
     runs = {
         "v1": start_fullshard(tmp_path / "v1", "--fsdp", "v1"),
-        "v2": start_fullshard(tmp_path / "v2", "--fsdp", "v2", "--eval_first", "--from_pretrained", pretrained,
-                              *SETTINGS),  # fmt: skip
+        "v2": start_fullshard(
+            tmp_path / "v2", "--fsdp", "v2", "--eval_first", "--from_pretrained", pretrained, *SETTINGS
+        ),
     }
     if _has_accelerate():
         runs["ddp"] = start_accelerate(tmp_path / "ddp")
