@@ -16,13 +16,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.engine.api import Offload, PlacementError
 from fullshard.engine.cpu_bf16 import warn_if_slow_bf16
+from fullshard.engine.direct_calls import guard_direct_calls
 from fullshard.engine.extension import ExtensionParams, is_plain, refuse_unshardable
 from fullshard.engine.group import ParamGroup, main_dtype
 from fullshard.engine.mesh import ShardGroup, simulating
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import owner_label, replacement_for
 from fullshard.engine.precision import Casts, group_precision
-from fullshard.engine.unit_state import UnitConfig, UnitState, guard_direct_calls, unit_state
+from fullshard.engine.unit_state import UnitConfig, UnitState, unit_state
 from fullshard.ranks import global_rank, require_agreement
 
 __all__ = ["Ignored", "InitOptions", "build_unit", "own_modules", "resolve_device", "resolve_ignored", "shard_dims"]

@@ -1,5 +1,10 @@
 """Per-unit runtime state and the hooks that drive gather, free and reduce around forward and backward.
 
+This module holds ``UnitState`` (lazy init, the forward and backward hooks, the root's final callback) and the
+lookups of units in a model; beside it, ``root_context.py`` (what the root shares with its units: the recorded
+forward order, the backward pass under way, and the prefetch and keep-spare decisions drawn from them) and
+``direct_calls.py`` (the guard against calling a module inside a sharded unit directly).
+
 [Note: one iteration]
 - Root pre-forward (lazy init on the first call): the outermost unit called becomes the root; it finds
   every unit below it, checks that all ranks built the same units (one ``all_gather_object``), and on the
@@ -33,7 +38,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, invariant, trace
@@ -43,7 +47,14 @@ from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import STATE_ATTR, clean_key
 from fullshard.engine.precision import Casts, cast_floating
 from fullshard.engine.reassign import adopt_replaced_params
-from fullshard.engine.spare import SpareStorage
+from fullshard.engine.root_context import (
+    ForwardOrder,
+    RootContext,
+    next_gather_fits,
+    prefetch,
+    prefetch_backward,
+    reshard_leftovers,
+)
 from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "has_units", "is_unit", "unit_state", "unit_states_in"]
@@ -114,76 +125,6 @@ def is_unit(module: nn.Module) -> bool:
 def has_units(module: nn.Module) -> bool:
     """Whether any module in ``module``'s tree is a unit (a model never sharded has none)."""
     return any(is_unit(m) for m in module.modules())
-
-
-@dataclass
-class ForwardOrder:
-    """The order units ran forward in the first iteration (frozen after it), and this iteration's progress
-    against it: prefetching follows the recorded order and stops at the first difference."""
-
-    units: list[UnitState] = field(default_factory=list)
-    frozen: bool = False
-    cursor: int = 0  # units run forward so far this iteration
-    changed: bool = False
-    this_iteration: list[str] = field(default_factory=list)  # labels, for the cross-rank check
-    position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in units
-
-    def start_iteration(self) -> None:  # at the root's pre-forward
-        self.cursor = 0
-        self.this_iteration.clear()
-        if not self.frozen:
-            self.units.clear()
-
-    def freeze(self) -> None:
-        self.frozen = True
-        for i, state in enumerate(self.units):
-            self.position.setdefault(id(state), i)
-
-    def next(self, state: UnitState, step: int) -> UnitState | None:
-        """The unit ``step`` places after ``state`` in the recorded order: 1 in forward, -1 in backward."""
-        i = self.position.get(id(state))
-        if i is None or not 0 <= i + step < len(self.units):
-            return None
-        return self.units[i + step]
-
-
-@dataclass
-class BackwardPass:
-    """Bookkeeping of the backward pass under way: the root's final callback, and the reductions in flight."""
-
-    in_backward: bool = False  # the root's final callback is queued and has not run yet
-    in_flight: list[ParamGroup] = field(default_factory=list)
-
-    def begin(self, final_callback: Callable[[], None]) -> None:
-        """At the first pre-backward of a backward pass: queue the root's final callback once."""
-        if not self.in_backward:
-            self.in_backward = True
-            Variable._execution_engine.queue_callback(final_callback)
-
-    def settle(self, limit: int) -> None:
-        """Finish the oldest reductions until at most ``limit`` are left in flight."""
-        while len(self.in_flight) > limit:
-            self.in_flight.pop(0).finish_reduce()
-
-    def end(self) -> None:
-        self.in_flight.clear()
-        self.in_backward = False
-
-
-@dataclass
-class RootContext:
-    """What the root unit shares with every unit below it for one model."""
-
-    root: UnitState
-    states: list[UnitState]
-    order: ForwardOrder = field(default_factory=ForwardOrder)
-    backward: BackwardPass = field(default_factory=BackwardPass)
-    spare: SpareStorage = field(default_factory=SpareStorage)  # a freed unit's memory, for the next gather
-    gathered: int = 0  # units other than the root holding gathered (or gathering) parameters now
-    max_gathered: int = 0  # most non-root units gathered at once (limit_all_gathers keeps it at 2)
-
-    def note_gathered(self) -> None:
-        self.max_gathered = max(self.max_gathered, self.gathered)
 
 
 class UnitState:
@@ -342,7 +283,7 @@ class UnitState:
         else:
             self._check_order(order)
             if self.config.forward_prefetch and not order.changed:
-                _prefetch(ctx, order.next(self, 1))
+                prefetch(ctx, order.next(self, 1))
         order.cursor += 1
         order.this_iteration.append(self.label)
         ctx.note_gathered()
@@ -381,7 +322,7 @@ class UnitState:
             self._round_left = 0
             if self.group is not None:
                 if self._reshards_after_forward():
-                    self.group.reshard(keep_spare=_next_gather_fits(ctx, self, 1))
+                    self.group.reshard(keep_spare=next_gather_fits(ctx, self, 1))
                 elif not self.config.expose_gathered_after_forward:
                     # The FSDP wrapper: kept gathered for backward, but parameters() yields the leaves the optimizer
                     # steps on (a forward without backward, e.g. a sanity check, may come before it is built).
@@ -389,7 +330,7 @@ class UnitState:
             if self.is_root:
                 if not ctx.order.frozen:
                     ctx.order.freeze()
-                _reshard_leftovers(ctx)
+                reshard_leftovers(ctx)
                 ctx.spare.drop()
                 if collective_check.debug_enabled():
                     _check_same_order_on_all_ranks(ctx.order.this_iteration)
@@ -429,7 +370,7 @@ class UnitState:
             self.training_state = TrainingState.PRE_BACKWARD
             self._unshard_now()
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                _prefetch_backward(ctx, self)
+                prefetch_backward(ctx, self)
             ctx.note_gathered()
 
     def post_backward(self) -> None:
@@ -450,10 +391,10 @@ class UnitState:
             else:
                 group.hold_unsynced_grad()
             # Free the gathered parameters before blocking on older reductions: they are not needed any more.
-            group.reshard(keep_spare=_next_gather_fits(ctx, self, -1))
+            group.reshard(keep_spare=next_gather_fits(ctx, self, -1))
             ctx.backward.settle(_reductions_in_flight(group))
             if self.config.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-                _prefetch_backward(ctx, self)
+                prefetch_backward(ctx, self)
 
     def _final_callback(self) -> None:
         ctx = self.ctx
@@ -508,45 +449,6 @@ def reset_iteration(root: UnitState) -> None:
     ctx.order.cursor = 0
     ctx.order.this_iteration.clear()
     ctx.gathered = 0
-
-
-def _next_gather_fits(ctx: RootContext, state: UnitState, step: int) -> bool:
-    """Whether the next unit to gather after ``state`` (the first still-sharded one in the recorded order, 1 in
-    forward, -1 in backward) gathers as many bytes on the same device: ``state`` then keeps its freed
-    memory for it (see ``spare.py``). Not before the order is recorded, nor when this iteration departs from it."""
-    if state.group is None or not ctx.order.frozen or ctx.order.changed:
-        return False
-    nearest = ctx.order.next(state, step)
-    if nearest is not None and nearest.group is not None and nearest.group.state is not ShardState.SHARDED:
-        nearest = ctx.order.next(nearest, step)  # gathered already (prefetched, or the root): the one after
-    other = nearest.group if nearest is not None else None
-    mine = (state.group.full_nbytes, state.group.device)
-    return other is not None and other.state is ShardState.SHARDED and (other.full_nbytes, other.device) == mine
-
-
-def _prefetch(ctx: RootContext, state: UnitState | None) -> None:
-    """Start gathering ``state``'s parameters, unless gathered already or the rate limit is reached."""
-    if state is None or state.group is None or state.group.state is not ShardState.SHARDED:
-        return
-    if state.config.limit_all_gathers and ctx.gathered >= 2:
-        return
-    state.group.unshard()
-
-
-def _prefetch_backward(ctx: RootContext, state: UnitState) -> None:
-    """Prefetch the unit that runs backward after ``state`` (the previous one in forward order)."""
-    if not ctx.order.changed:
-        _prefetch(ctx, ctx.order.next(state, -1))
-        ctx.note_gathered()
-
-
-def _reshard_leftovers(ctx: RootContext) -> None:
-    """After the root's forward: free units that should be free (e.g. prefetched but never run)."""
-    for state in ctx.states:
-        if state is ctx.root or state.group is None or state.group.state is ShardState.SHARDED:
-            continue
-        if state.config.reshard_after_forward or not torch.is_grad_enabled():
-            state.group.reshard()
 
 
 def _refuse_meta(states: list[UnitState]) -> None:
@@ -637,56 +539,3 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for state, value in zip(states, previous, strict=True):
             state.requires_gradient_sync = value
-
-
-def guard_direct_calls(
-    unit_label: str, group: ParamGroup, modules: list[tuple[str, nn.Module]]
-) -> list[RemovableHandle]:
-    """Make a forward of ``modules`` (inside the unit) fail clearly unless the unit's parameters are gathered.
-
-    Where the shards are the whole parameters at rest (one rank holds all of them, in the compute dtype, on the
-    device, as plain tensors: ``alias_full`` of an FSDP wrapper's unit), a direct call computes with the right
-    values and is let through, as torch's FSDP1 runs one rank as ``NO_SHARD`` (e.g. a module unwrapped from a
-    one-process wrapper). A pickled (or deep-copied) module keeps a guard that knows whether it held the whole
-    parameters when it was copied."""
-    return [module.register_forward_pre_hook(_DirectCallGuard(unit_label, group, fqn)) for fqn, module in modules]
-
-
-def _direct_call_error(module: nn.Module, fqn: str, unit_label: str) -> RuntimeError:
-    return RuntimeError(
-        f"{type(module).__name__} at {fqn!r} was called directly, but its parameters belong to the sharded unit "
-        f"{unit_label!r} and are sharded right now, so it would compute with one rank's slice of each weight. Call "
-        f"the unit's forward instead, wrap {fqn!r} as a unit of its own, or call it inside "
-        "FullyShardedDataParallel.summon_full_params(model)."
-    )
-
-
-class _DirectCallGuard:
-    """The forward pre-hook of :func:`guard_direct_calls` for one module."""
-
-    def __init__(self, unit_label: str, group: ParamGroup, fqn: str) -> None:
-        self.unit_label, self.group, self.fqn = unit_label, group, fqn
-
-    def _whole(self) -> bool:
-        group = self.group
-        return group.alias_full and not group.use_dtensor  # model.to(dtype) may change alias_full: asked each call
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if not self._whole() and not self.group.full_views_registered and not self.group.summoned:
-            raise _direct_call_error(module, self.fqn, self.unit_label)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # A copy holds tensors, not the unit: it computes right only if they were the whole parameters.
-        whole = self._whole() or self.group.full_views_registered or self.group.summoned
-        return (_CopiedGuard, (self.unit_label, self.fqn, whole))
-
-
-class _CopiedGuard:
-    """A :class:`_DirectCallGuard` in a copied module: passes if the copy holds whole parameters, else refuses."""
-
-    def __init__(self, unit_label: str, fqn: str, whole: bool) -> None:
-        self.unit_label, self.fqn, self.whole = unit_label, fqn, whole
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if not self.whole:
-            raise _direct_call_error(module, self.fqn, self.unit_label)
