@@ -1,5 +1,9 @@
 """Optimizer state dicts of sharded models, keyed by parameter names (the unwrapped model's FQNs).
 
+This module builds each form below and the loadable dict, scatters a full dict held by rank 0 and re-keys dicts;
+the optimizer's parameters by name (``Param``, ``model_params``) and its state dict re-keyed from ids to names
+come from ``optim_params.py``.
+
 [Note: optimizer state of a sharded parameter]
 The optimizer steps on each unit's sharded parameters (``ShardedParam.sharded_param``), so the
 per-element states it keeps (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``) have the
@@ -40,8 +44,19 @@ from fullshard.engine import state_dict as sd
 from fullshard.engine.api import OptimStateKeyType, StateDictType
 from fullshard.engine.coerce import coerce_enum
 from fullshard.engine.group import ParamGroup
-from fullshard.engine.names import clean_key
-from fullshard.engine.param import ShardedParam, local_tensor, replacement_for
+from fullshard.engine.optim_params import (
+    WHOLE_STATES_KEY,
+    OsdT,
+    Param,
+    check_names,
+    is_elementwise,
+    model_params,
+    named_state,
+    target_rows,
+    whole_names,
+    whole_value,
+)
+from fullshard.engine.param import local_tensor
 from fullshard.engine.state_dict import get_state_dict_type, sharded_dtensor
 from fullshard.ranks import gather_from_ranks, global_rank
 
@@ -59,131 +74,11 @@ __all__ = [
     "sharded_optim_state_dict",
 ]
 
-OsdT = dict[str, Any]
-WHOLE_STATES_KEY = "fullshard_whole_states"
-
-
-@dataclass(frozen=True)
-class _Param:
-    """One parameter as the optimizer sees it, with its name in the unwrapped model."""
-
-    fqn: str
-    param: torch.Tensor  # what the optimizer holds: a sharded parameter (maybe a DTensor) or a whole one
-    unit: ParamGroup | None  # the parameter group of its unit; None outside any unit
-    sp: ShardedParam | None
-
-
-def model_params(model: nn.Module) -> list[_Param]:
-    """``model``'s parameters in ``model.parameters()`` order (tied ones once), sharded ones as stepped on."""
-    owners = sd.sharded_registrations(model)
-    seen: set[int] = set()
-    out = []
-    for path, module in model.named_modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            unit, sp = owners.get((id(module), name), (None, None))
-            tensor = param if sp is None else sp.sharded_param
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                out.append(_Param(clean_key(f"{path}.{name}" if path else name), tensor, unit, sp))
-    return out
-
-
-def _rows_from(model: nn.Module, param_lists: list[list[Any]], caller: str) -> list[list[_Param]]:
-    by_id = {id(p.param): p for p in model_params(model)}
-    rows = []
-    for params in param_lists:
-        row = []
-        for tensor in params:
-            info = by_id.get(id(tensor))
-            if info is None:
-                raise ValueError(_foreign_param_message(tensor, caller))
-            row.append(info)
-        rows.append(row)
-    return rows
-
-
-def _foreign_param_message(tensor: torch.Tensor, caller: str) -> str:
-    if replacement_for(tensor) is not None:
-        return (
-            f"{caller}: the optimizer holds the original parameters of a model that was sharded after the "
-            "optimizer was created. Create the optimizer after wrapping, from the sharded model's parameters."
-        )
-    return (
-        f"{caller}: the optimizer holds a parameter of shape {tuple(tensor.shape)} that is not a parameter of "
-        "`model`. Pass the model whose parameters the optimizer was built from."
-    )
-
-
-def _optim_rows(model: nn.Module, optim: torch.optim.Optimizer, caller: str) -> list[list[_Param]]:
-    return _rows_from(model, [list(g["params"]) for g in optim.param_groups], caller)
-
-
-def _target_rows(
-    model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Iterable[Any] | None, caller: str
-) -> list[list[_Param]] | None:
-    """The optimizer's parameter groups (from ``optim``, else ``optim_input``), or None when neither is given."""
-    if optim is not None:
-        return _optim_rows(model, optim, caller)
-    if optim_input is None:
-        return None
-    items = list(optim_input)
-    if items and isinstance(items[0], dict):
-        return _rows_from(model, [list(g["params"]) for g in items], caller)
-    return _rows_from(model, [items], caller)
-
-
-def _is_elementwise(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
-def _whole_names(groups: list[OsdT]) -> dict[str, set[str]]:
-    """FQN -> the names of its states that are whole on every rank (listed in FQN-keyed ``groups``)."""
-    out: dict[str, set[str]] = {}
-    for group in groups:
-        for fqn, names in zip(group["params"], group.get(WHOLE_STATES_KEY) or []):
-            if names:
-                out[fqn] = set(names)
-    return out
-
-
-def _whole_value(p: _Param, value: torch.Tensor) -> torch.Tensor:
-    """A whole state as this rank holds it: a fresh tensor on the parameter's device."""
-    whole = value.full_tensor() if isinstance(value, DTensor) else value
-    return whole.to(local_tensor(p.param).device, copy=True)
-
-
-def _named(osd: OsdT, rows: list[list[_Param]], caller: str) -> tuple[dict[str, dict[str, Any]], list[OsdT]]:
-    """``osd`` (``optim.state_dict()``: integer ids) as fqn -> state and param groups listing fqns."""
-    groups = osd["param_groups"]
-    ids = [i for g in groups for i in g["params"]]
-    params = [p for row in rows for p in row]
-    if len(groups) != len(rows) or len(ids) != len(params):
-        raise ValueError(
-            f"{caller}(optim_state_dict=...): it has {len(groups)} param groups of {len(ids)} parameters, but "
-            f"the optimizer has {len(rows)} of {len(params)}. Pass optim.state_dict() of this optimizer, or None."
-        )
-    states = {p.fqn: osd["state"][i] for i, p in zip(ids, params) if i in osd["state"]}
-    named_groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [p.fqn for p in row]}
-        for g, row in zip(groups, rows)
-    ]
-    return states, named_groups
-
-
-def _named_state(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: OsdT | None, caller: str
-) -> tuple[list[list[_Param]], dict[str, dict[str, Any]], list[OsdT]]:
-    """The optimizer's rows, and ``osd`` (default ``optim.state_dict()``) keyed by FQNs (see :func:`_named`)."""
-    rows = _optim_rows(model, optim, caller)
-    return (rows, *_named(optim.state_dict() if osd is None else osd, rows, caller))
-
 
 # --- full -----------------------------------------------------------------------------------------------
 
 
-def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
+def _gather_unit_state(unit: ParamGroup, holders: list[Param], values: list[torch.Tensor]) -> list[torch.Tensor]:
     """Full tensors of one per-element state of ``holders`` (params of ``unit``): one all-gather."""
     dtype = local_tensor(values[0]).dtype
     flat = torch.zeros(unit.shard_numel, dtype=dtype, device=unit.device)
@@ -203,9 +98,9 @@ def _gather_unit_state(unit: ParamGroup, holders: list[_Param], values: list[tor
     return [p.sp.full_of_gathered(fulls[index[id(p.sp)]]).to(local_tensor(v).dtype) for p, v in zip(holders, values)]
 
 
-def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[_Param]]]:
+def _by_unit(params: list[Param], states: dict[str, dict[str, Any]]) -> list[tuple[ParamGroup, list[Param]]]:
     """Parameters with state, by unit, in optimizer order (the same on every rank)."""
-    units: dict[int, tuple[ParamGroup, list[_Param]]] = {}
+    units: dict[int, tuple[ParamGroup, list[Param]]] = {}
     for p in params:
         if p.unit is not None and p.fqn in states:
             units.setdefault(id(p.unit), (p.unit, []))[1].append(p)
@@ -213,7 +108,7 @@ def _by_unit(params: list[_Param], states: dict[str, dict[str, Any]]) -> list[tu
 
 
 def _elementwise_names(
-    members: list[_Param], states: dict[str, dict[str, Any]], whole: dict[str, set[str]] | None = None
+    members: list[Param], states: dict[str, dict[str, Any]], whole: dict[str, set[str]] | None = None
 ) -> list[str]:
     names: dict[str, None] = {}
     for p in members:
@@ -221,20 +116,20 @@ def _elementwise_names(
         names.update(
             (n, None)
             for n, v in states[p.fqn].items()
-            if (_is_elementwise(v) and n not in skip) or isinstance(v, StateSpec)
+            if (is_elementwise(v) and n not in skip) or isinstance(v, StateSpec)
         )
     return list(names)
 
 
 def _full_states(
-    params: list[_Param], states: dict[str, dict[str, Any]], keep: bool, offload: bool, whole: dict[str, set[str]]
+    params: list[Param], states: dict[str, dict[str, Any]], keep: bool, offload: bool, whole: dict[str, set[str]]
 ) -> dict[str, dict[str, Any]]:
     """``states`` with per-element states of sharded parameters gathered in full (collective on every rank)."""
     out = {fqn: dict(state) for fqn, state in states.items()} if keep else {}
     for unit, members in _by_unit(params, states):
         for name in _elementwise_names(members, states, whole):
             holders = [
-                p for p in members if _is_elementwise(states[p.fqn].get(name)) and name not in whole.get(p.fqn, set())
+                p for p in members if is_elementwise(states[p.fqn].get(name)) and name not in whole.get(p.fqn, set())
             ]
             fulls = _gather_unit_state(unit, holders, [states[p.fqn][name] for p in holders])
             for p, full in zip(holders, fulls):
@@ -263,9 +158,9 @@ def full_optim_state_dict(
             "FullyShardedDataParallel.full_optim_state_dict(optim_input=...) is not supported (torch deprecated "
             "it): the parameters and their order are read from `optim`. Drop optim_input."
         )
-    rows, states, groups = _named_state(model, optim, optim_state_dict, "full_optim_state_dict")
+    rows, states, groups = named_state(model, optim, optim_state_dict, "full_optim_state_dict")
     keep = not rank0_only or dist.get_rank(group) == 0
-    full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu, _whole_names(groups))
+    full = _full_states([p for row in rows for p in row], states, keep, offload_to_cpu, whole_names(groups))
     return {"state": full, "param_groups": groups} if keep else {}
 
 
@@ -289,12 +184,12 @@ def sharded_optim_state_dict(
             f"sharded_optim_state_dict(group=<process group of ranks {dist.get_process_group_ranks(group)}>): the "
             "sharded form uses the process groups the model was wrapped with and takes no other group. Pass None."
         )
-    rows, states, groups = _named_state(model, optim, optim_state_dict, "sharded_optim_state_dict")
+    rows, states, groups = named_state(model, optim, optim_state_dict, "sharded_optim_state_dict")
     params = {p.fqn: p for row in rows for p in row}
-    whole = _whole_names(groups)
+    whole = whole_names(groups)
 
-    def convert(p: _Param, name: str, value: Any) -> Any:
-        if p.unit is None or p.sp is None or not _is_elementwise(value) or name in whole.get(p.fqn, set()):
+    def convert(p: Param, name: str, value: Any) -> Any:
+        if p.unit is None or p.sp is None or not is_elementwise(value) or name in whole.get(p.fqn, set()):
             return value
         local = local_tensor(value).detach()
         local = local.cpu() if offload_to_cpu else local
@@ -307,7 +202,7 @@ def sharded_optim_state_dict(
 # --- loadable -----------------------------------------------------------------------------------------
 
 
-def _like_param(p: _Param, rows: torch.Tensor, copy: bool = True) -> torch.Tensor:
+def _like_param(p: Param, rows: torch.Tensor, copy: bool = True) -> torch.Tensor:
     """``rows`` (this rank's) on the parameter's device (a fresh tensor if ``copy``), a DTensor where the
     parameter is one."""
     rows = rows.to(local_tensor(p.param).device, copy=copy)
@@ -316,12 +211,12 @@ def _like_param(p: _Param, rows: torch.Tensor, copy: bool = True) -> torch.Tenso
     return rows
 
 
-def _to_local_state(p: _Param, name: str, value: Any, copy: bool = True) -> Any:
+def _to_local_state(p: Param, name: str, value: Any, copy: bool = True) -> Any:
     """One saved state value (full, DTensor, or this rank's local rows) as the optimizer must hold it; without
     ``copy``, this rank's rows are handed over as they are where they already are a tensor of their own."""
     if not isinstance(value, torch.Tensor):
         return value
-    if p.unit is None or p.sp is None or not _is_elementwise(value):
+    if p.unit is None or p.sp is None or not is_elementwise(value):
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         return whole.clone()
     shape = tuple(value.shape)
@@ -332,29 +227,13 @@ def _to_local_state(p: _Param, name: str, value: Any, copy: bool = True) -> Any:
     return _like_param(p, rows, copy)
 
 
-def _check_names(states: dict[Any, Any], params: dict[str, _Param], caller: str) -> None:
-    numeric = [k for k in states if not isinstance(k, str)]
-    if numeric:
-        raise ValueError(
-            f"{caller}: the optimizer state dict is keyed by parameter ids ({numeric[:4]}...), but this method "
-            "takes one keyed by parameter names. Re-key it first: FullyShardedDataParallel.rekey_optim_state_dict("
-            "osd, OptimStateKeyType.PARAM_NAME, model)."
-        )
-    unknown = [k for k in states if k not in params]
-    if unknown:
-        raise ValueError(
-            f"{caller}: the optimizer state dict has state for {unknown[:8]}, which are not parameters of the "
-            f"model (whose parameters are e.g. {list(params)[:4]}). Load it into the model it was saved from."
-        )
-
-
 def _loadable(
     osd: OsdT,
     model: nn.Module,
     optim: torch.optim.Optimizer | None,
     optim_input: Iterable[Any] | None,
     caller: str,
-    convert: Callable[[_Param, str, Any], Any] = _to_local_state,
+    convert: Callable[[Param, str, Any], Any] = _to_local_state,
     named: bool = False,
 ) -> OsdT:
     """Build what ``optim.load_state_dict`` takes from an FQN-keyed ``osd``; see the module note.
@@ -362,15 +241,15 @@ def _loadable(
     The optimizer's parameter groups come from ``optim``, else ``optim_input``; without either, from the groups
     of ``osd`` in their order. ``convert(param, name, value)`` makes each saved value this rank's.
     """
-    rows = _target_rows(model, optim, optim_input, caller)
+    rows = target_rows(model, optim, optim_input, caller)
     params = {p.fqn: p for p in model_params(model)}
     states, saved_groups = osd["state"], osd["param_groups"]
-    _check_names(states, params, caller)
+    check_names(states, params, caller)
     if rows is None:
-        _check_names({f: None for g in saved_groups for f in g["params"]}, params, caller)
+        check_names({f: None for g in saved_groups for f in g["params"]}, params, caller)
         rows = [[params[f] for f in g["params"]] for g in saved_groups]
     group_of = {fqn: g for g in saved_groups for fqn in g["params"]}
-    whole = _whole_names(saved_groups)
+    whole = whole_names(saved_groups)
     # A group with no parameters (transformers' Trainer leaves its weight-decay group empty when no parameter
     # takes weight decay) takes the saved empty groups in their order.
     empty_saved = [g for g in saved_groups if not g["params"]]
@@ -393,7 +272,7 @@ def _loadable(
             if p.fqn in states:
                 skip = whole.get(p.fqn, set())
                 out_state[key] = {
-                    n: _whole_value(p, v) if n in skip and isinstance(v, torch.Tensor) else convert(p, n, v)
+                    n: whole_value(p, v) if n in skip and isinstance(v, torch.Tensor) else convert(p, n, v)
                     for n, v in states[p.fqn].items()
                 }
             ids.append(key)
@@ -478,10 +357,10 @@ class StateSpec:
 def _skeleton_or_error(full: Any) -> OsdT | str:
     """``full`` with per-element states replaced by :class:`StateSpec`, or the error every rank raises."""
     if isinstance(full, dict) and isinstance(full.get("state"), dict) and "param_groups" in full:
-        whole = _whole_names(full["param_groups"])
+        whole = whole_names(full["param_groups"])
         state = {
             fqn: {
-                n: StateSpec(tuple(v.shape), v.dtype) if _is_elementwise(v) and n not in whole.get(fqn, set()) else v
+                n: StateSpec(tuple(v.shape), v.dtype) if is_elementwise(v) and n not in whole.get(fqn, set()) else v
                 for n, v in s.items()
             }
             for fqn, s in full["state"].items()
@@ -494,7 +373,7 @@ def _skeleton_or_error(full: Any) -> OsdT | str:
     )
 
 
-def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
+def _check_spec_shapes(skeleton: OsdT, params: dict[str, Param]) -> None:
     for fqn, state in skeleton["state"].items():
         p = params[fqn]
         want = p.sp.shape if p.sp is not None else tuple(p.param.shape)
@@ -508,7 +387,7 @@ def _check_spec_shapes(skeleton: OsdT, params: dict[str, _Param]) -> None:
 
 def _scatter_unit(
     unit: ParamGroup,
-    holders: list[_Param],
+    holders: list[Param],
     name: str,
     full_states: dict[str, dict[str, Any]] | None,
     shard_ranks: list[int],
@@ -536,7 +415,7 @@ def _scatter_unit(
 
 
 def scatter_states(
-    params: list[_Param], skeleton: OsdT, full_states: dict[str, dict[str, Any]] | None, pg: dist.ProcessGroup, src: int
+    params: list[Param], skeleton: OsdT, full_states: dict[str, dict[str, Any]] | None, pg: dist.ProcessGroup, src: int
 ) -> dict[str, dict[str, Any]]:
     """Every rank's local per-element states, scattered unit by unit from ``src`` (the one rank-0 → shards path)."""
     tensor_parallel = [p.fqn for p in params if p.sp is not None and p.sp.tp is not None]
@@ -596,12 +475,12 @@ def scatter_full_optim_state_dict(
     skeleton: OsdT = holder[0]
     params = model_params(model)
     by_fqn = {p.fqn: p for p in params}
-    _check_names(skeleton["state"], by_fqn, "scatter_full_optim_state_dict")
+    check_names(skeleton["state"], by_fqn, "scatter_full_optim_state_dict")
     _check_spec_shapes(skeleton, by_fqn)
     full_states = full_optim_state_dict["state"] if is_src else None  # type: ignore[index]
     local = {"state": scatter_states(params, skeleton, full_states, pg, src), "param_groups": skeleton["param_groups"]}
 
-    def wrap(p: _Param, name: str, value: Any) -> Any:
+    def wrap(p: Param, name: str, value: Any) -> Any:
         if p.unit is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
             return value.clone() if isinstance(value, torch.Tensor) else value
         return _like_param(p, value)
@@ -625,7 +504,7 @@ def rekey_optim_state_dict(
     Works for wrapped and unwrapped models alike; values are not touched.
     """
     kind = coerce_enum(optim_state_key_type, OptimStateKeyType, arg="optim_state_key_type", allow_int=True)
-    rows = _target_rows(model, optim, optim_input, "rekey_optim_state_dict")
+    rows = target_rows(model, optim, optim_input, "rekey_optim_state_dict")
     order = [p for row in rows for p in row] if rows is not None else model_params(model)
     names = [p.fqn for p in order]
     if kind is OptimStateKeyType.PARAM_NAME:
