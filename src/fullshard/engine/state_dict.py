@@ -1,5 +1,9 @@
 """Model state dicts of sharded modules: FULL, SHARDED and LOCAL, through hooks on every unit.
 
+This module holds the hooks, the state dict type settings and the checked load; what a module's state dict holds
+and how a given one differs (``expected_entries``, ``mismatches``, the registrations of unit parameters) come from
+``state_dict_entries.py``.
+
 [Note: state dict hooks]
 Every unit module (a ``FullyShardedDataParallel`` wrapper or a ``fully_shard`` module) carries three hooks,
 so that ``state_dict()`` / ``load_state_dict()`` work from any module above it (the unit itself, a plain
@@ -65,7 +69,14 @@ from fullshard.engine.extension import ExtensionParam, ExtensionParams
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.names import clean_key
 from fullshard.engine.param import ShardedParam
-from fullshard.engine.unit_state import TrainingState, UnitState, unit_state, unit_states_in
+from fullshard.engine.state_dict_entries import (
+    FLAT_PARAM,
+    expected_entries,
+    extension_params,
+    mismatches,
+    sharded_registrations,
+)
+from fullshard.engine.unit_state import TrainingState, UnitState
 from fullshard.ranks import global_rank
 
 __all__ = [
@@ -82,8 +93,6 @@ __all__ = [
     "sharded_registrations",
     "state_dict_type",
 ]
-
-FLAT_PARAM = "_flat_param"
 
 _CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -500,105 +509,9 @@ def _post_load(module: nn.Module, incompatible: _IncompatibleKeys) -> None:
 # --- checked load (the entry points' load_state_dict) -------------------------------------------------
 
 
-@dataclass
-class Expected:
-    """What a state dict of a module holds: clean key -> full shape (``None``: not a tensor)."""
-
-    shapes: dict[str, tuple[int, ...] | None]
-    flats: dict[str, tuple[int, set[str]]]  # clean `_flat_param` key -> (G, the parameter keys it stands for)
-    whole: dict[str, torch.Tensor]  # the tensors no unit shards (persistent buffers, parameters outside units)
-
-
-def sharded_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ParamGroup, ShardedParam]]:
-    """``(id(holder module), attribute)`` -> (group, sharded parameter) for every unit in ``module``."""
-    return {
-        (id(holder), name): (state.group, sp)
-        for state in unit_states_in(module)
-        if state.group is not None
-        for sp in state.group.params
-        for holder, name in sp.registrations
-    }
-
-
-def extension_registrations(module: nn.Module) -> dict[tuple[int, str], tuple[ExtensionParams, ExtensionParam]]:
-    """``(id(holder module), attribute)`` -> (extension, parameter) for every extension parameter in ``module``'s
-    units (tensor-subclass parameters: frozen quantized weights, trainable ones; see ``extension.py``)."""
-    return {
-        (id(holder), name): (state.group.extension, ep)
-        for state in unit_states_in(module)
-        if state.group is not None and state.group.extension is not None
-        for ep in state.group.extension.params
-        for holder, name in ep.registrations
-    }
-
-
-def extension_params(module: nn.Module) -> list[tuple[str, ExtensionParams, ExtensionParam]]:
-    """Every extension parameter in ``module`` once (tied ones under their first name), with its clean key."""
-    owners = extension_registrations(module)
-    seen: set[int] = set()
-    out = []
-    for path, m in module.named_modules():
-        for name in m._parameters:
-            found = owners.get((id(m), name))
-            if found is not None and id(found[1]) not in seen:
-                seen.add(id(found[1]))
-                out.append((clean_key(f"{path}.{name}" if path else name), *found))
-    return out
-
-
-def expected_entries(module: nn.Module) -> Expected:
-    sharded = {key: sp for key, (_, sp) in sharded_registrations(module).items()}
-    extension = {key: ep.shape for key, (_, ep) in extension_registrations(module).items()}
-    shapes: dict[str, tuple[int, ...] | None] = {}
-    whole: dict[str, torch.Tensor] = {}
-    keys_of: dict[int, set[str]] = {}
-    flat_units: list[tuple[str, ParamGroup]] = []
-    for path, m in module.named_modules(remove_duplicate=False):
-        base = path + "." if path else ""
-        state = unit_state(m)
-        if state is not None and state.group is not None:
-            flat_units.append((clean_key(base + FLAT_PARAM), state.group))
-        for name, p in m._parameters.items():
-            if p is not None:
-                sp = sharded.get((id(m), name))
-                shapes[clean_key(base + name)] = sp.shape if sp is not None else tuple(p.shape)
-                if sp is not None:
-                    keys_of.setdefault(id(sp), set()).add(clean_key(base + name))
-                elif (id(m), name) in extension:
-                    shapes[clean_key(base + name)] = extension[(id(m), name)]
-                else:
-                    whole[clean_key(base + name)] = p
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set:
-                shapes[clean_key(base + name)] = tuple(b.shape)
-                whole[clean_key(base + name)] = b
-        if type(m).get_extra_state is not nn.Module.get_extra_state:
-            shapes[clean_key(base + "_extra_state")] = None
-    flats = {
-        key: (group.flat_shard.numel(), set().union(*(keys_of.get(id(sp), set()) for sp in group.params)))
-        for key, group in flat_units
-    }
-    return Expected(shapes, flats, whole)
-
-
 def _listed(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:8])
     return f"[{shown}{', ...' if len(keys) > 8 else ''}] ({len(keys)})"
-
-
-def mismatches(module: nn.Module, state_dict: Mapping[str, Any]) -> tuple[list[str], list[str], list[str]]:
-    """Missing keys, unexpected keys and shape mismatches (as text) of ``state_dict`` against ``module``."""
-    state_dict = {clean_key(k): v for k, v in state_dict.items()}
-    want = expected_entries(module)
-    covered = set().union(*(keys for k, (_, keys) in want.flats.items() if k in state_dict))
-    missing = [k for k in want.shapes if k not in state_dict and k not in covered]
-    unexpected = [k for k in state_dict if k not in want.shapes and k not in want.flats]
-    shapes = []
-    for key, shape in want.shapes.items():
-        value = state_dict.get(key)
-        if shape is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
-            shapes.append(f"{key!r}: {tuple(value.shape)} in the state dict, {shape} in the model")
-    return missing, unexpected, shapes
 
 
 def load_checked(
