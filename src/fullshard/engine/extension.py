@@ -59,9 +59,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import collective_check, trace
-from fullshard.engine.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.collectives import (
+    CommOptions,
+    PendingReduce,
+    all_gather_flat,
+    finish_reduce,
+    gradient_divide_factors,
+    reduce_scatter_flat,
+)
 from fullshard.engine.mesh import ShardGroup
-from fullshard.engine.param import set_owner
+from fullshard.engine.param import accumulate_sharded_grad, set_owner
 
 __all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
 
@@ -172,6 +179,7 @@ class ExtensionParams:
         ]
         self._mesh: DeviceMesh | None = None
         self.param_dtype: torch.dtype | None = None  # the unit's compute dtype (MixedPrecisionPolicy.param_dtype)
+        self.reduce_dtype: torch.dtype | None = None  # its reduce dtype (reduce_dtype, else param_dtype)
         self._works: list[Any] | None = None  # the gathers in flight
         self.gathered = False  # the full tensors are registered and current
         for ep in self.params:
@@ -327,38 +335,37 @@ class ExtensionParams:
                 ep.full.grad = None
         return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
 
-    def reduce_grads(self) -> None:
+    def reduce_grads(self, options: CommOptions) -> None:
         """Reduce each trainable parameter's unsharded gradient (of this backward, or summed over the backwards
         since the last reduction) to its shard and add it to the sharded parameter's ``.grad`` (see the note); a
-        collective over the shard group (and the replicas) when any such parameter has a gradient on a rank."""
+        collective over the shard group (and the replicas) whether or not a rank has a gradient for it. Reduced
+        in the unit's ``reduce_dtype`` and divided as a plain parameter's (``options.divide_factor``); a parameter
+        that got no gradient on any rank keeps ``.grad`` as it was (``None`` after ``zero_grad()``)."""
         eps = self.trainable
         if self.world == 1 or not eps:
             return
-        pg, rpg = self.shard_group.shard_pg, self.shard_group.replicate_pg
+        pg = self.shard_group.shard_pg
         for ep in eps:
             grad = ep.full.grad if ep.full is not None else None
-            dtype = ep.sharded_param.dtype
+            dtype = self.reduce_dtype or ep.sharded_param.dtype
             padded = _padded_rows(ep.shape[0], self.world)
             flat = torch.zeros((self.world * padded, *ep.shape[1:]), dtype=dtype, device=self.device)
             if grad is not None:
                 with torch.no_grad():
                     flat[: ep.shape[0]].copy_(grad)  # a wrapper subclass's gradient through its own copy_
                 ep.full.grad = None  # type: ignore[union-attr]
-            rows = torch.empty((padded, *ep.shape[1:]), dtype=dtype, device=self.device)
+            before, after = gradient_divide_factors(self.shard_group.data_parallel_size, dtype, options.divide_factor)
+            if before != 1:
+                flat.div_(before)
+            rows = torch.empty(padded * flat[0].numel(), dtype=dtype, device=self.device)
             with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
-                work = reduce_scatter_flat(rows.view(-1), flat.view(-1), pg, async_op=False, scratch_input=True)
-                if work is not None:
-                    work.wait()
-            if rpg is not None:
-                with collective_check.collective("all_reduce", self.label, rpg):
-                    all_reduce_flat(rows, rpg, async_op=False)
-            rows = rows[: ep.local.shape[0]].div_(self.shard_group.data_parallel_size)
-            sharded = ep.sharded_param
-            if sharded.grad is None:
-                sharded.grad = self.shard_group.dtensor_like(rows, sharded)  # type: ignore[arg-type]
-            else:
-                with torch.no_grad():
-                    sharded.grad._local_tensor.add_(rows)  # type: ignore[union-attr]
+                work = reduce_scatter_flat(rows, flat.view(-1), pg, async_op=True, scratch_input=True)
+            pending = PendingReduce([work] if work is not None else [], rows, flat, after)
+            output = finish_reduce(pending, self.shard_group, self.label)  # the replicas' all-reduce, the division
+            if output is None:  # only with requires_all_reduce off, which options=None is not
+                raise AssertionError(f"unit {self.label!r}: the reduction of {ep.fqn!r} was not finished")
+            local = output.view(padded, *ep.shape[1:])[: ep.local.shape[0]].to(ep.sharded_param.dtype)
+            accumulate_sharded_grad(ep.sharded_param, local, self.shard_group, unused=grad is None)
 
     def full_copies(self) -> list[torch.Tensor]:
         """Every extension parameter's full tensor in storage of its own, gathered into new buffers (a collective

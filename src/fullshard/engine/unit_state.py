@@ -474,7 +474,7 @@ class UnitState:
                     if state.ran_forward and not state.reduced and group.requires_grad:
                         group.reduce_grads()
                     if group.extension is not None:
-                        group.extension.reduce_grads()  # trainable tensor-subclass parameters (extension.py)
+                        group.extension.reduce_grads(group.comm_options)  # trainable subclass params (extension.py)
                 for state in ctx.states:
                     if state.group is not None:
                         state.group.finish_reduce()
