@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
-from fullshard import fully_shard
+from fullshard import FullyShardedDataParallel, fully_shard
 from fullshard.testing import WorkerPool
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -148,6 +148,15 @@ def _train(
     return losses, {**state, **grads}
 
 
+def _full_params(model: nn.Module) -> dict[str, tuple[bool, list[torch.Tensor]]]:
+    """Each parameter as registered (full, inside summon_full_params or after unshard()): requires_grad, planes."""
+    full = {}
+    for name, p in model.named_parameters():
+        assert not isinstance(p, DTensor), name
+        full[name] = (p.requires_grad, [x.detach().clone() for x in _planes(p)])
+    return full
+
+
 def _extension_params(model: nn.Module) -> list:
     return [ep for mlp in model for ep in fully_shard.state(mlp).group.extension.params]
 
@@ -187,9 +196,22 @@ def _parity(
         assert held == [0] * 4, held
         mp = TorchMixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
         theirs = _train(model, torch_fully_shard, reshard, mp_policy=mp, **kw)
+        with FullyShardedDataParallel.summon_full_params(mine):  # the full parameters, as torch's unshard() shows
+            summoned = _full_params(mine)
+        for unit in [*model, model]:
+            unit.unshard()
+        unsharded = _full_params(model)
+        for unit in [*model, model]:
+            unit.reshard()
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), atol=ATOL, rtol=RTOL)
+    assert summoned.keys() == unsharded.keys()
+    for name, (requires_grad, planes) in summoned.items():  # trainable where torch's are (frozen where frozen)
+        assert requires_grad is unsharded[name][0], (name, requires_grad)
+        for mine, ref in zip(planes, unsharded[name][1], strict=True):
+            assert type(mine) is type(ref), name
+            torch.testing.assert_close(mine, ref, atol=ATOL, rtol=RTOL, msg=name)
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:
         if ours[1][name] is None or theirs[1][name] is None:  # no gradient (a frozen or unused weight)
@@ -252,8 +274,6 @@ def test_trainable_subclass_gradient_divide_factor_as_torch(pool2: WorkerPool) -
 
 
 def _fsdp1_refuses(rank: int, world: int) -> str:
-    from fullshard import FullyShardedDataParallel
-
     TwoTensor.fsdp_pre_all_gather = _pre_all_gather
     TwoTensor.fsdp_post_all_gather = _post_all_gather
     try:

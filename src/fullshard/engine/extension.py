@@ -33,9 +33,14 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
   with gradient sync off); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
   their storage freed at reshard and given back before the next gather's ``out=`` call, as the buffers';
 - after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
-  into a plain tensor of the parameter's dtype by the subclass's own ``copy_``) is reduce-scattered over the shard
-  group by rows, all-reduced over the replicas under HSDP, averaged over the data-parallel ranks as a plain
-  parameter's gradient, and added to the sharded parameter's ``.grad``: a ``DTensor`` over a plain local tensor.
+  into a plain tensor of the unit's reduce dtype, else the parameter's, by the subclass's own ``copy_``; zeros
+  where this rank has none) is reduce-scattered over the shard group by rows, all-reduced over the replicas under
+  HSDP, divided as a plain parameter's gradient (``collectives.gradient_divide_factors``: the average, or the
+  ``set_gradient_divide_factor`` one) and added, in the parameter's dtype, to the sharded parameter's ``.grad``: a
+  ``DTensor`` over a plain local tensor (``param.accumulate_sharded_grad``, as a plain parameter's: one no rank
+  used keeps ``.grad`` as it was, ``None`` after ``zero_grad()``, and its post-accumulate-grad hooks run).
+  Communication hooks, custom reduce-scatters, the all-reduce hook and ``set_requires_all_reduce(False)`` are the
+  plain parameters' only.
 
 A frozen subclass without the protocol (bitsandbytes' ``Params4bit``), or a trainable one whose inner tensors hold
 integer codes (a trainable ``NF4Tensor``: no gradient can be reduced into it), is refused by name
