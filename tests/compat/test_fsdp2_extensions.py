@@ -40,12 +40,16 @@ def _pre_all_gather_padded(self, mesh, outer_size, outer_stride, module, mp_poli
 
 def _post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
     a, b = outputs
-    if out is not None:  # gathered again into the same buffers: out already views them
-        if a.dtype != param_dtype:
-            out.a.copy_(a)
-            out.b.copy_(b)
+    if out is not None:  # gathered again into the same buffers: out already views them, unless cast
+        if a.dtype != param_dtype:  # without bumping versions autograd saved in forward (torch's contract)
+            with torch.no_grad(), _unsafe_preserve_version_counter(out.a), _unsafe_preserve_version_counter(out.b):
+                out.a.copy_(a)
+                out.b.copy_(b)
         return None
-    return TwoTensor(a, b).to(param_dtype), (a, b)
+    if a.dtype != param_dtype:  # cast to the compute dtype (param_dtype): the cast planes are freed at reshard
+        full = TwoTensor(a.to(param_dtype), b.to(param_dtype))
+        return full, (full.a, full.b)
+    return TwoTensor(a, b), (a, b)
 
 
 def _pre_all_gather_bf16(self, mesh):
@@ -171,7 +175,7 @@ def _parity(
     bf16: bool = False,
     freeze: bool = False,
     skip: str | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    mp: dict | None = None,
     divide_factor: float | None = None,
 ) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -186,16 +190,16 @@ def _parity(
         model = _model(bias, hidden)
         mine = copy.deepcopy(model)
         kw = dict(accumulate=accumulate, freeze=freeze, skip=skip, divide_factor=divide_factor)
-        mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
-        ours = _train(mine, fully_shard, reshard, mp_policy=mp, **kw)
+        ours = _train(mine, fully_shard, reshard, mp_policy=MixedPrecisionPolicy(**mp) if mp else None, **kw)
         # at rest, nothing gathered holds memory (the upcast full tensors of the bf16 hooks included)
         for mlp in mine:
             for lin in (mlp.in_proj, mlp.out_proj):
                 assert isinstance(lin.weight, DTensor)
         held = [sum(x.untyped_storage().nbytes() for x in _planes(ep.full)) for ep in _extension_params(mine)]
         assert held == [0] * 4, held
-        mp = TorchMixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype else None
-        theirs = _train(model, torch_fully_shard, reshard, mp_policy=mp, **kw)
+        theirs = _train(
+            model, torch_fully_shard, reshard, mp_policy=TorchMixedPrecisionPolicy(**mp) if mp else None, **kw
+        )
         with FullyShardedDataParallel.summon_full_params(mine):  # the full parameters, as torch's unshard() shows
             summoned = _full_params(mine)
         for unit in [*model, model]:
@@ -209,9 +213,9 @@ def _parity(
     assert summoned.keys() == unsharded.keys()
     for name, (requires_grad, planes) in summoned.items():  # trainable where torch's are (frozen where frozen)
         assert requires_grad is unsharded[name][0], (name, requires_grad)
-        for mine, ref in zip(planes, unsharded[name][1], strict=True):
+        for mine, ref in zip(planes, unsharded[name][1], strict=True):  # torch's in param_dtype, ours not
             assert type(mine) is type(ref), name
-            torch.testing.assert_close(mine, ref, atol=ATOL, rtol=RTOL, msg=name)
+            torch.testing.assert_close(mine.to(ref.dtype), ref, atol=ATOL, rtol=RTOL, msg=name)
     assert ours[1].keys() == theirs[1].keys()
     for name in ours[1]:
         if ours[1][name] is None or theirs[1][name] is None:  # no gradient (a frozen or unused weight)
@@ -264,7 +268,14 @@ def test_trainable_subclass_unused_in_a_step_gets_no_gradient_as_torch(pool2: Wo
 def test_trainable_subclass_reduced_in_reduce_dtype_as_torch(pool2: WorkerPool) -> None:
     """MixedPrecisionPolicy(reduce_dtype=bf16) over float32 TwoTensor weights: reduced in bf16 (rounded as torch
     rounds them), landing in float32."""
-    pool2.run(functools.partial(_parity, reduce_dtype=torch.bfloat16), True, True)
+    pool2.run(functools.partial(_parity, mp=dict(reduce_dtype=torch.bfloat16)), True, True)
+
+
+def test_trainable_subclass_unsynced_micro_batches_sum_in_reduce_dtype_as_torch(pool2: WorkerPool) -> None:
+    """bf16 compute, float32 reduce_dtype, a micro-batch with gradient sync off before each synced one: the TwoTensor
+    weights' unsharded gradients add up in float32, not in bf16 (torch FSDP2's rule, as for plain parameters)."""
+    mp = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    pool2.run(functools.partial(_parity, mp=mp, accumulate=True), True, True)
 
 
 def test_trainable_subclass_gradient_divide_factor_as_torch(pool2: WorkerPool) -> None:

@@ -30,7 +30,8 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
   sharding are used;
 - gathered: the full tensor that ``fsdp_post_all_gather`` returned, registered as an autograd leaf that requires
   grad (the same object every gather, so autograd's accumulation into its ``.grad`` spans a backward, or several
-  with gradient sync off); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
+  with gradient sync off, moved at each one's end into a sum in the reduce dtype where that is wider, as a plain
+  parameter's: ``hold_unsynced_grads``); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
   their storage freed at reshard and given back before the next gather's ``out=`` call, as the buffers';
 - after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
   into a plain tensor of the unit's reduce dtype, else the parameter's, by the subclass's own ``copy_``; zeros
@@ -74,6 +75,7 @@ from fullshard.engine.collectives import (
 )
 from fullshard.engine.mesh import ShardGroup
 from fullshard.engine.param import accumulate_sharded_grad, set_owner
+from fullshard.engine.precision import widened_sum
 
 __all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
 
@@ -156,6 +158,7 @@ class ExtensionParam:
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # of what fsdp_pre_all_gather returned
     trainable: bool = False  # sharded as a DTensor over the subclass shard, its gradient reduced (see the note)
     to_free: list[torch.Tensor] = field(default_factory=list)  # a trainable one's, from fsdp_post_all_gather
+    unsynced: torch.Tensor | None = None  # full shape, reduce dtype: micro-batches' gradients with sync off
 
     @property
     def local(self) -> torch.Tensor:
@@ -340,6 +343,25 @@ class ExtensionParams:
                 ep.full.grad = None
         return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
 
+    def hold_unsynced_grads(self) -> None:
+        """With gradient sync off, move each trainable parameter's unsharded gradient into a sum kept in the reduce
+        dtype when that is wider (float32 under bf16 compute), as a plain parameter's (``precision.widened_sum``);
+        :meth:`reduce_grads` adds the synced backward's gradient to it and reduces it."""
+        if self.world == 1 or self.reduce_dtype is None:
+            return
+        for ep in self.trainable:
+            grad = ep.full.grad if ep.full is not None else None
+            held = widened_sum(ep.unsynced, grad, self.reduce_dtype)
+            if held is not None:
+                ep.full.grad, ep.unsynced = None, held  # type: ignore[union-attr]
+
+    def drop_grads(self) -> None:
+        """Drop the unreduced gradients (``reset_iter_state`` after an aborted iteration)."""
+        for ep in self.params:
+            ep.unsynced = None
+            if ep.full is not None:
+                ep.full.grad = None
+
     def reduce_grads(self, options: CommOptions) -> None:
         """Reduce each trainable parameter's unsharded gradient (of this backward, or summed over the backwards
         since the last reduction) to its shard and add it to the sharded parameter's ``.grad`` (see the note); a
@@ -352,13 +374,17 @@ class ExtensionParams:
         pg = self.shard_group.shard_pg
         for ep in eps:
             grad = ep.full.grad if ep.full is not None else None
+            if ep.unsynced is not None:  # micro-batches' sum, with sync off (see hold_unsynced_grads)
+                grad = ep.unsynced if grad is None else ep.unsynced.add_(grad)
+                ep.unsynced = None
             dtype = self.reduce_dtype or ep.sharded_param.dtype
             padded = _padded_rows(ep.shape[0], self.world)
             flat = torch.zeros((self.world * padded, *ep.shape[1:]), dtype=dtype, device=self.device)
             if grad is not None:
                 with torch.no_grad():
                     flat[: ep.shape[0]].copy_(grad)  # a wrapper subclass's gradient through its own copy_
-                ep.full.grad = None  # type: ignore[union-attr]
+                if ep.full is not None:
+                    ep.full.grad = None
             before, after = gradient_divide_factors(self.shard_group.data_parallel_size, dtype, options.divide_factor)
             if before != 1:
                 flat.div_(before)

@@ -28,7 +28,7 @@ from fullshard.engine.collectives import finish_reduce, foreach_reduce, full_blo
 from fullshard.engine.full_views import FullViewsPlan
 from fullshard.engine.layout import group_offsets
 from fullshard.engine.param import accumulate_sharded_grad
-from fullshard.engine.precision import cast_to
+from fullshard.engine.precision import cast_to, widened_sum
 
 __all__ = ["GroupGrads"]
 
@@ -138,15 +138,9 @@ class GroupGrads:
         is rounded to it once, at the reduction.
         """
         leaf = self.grad_full
-        grad = leaf.grad
-        rdtype = self.precision.reduce_dtype
-        if grad is None or rdtype.itemsize <= grad.dtype.itemsize or not rdtype.is_floating_point:
-            return
-        leaf.grad = None
-        if self._unsynced_grad is None:
-            self._unsynced_grad = grad.to(rdtype)
-        else:
-            self._unsynced_grad.add_(grad)
+        held = widened_sum(self._unsynced_grad, leaf.grad, self.precision.reduce_dtype)
+        if held is not None:
+            leaf.grad, self._unsynced_grad = None, held
 
     def reduce_grads(self) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.

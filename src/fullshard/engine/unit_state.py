@@ -470,6 +470,8 @@ class UnitState:
                     if not state.requires_gradient_sync:
                         if not state.config.expose_unsynced_grads:
                             group.hold_unsynced_grad()  # a unit whose post-backward did not run
+                            if group.extension is not None:
+                                group.extension.hold_unsynced_grads()
                         continue
                     if state.ran_forward and not state.reduced and group.requires_grad:
                         group.reduce_grads()
@@ -499,6 +501,8 @@ def reset_iteration(root: UnitState) -> None:
         group = state.group
         if group is not None:
             group.drop_reductions()
+            if group.extension is not None:
+                group.extension.drop_grads()
             group.reshard()
         state.training_state = TrainingState.IDLE
         state.ran_forward = False
