@@ -31,8 +31,9 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
 - gathered: the full tensor that ``fsdp_post_all_gather`` returned, registered as an autograd leaf that requires
   grad (the same object every gather, so autograd's accumulation into its ``.grad`` spans a backward, or several
   with gradient sync off, moved at each one's end into a sum in the reduce dtype where that is wider, as a plain
-  parameter's: ``hold_unsynced_grads``); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
-  their storage freed at reshard and given back before the next gather's ``out=`` call, as the buffers';
+  parameter's: ``hold_unsynced_grads``); the plain tensors the hook named to free (a full tensor upcast from a
+  bf16 gather) have their storage freed at reshard and given back before the next gather's ``out=`` call, as the
+  buffers';
 - after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
   into a plain tensor of the unit's reduce dtype, else the parameter's, by the subclass's own ``copy_``; zeros
   where this rank has none) is reduce-scattered over the shard group by rows, all-reduced over the replicas under
