@@ -284,6 +284,31 @@ def test_trainable_subclass_gradient_divide_factor_as_torch(pool2: WorkerPool) -
     pool2.run(functools.partial(_parity, divide_factor=0.5), True, True)
 
 
+def _replicas_of_one_rank_refused(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = _model(True)
+    TwoTensor.fsdp_pre_all_gather = _pre_all_gather
+    TwoTensor.fsdp_post_all_gather = _post_all_gather
+    try:
+        with pytest.raises(ValueError, match="one rank per shard group") as err:
+            fully_shard(model[0], mesh=mesh)
+        model[0].in_proj.weight.requires_grad_(False)  # frozen ones get no gradient: taken
+        model[0].out_proj.weight.requires_grad_(False)
+        fully_shard(model[0], mesh=mesh)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    return str(err.value)
+
+
+def test_trainable_subclass_replicated_over_shard_groups_of_one_rank_is_refused(pool2: WorkerPool) -> None:
+    """HSDP with one rank per shard group: a trainable subclass parameter would get no all-reduce across the
+    replicas (found by hand: each replica kept its own gradient), so it is refused on every rank, naming the fix."""
+    for message in pool2.run(_replicas_of_one_rank_refused):
+        assert "'in_proj.weight'" in message and "Shard it over two or more ranks" in message
+
+
 def _fsdp1_refuses(rank: int, world: int) -> str:
     TwoTensor.fsdp_pre_all_gather = _pre_all_gather
     TwoTensor.fsdp_post_all_gather = _post_all_gather

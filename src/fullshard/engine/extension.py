@@ -51,7 +51,8 @@ tests set the hooks on the local shard after sharding) and refused at its first 
 frozen one's shards split evenly or it is refused; a trainable one's rows may not (torch's contract: its
 ``fsdp_pre_all_gather`` pads to ``ceil(rows / world)`` rows, else an input of this rank's rows is padded here; the
 gathered tensor is cut back to the parameter's rows). With one rank per shard group nothing is split and nothing
-gathered (a trainable one stays the parameter it was, and autograd gives it its gradient).
+gathered (a trainable one stays the parameter it was, and autograd gives it its gradient); a trainable one is then
+refused if the unit has replicas (its gradient would not be all-reduced across them).
 """
 
 from __future__ import annotations
@@ -197,6 +198,14 @@ class ExtensionParams:
 
     def _shard(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
         data = _data(param).detach()
+        if self.world == 1 and param.requires_grad and self.shard_group.replicate_size > 1:
+            raise ValueError(
+                f"unit {self.label!r}: parameter {fqn!r} ({type(data).__name__}, trainable) would be replicated over "
+                f"{self.shard_group.replicate_size} ranks with one rank per shard group, where fullshard does not "
+                "all-reduce a tensor-subclass parameter's gradient (the replicas would drift apart). Shard it over "
+                "two or more ranks (a mesh whose shard dimension is > 1), freeze it (param.requires_grad_(False)), "
+                "or leave it unsharded (ignored_params=...)."
+            )
         if self.world == 1:
             return nn.Parameter(data, requires_grad=param.requires_grad)
         rank = self.shard_group.shard_rank
