@@ -127,6 +127,8 @@ def _train(
     if freeze:  # frozen after sharding (as torch's test_fully_shard_frozen does)
         model[0].in_proj.weight.requires_grad_(False)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    calls = []  # run once per reduction with the sharded .grad in place (none in a step that did not use it)
+    model[1].in_proj.weight.register_post_accumulate_grad_hook(lambda p: calls.append(_local(p.grad).sum()))
     losses, grads = [], {}
     for step in range(steps):
         torch.manual_seed(100 + 10 * step + dist.get_rank())
@@ -149,7 +151,7 @@ def _train(
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), name
         state[name] = [x.detach().clone() for x in _planes(_local(p))]
-    return losses, {**state, **grads}
+    return losses, {**state, **grads, "post_accumulate_grad_hook": [torch.stack(calls)]}
 
 
 def _full_params(model: nn.Module) -> dict[str, tuple[bool, list[torch.Tensor]]]:
