@@ -176,9 +176,14 @@ def all_reduce_flat(tensor: torch.Tensor, pg: dist.ProcessGroup | None, *, async
 # --- gradient division ----------------------------------------------------------------------------------
 
 
-def gradient_divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[int, int]:
+def gradient_divide_factors(
+    data_parallel_size: int, reduce_dtype: torch.dtype, divide_factor: float | None = None
+) -> tuple[float, float]:
     """``(before, after)``: what a gradient is divided by around its reduction, to average it over
-    ``data_parallel_size`` ranks: before for float16 and bfloat16, whose sums can overflow; after otherwise."""
+    ``data_parallel_size`` ranks: before for float16 and bfloat16, whose sums can overflow; after otherwise. With
+    ``divide_factor`` (``set_gradient_divide_factor``, see :class:`CommOptions`) the sum is divided by it, after."""
+    if divide_factor is not None:
+        return 1, divide_factor
     if data_parallel_size > 1 and reduce_dtype in (torch.float16, torch.bfloat16):
         return data_parallel_size, 1
     return 1, data_parallel_size
@@ -359,9 +364,7 @@ def foreach_reduce(
             hook(state, ordered.view(-1), output)
         return PendingReduce([], output, None, 1, hooked=True)
     options = options or CommOptions()
-    before, after = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype)
-    if options.divide_factor is not None:
-        before, after = 1, options.divide_factor
+    before, after = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype, options.divide_factor)
     if before > 1:
         grad.div_(before)
     if world == 1:

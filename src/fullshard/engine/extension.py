@@ -30,12 +30,19 @@ gathered in bf16 through the protocol) is sharded as torch's ``fully_shard`` sha
   sharding are used;
 - gathered: the full tensor that ``fsdp_post_all_gather`` returned, registered as an autograd leaf that requires
   grad (the same object every gather, so autograd's accumulation into its ``.grad`` spans a backward, or several
-  with gradient sync off); the plain tensors the hook named to free (a full tensor upcast from a bf16 gather) have
-  their storage freed at reshard and given back before the next gather's ``out=`` call, as the buffers';
+  with gradient sync off, moved at each one's end into a sum in the reduce dtype where that is wider, as a plain
+  parameter's: ``hold_unsynced_grads``); the plain tensors the hook named to free (a full tensor upcast from a
+  bf16 gather) have their storage freed at reshard and given back before the next gather's ``out=`` call, as the
+  buffers';
 - after the backward (the root's final callback, gradient sync on): its ``.grad`` (for a wrapper subclass, copied
-  into a plain tensor of the parameter's dtype by the subclass's own ``copy_``) is reduce-scattered over the shard
-  group by rows, all-reduced over the replicas under HSDP, averaged over the data-parallel ranks as a plain
-  parameter's gradient, and added to the sharded parameter's ``.grad``: a ``DTensor`` over a plain local tensor.
+  into a plain tensor of the unit's reduce dtype, else the parameter's, by the subclass's own ``copy_``; zeros
+  where this rank has none) is reduce-scattered over the shard group by rows, all-reduced over the replicas under
+  HSDP, divided as a plain parameter's gradient (``collectives.gradient_divide_factors``: the average, or the
+  ``set_gradient_divide_factor`` one) and added, in the parameter's dtype, to the sharded parameter's ``.grad``: a
+  ``DTensor`` over a plain local tensor (``param.accumulate_sharded_grad``, as a plain parameter's: one no rank
+  used keeps ``.grad`` as it was, ``None`` after ``zero_grad()``, and its post-accumulate-grad hooks run).
+  Communication hooks, custom reduce-scatters, the all-reduce hook and ``set_requires_all_reduce(False)`` are the
+  plain parameters' only.
 
 A frozen subclass without the protocol (bitsandbytes' ``Params4bit``), or a trainable one whose inner tensors hold
 integer codes (a trainable ``NF4Tensor``: no gradient can be reduced into it), is refused by name
@@ -44,7 +51,8 @@ tests set the hooks on the local shard after sharding) and refused at its first 
 frozen one's shards split evenly or it is refused; a trainable one's rows may not (torch's contract: its
 ``fsdp_pre_all_gather`` pads to ``ceil(rows / world)`` rows, else an input of this rank's rows is padded here; the
 gathered tensor is cut back to the parameter's rows). With one rank per shard group nothing is split and nothing
-gathered (a trainable one stays the parameter it was, and autograd gives it its gradient).
+gathered (a trainable one stays the parameter it was, and autograd gives it its gradient); a trainable one is then
+refused if the unit has replicas (its gradient would not be all-reduced across them).
 """
 
 from __future__ import annotations
@@ -59,9 +67,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine import collective_check, trace
-from fullshard.engine.collectives import all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from fullshard.engine.collectives import (
+    CommOptions,
+    PendingReduce,
+    all_gather_flat,
+    finish_reduce,
+    gradient_divide_factors,
+    reduce_scatter_flat,
+)
 from fullshard.engine.mesh import ShardGroup
-from fullshard.engine.param import set_owner
+from fullshard.engine.param import accumulate_sharded_grad, set_owner
+from fullshard.engine.precision import widened_sum
 
 __all__ = ["ExtensionParam", "ExtensionParams", "has_protocol", "is_plain", "refuse_unshardable"]
 
@@ -144,6 +160,7 @@ class ExtensionParam:
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)  # of what fsdp_pre_all_gather returned
     trainable: bool = False  # sharded as a DTensor over the subclass shard, its gradient reduced (see the note)
     to_free: list[torch.Tensor] = field(default_factory=list)  # a trainable one's, from fsdp_post_all_gather
+    unsynced: torch.Tensor | None = None  # full shape, reduce dtype: micro-batches' gradients with sync off
 
     @property
     def local(self) -> torch.Tensor:
@@ -172,6 +189,7 @@ class ExtensionParams:
         ]
         self._mesh: DeviceMesh | None = None
         self.param_dtype: torch.dtype | None = None  # the unit's compute dtype (MixedPrecisionPolicy.param_dtype)
+        self.reduce_dtype: torch.dtype | None = None  # its reduce dtype (reduce_dtype, else param_dtype)
         self._works: list[Any] | None = None  # the gathers in flight
         self.gathered = False  # the full tensors are registered and current
         for ep in self.params:
@@ -180,6 +198,14 @@ class ExtensionParams:
 
     def _shard(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
         data = _data(param).detach()
+        if self.world == 1 and param.requires_grad and self.shard_group.replicate_size > 1:
+            raise ValueError(
+                f"unit {self.label!r}: parameter {fqn!r} ({type(data).__name__}, trainable) would be replicated over "
+                f"{self.shard_group.replicate_size} ranks with one rank per shard group, where fullshard does not "
+                "all-reduce a tensor-subclass parameter's gradient (the replicas would drift apart). Shard it over "
+                "two or more ranks (a mesh whose shard dimension is > 1), freeze it (param.requires_grad_(False)), "
+                "or leave it unsharded (ignored_params=...)."
+            )
         if self.world == 1:
             return nn.Parameter(data, requires_grad=param.requires_grad)
         rank = self.shard_group.shard_rank
@@ -327,38 +353,60 @@ class ExtensionParams:
                 ep.full.grad = None
         return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
 
-    def reduce_grads(self) -> None:
+    def hold_unsynced_grads(self) -> None:
+        """With gradient sync off, move each trainable parameter's unsharded gradient into a sum kept in the reduce
+        dtype when that is wider (float32 under bf16 compute), as a plain parameter's (``precision.widened_sum``);
+        :meth:`reduce_grads` adds the synced backward's gradient to it and reduces it."""
+        if self.world == 1 or self.reduce_dtype is None:
+            return
+        for ep in self.trainable:
+            grad = ep.full.grad if ep.full is not None else None
+            held = widened_sum(ep.unsynced, grad, self.reduce_dtype)
+            if held is not None:
+                ep.full.grad, ep.unsynced = None, held  # type: ignore[union-attr]
+
+    def drop_grads(self) -> None:
+        """Drop the unreduced gradients (``reset_iter_state`` after an aborted iteration)."""
+        for ep in self.params:
+            ep.unsynced = None
+            if ep.full is not None:
+                ep.full.grad = None
+
+    def reduce_grads(self, options: CommOptions) -> None:
         """Reduce each trainable parameter's unsharded gradient (of this backward, or summed over the backwards
         since the last reduction) to its shard and add it to the sharded parameter's ``.grad`` (see the note); a
-        collective over the shard group (and the replicas) when any such parameter has a gradient on a rank."""
+        collective over the shard group (and the replicas) whether or not a rank has a gradient for it. Reduced
+        in the unit's ``reduce_dtype`` and divided as a plain parameter's (``options.divide_factor``); a parameter
+        that got no gradient on any rank keeps ``.grad`` as it was (``None`` after ``zero_grad()``)."""
         eps = self.trainable
         if self.world == 1 or not eps:
             return
-        pg, rpg = self.shard_group.shard_pg, self.shard_group.replicate_pg
+        pg = self.shard_group.shard_pg
         for ep in eps:
             grad = ep.full.grad if ep.full is not None else None
-            dtype = ep.sharded_param.dtype
+            if ep.unsynced is not None:  # micro-batches' sum, with sync off (see hold_unsynced_grads)
+                grad = ep.unsynced if grad is None else ep.unsynced.add_(grad)
+                ep.unsynced = None
+            dtype = self.reduce_dtype or ep.sharded_param.dtype
             padded = _padded_rows(ep.shape[0], self.world)
             flat = torch.zeros((self.world * padded, *ep.shape[1:]), dtype=dtype, device=self.device)
             if grad is not None:
                 with torch.no_grad():
                     flat[: ep.shape[0]].copy_(grad)  # a wrapper subclass's gradient through its own copy_
-                ep.full.grad = None  # type: ignore[union-attr]
-            rows = torch.empty((padded, *ep.shape[1:]), dtype=dtype, device=self.device)
+                if ep.full is not None:
+                    ep.full.grad = None
+            before, after = gradient_divide_factors(self.shard_group.data_parallel_size, dtype, options.divide_factor)
+            if before != 1:
+                flat.div_(before)
+            rows = torch.empty(padded * flat[0].numel(), dtype=dtype, device=self.device)
             with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
-                work = reduce_scatter_flat(rows.view(-1), flat.view(-1), pg, async_op=False, scratch_input=True)
-                if work is not None:
-                    work.wait()
-            if rpg is not None:
-                with collective_check.collective("all_reduce", self.label, rpg):
-                    all_reduce_flat(rows, rpg, async_op=False)
-            rows = rows[: ep.local.shape[0]].div_(self.shard_group.data_parallel_size)
-            sharded = ep.sharded_param
-            if sharded.grad is None:
-                sharded.grad = self.shard_group.dtensor_like(rows, sharded)  # type: ignore[arg-type]
-            else:
-                with torch.no_grad():
-                    sharded.grad._local_tensor.add_(rows)  # type: ignore[union-attr]
+                work = reduce_scatter_flat(rows, flat.view(-1), pg, async_op=True, scratch_input=True)
+            pending = PendingReduce([work] if work is not None else [], rows, flat, after)
+            output = finish_reduce(pending, self.shard_group, self.label)  # the replicas' all-reduce, the division
+            if output is None:  # only with requires_all_reduce off, which options=None is not
+                raise AssertionError(f"unit {self.label!r}: the reduction of {ep.fqn!r} was not finished")
+            local = output.view(padded, *ep.shape[1:])[: ep.local.shape[0]].to(ep.sharded_param.dtype)
+            accumulate_sharded_grad(ep.sharded_param, local, self.shard_group, unused=grad is None)
 
     def full_copies(self) -> list[torch.Tensor]:
         """Every extension parameter's full tensor in storage of its own, gathered into new buffers (a collective

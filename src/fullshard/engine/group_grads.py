@@ -27,8 +27,8 @@ from fullshard.engine import collective_check, trace
 from fullshard.engine.collectives import finish_reduce, foreach_reduce, full_block
 from fullshard.engine.full_views import FullViewsPlan
 from fullshard.engine.layout import group_offsets
-from fullshard.engine.param import local_tensor
-from fullshard.engine.precision import cast_to
+from fullshard.engine.param import accumulate_sharded_grad
+from fullshard.engine.precision import cast_to, widened_sum
 
 __all__ = ["GroupGrads"]
 
@@ -138,15 +138,9 @@ class GroupGrads:
         is rounded to it once, at the reduction.
         """
         leaf = self.grad_full
-        grad = leaf.grad
-        rdtype = self.precision.reduce_dtype
-        if grad is None or rdtype.itemsize <= grad.dtype.itemsize or not rdtype.is_floating_point:
-            return
-        leaf.grad = None
-        if self._unsynced_grad is None:
-            self._unsynced_grad = grad.to(rdtype)
-        else:
-            self._unsynced_grad.add_(grad)
+        held = widened_sum(self._unsynced_grad, leaf.grad, self.precision.reduce_dtype)
+        if held is not None:
+            leaf.grad, self._unsynced_grad = None, held
 
     def reduce_grads(self) -> None:
         """Start reducing ``flat_full.grad`` (or zeros, if it has none) to this rank's shard.
@@ -241,29 +235,17 @@ class GroupGrads:
         shape, as torch FSDP2 cuts its sharded gradients) and, under ``fully_shard``, a ``DTensor`` sharing the
         sharded parameter's spec (see :meth:`ShardGroup.dtensor_like`).
 
-        ``unused``: parameters no output used on this rank (by ``id``). One without a ``.grad`` keeps none, as
-        without sharding (an optimizer then leaves it alone), unless its reduced shard is not zero: another rank
-        used it, and this rank's shard of the average is its gradient. The reduction itself is the same on every
-        rank either way, so ranks that disagree never issue different collectives.
-        Then each parameter's post-accumulate-grad hooks run (``Tensor.register_post_accumulate_grad_hook`` on
-        the sharded parameter), as torch's FSDP2 runs them: once per reduction, with the sharded ``.grad`` in place.
+        ``unused``: parameters no output used on this rank (by ``id``): one without a ``.grad`` keeps none unless
+        its reduced shard is not zero, and each parameter's post-accumulate-grad hooks run (see
+        :func:`param.accumulate_sharded_grad`).
         """
         flat_grad = flat_grad.contiguous()
         base = flat_grad.storage_offset()
+        dtensor_of = self.shard_group if self.use_dtensor else None
         for sp in self.grad_params:
             lay = sp.layout
             local = sp.unmove(flat_grad.as_strided(lay.local_shape, lay.local_stride, base + sp.grad_offset))
-            param = sp.sharded_param
-            if param.grad is None:
-                if unused is not None and id(sp) in unused and not bool(local.any()):
-                    continue
-                param.grad = self.shard_group.dtensor_like(local, param) if self.use_dtensor else local
-            else:
-                local_tensor(param.grad).add_(local)
-            hooks = param._post_accumulate_grad_hooks
-            if hooks:
-                for hook in tuple(hooks.values()):
-                    hook(param)
+            accumulate_sharded_grad(sp.sharded_param, local, dtensor_of, unused is not None and id(sp) in unused)
 
 
 def _grads_ready_hook(group_ref: weakref.ref[GroupGrads]) -> Callable[[torch.Tensor], None]:

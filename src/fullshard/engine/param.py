@@ -19,10 +19,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.engine.layout import ShardLayout
-from fullshard.engine.mesh import TPSpec
+from fullshard.engine.mesh import ShardGroup, TPSpec
 
 __all__ = [
     "ShardedParam",
+    "accumulate_sharded_grad",
     "add_step_check",
     "local_tensor",
     "owner_label",
@@ -153,6 +154,31 @@ class ShardedParam:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a ``DTensor``'s local tensor (no autograd view), else ``tensor`` itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+
+
+def accumulate_sharded_grad(
+    param: torch.Tensor, local: torch.Tensor, dtensor_of: ShardGroup | None, unused: bool = False
+) -> None:
+    """Add ``local`` (this rank's reduced shard of ``param``'s gradient, in its layout) into the sharded
+    ``param.grad``, or make it that ``.grad`` (a ``DTensor`` laid out as ``param`` under ``dtensor_of``, the unit's
+    shard group, when ``fully_shard`` made ``param`` one; ``local`` itself when ``None``), then run ``param``'s
+    post-accumulate-grad hooks, as torch's FSDP2 runs them: once per reduction, with the sharded ``.grad`` in place.
+
+    ``unused``: no output used ``param`` on this rank. Without a ``.grad`` it then keeps none, as without sharding
+    (an optimizer leaves it alone), unless ``local`` is not zero: another rank used it, and this rank's shard of the
+    average is its gradient. The reduction is the same on every rank either way (ranks may disagree on ``unused``),
+    so that no rank issues different collectives.
+    """
+    if param.grad is None:
+        if unused and not bool(local.any()):
+            return
+        param.grad = local if dtensor_of is None else dtensor_of.dtensor_like(local, param)  # type: ignore[arg-type]
+    else:
+        local_tensor(param.grad).add_(local)
+    hooks = param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+    if hooks:
+        for hook in tuple(hooks.values()):
+            hook(param)
 
 
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys by value. The weak

@@ -32,6 +32,7 @@ __all__ = [
     "casts_from_mixed_precision",
     "casts_from_policy",
     "group_precision",
+    "widened_sum",
 ]
 
 
@@ -159,3 +160,13 @@ def cast_to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *, n
     if tensor.dtype == dtype and tensor.device == device:
         return tensor
     return tensor.to(device, dtype, non_blocking=non_blocking)
+
+
+def widened_sum(held: torch.Tensor | None, grad: torch.Tensor | None, reduce_dtype: torch.dtype) -> torch.Tensor | None:
+    """``grad`` added to ``held`` (the sum of earlier micro-batches' unsharded gradients, or ``None``), kept in
+    ``reduce_dtype`` when that is a wider floating dtype than ``grad``'s, as torch's FSDP2 sums micro-batches with
+    gradient sync off (float32 under bf16 compute). ``None`` when ``grad`` should stay where autograd sums it (no
+    gradient, or ``reduce_dtype`` no wider): the caller then leaves it, and ``held`` is ``None`` too."""
+    if grad is None or not reduce_dtype.is_floating_point or reduce_dtype.itemsize <= grad.dtype.itemsize:
+        return None
+    return grad.to(reduce_dtype) if held is None else held.add_(grad)

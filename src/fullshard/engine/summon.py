@@ -4,8 +4,11 @@ Inside the context every parameter of the summoned units is a full ``nn.Paramete
 dtype (never the compute dtype of mixed precision), registered where the sharded one was (a tensor parallel
 parameter is full over the shard group: its tp ``DTensor``, as before sharding); on exit, with
 ``writeback``, each rank copies its rows of those tensors back into its shards, and the sharded parameters are
-registered again. The gathered copies are separate from the training buffers. Frozen tensor-subclass parameters
-(4-bit QLoRA weights, see ``extension.py``) are summoned whole in their own class and never written back.
+registered again. The gathered copies are separate from the training buffers. Tensor-subclass parameters (frozen
+4-bit QLoRA weights, trainable ones; see ``extension.py``) are summoned whole as their ``fsdp_post_all_gather``
+rebuilds them (their own class, or what the hook returns), requiring grad where they are trainable, as torch
+FSDP2's ``unshard()`` shows them; they are never written back (the protocol has no way back to the shard, and a
+gather may be lossy, as one in bf16) and get no ``with_grads`` gradient.
 """
 
 from __future__ import annotations
@@ -54,11 +57,12 @@ def _summon_group(group: ParamGroup, show: bool, offload_to_cpu: bool, with_grad
     group.reshard()
     fulls = group.gather_full()
     grads = group.gather_full(group.sharded_grad_flat()) if with_grads else None
-    quantized = group.extension.full_copies() if group.extension is not None else []  # frozen: never written back
+    subclass = group.extension.full_copies() if group.extension is not None else []  # never written back
     if not show:
         return []
-    for ep, full in zip(group.extension.params if group.extension is not None else [], quantized):
-        ep.register(nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=False))
+    for ep, full in zip(group.extension.params if group.extension is not None else [], subclass):
+        requires_grad = ep.trainable and ep.sharded_param.requires_grad  # frozen (a QLoRA base) or trainable
+        ep.register(nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=requires_grad))
     summoned = []
     for i, sp in enumerate(group.params):
         # A tensor parallel parameter is summoned as what its module computes with: its tp DTensor.

@@ -291,8 +291,9 @@ def build_unit(
             label, entries, shard_group, precision, use_dtensor=use_dtensor, offload=offload, shard_dims=dims
         )
         group.extension = extension
-        if extension is not None and config.casts.param_dtype is not None:
-            extension.param_dtype = precision.param_dtype
+        if extension is not None:  # None: the parameters' own dtype
+            extension.param_dtype = config.casts.param_dtype
+            extension.reduce_dtype = config.casts.reduce_dtype or config.casts.param_dtype
         if config.casts.keep_low_precision_grads:
             _allow_low_precision_grads(group)
         guarded = [(n, m) for n, m in holders if guard_unit_module or m is not module]

@@ -411,11 +411,13 @@ class UnitState:
                     if not state.requires_gradient_sync:
                         if not state.config.expose_unsynced_grads:
                             group.hold_unsynced_grad()  # a unit whose post-backward did not run
+                            if group.extension is not None:
+                                group.extension.hold_unsynced_grads()
                         continue
                     if state.ran_forward and not state.reduced and group.requires_grad:
                         group.reduce_grads()
                     if group.extension is not None:
-                        group.extension.reduce_grads()  # trainable tensor-subclass parameters (extension.py)
+                        group.extension.reduce_grads(group.comm_options)  # trainable subclass params (extension.py)
                 for state in ctx.states:
                     if state.group is not None:
                         state.group.finish_reduce()
@@ -440,6 +442,8 @@ def reset_iteration(root: UnitState) -> None:
         group = state.group
         if group is not None:
             group.drop_reductions()
+            if group.extension is not None:
+                group.extension.drop_grads()
             group.reshard()
         state.training_state = TrainingState.IDLE
         state.ran_forward = False
