@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -15,7 +16,7 @@ import pytest
 
 import fullshard
 import fullshard.utils
-from fullshard.cli import failures, worker
+from fullshard.cli import failures, shutdown, worker
 from fullshard.cli import main as cli_main
 from fullshard.frontend.handlers import InitProcessGroupKwargs, process_group_kwargs
 from fullshard.frontend.processes import runtime
@@ -132,6 +133,43 @@ def test_a_killed_rank_comes_before_the_peers_that_lost_it() -> None:
     assert outcome.message.startswith("fullshard launch: rank 1 failed first (killed by SIGKILL)")
     assert "pass --log_dir DIR" in outcome.message
     assert outcome.exit_code == 128 + signal.SIGKILL
+
+
+@dataclass
+class _Handler:
+    """The field of torch's SubprocessHandler the grace reads."""
+
+    proc: subprocess.Popen
+
+
+def _process(code: str) -> _Handler:
+    return _Handler(subprocess.Popen([sys.executable, "-c", code]))
+
+
+def test_after_a_failure_the_survivors_get_a_grace_to_end_on_their_own() -> None:
+    # [Note: the survivors' last words]: the agent's SIGTERM came before a survivor printed its one line
+    failed, survivor = _process("raise SystemExit(1)"), _process("import time; time.sleep(1.0)")
+    failed.proc.wait()
+    started = time.monotonic()
+    assert shutdown.wait_for_survivors({0: survivor, 1: failed}, grace=60)
+    assert survivor.proc.returncode == 0 and time.monotonic() - started < 30  # waited for it, not the grace
+
+
+def test_the_grace_is_bounded_and_not_given_without_a_failure() -> None:
+    hung, failed = _process("import time; time.sleep(60)"), _process("raise SystemExit(3)")
+    healthy = _process("import time; time.sleep(60)")
+    try:
+        started = time.monotonic()
+        assert not shutdown.wait_for_survivors({0: healthy}, grace=30)  # nobody failed: stop them at once
+        assert time.monotonic() - started < 5
+        failed.proc.wait()
+        started = time.monotonic()
+        assert not shutdown.wait_for_survivors({0: hung, 1: failed}, grace=0.5)
+        assert 0.5 <= time.monotonic() - started < 10 and hung.proc.poll() is None
+    finally:
+        for handler in (hung, healthy):
+            handler.proc.kill()
+            handler.proc.wait()
 
 
 def test_the_log_of_the_failed_rank_is_named(tmp_path) -> None:

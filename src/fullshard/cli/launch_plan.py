@@ -278,7 +278,8 @@ def run_launch(plan: LaunchPlan) -> int:
         try:
             watch = shutdown.watching(status_dir, plan.local_world_size, plan.shutdown_timeout)
             agent = failures.readable_error_files()  # see [Note: an unreadable error file] in failures.py
-            with env.patched(variables), _torch_logs(shown=plan.verbose), agent, watch as stragglers:
+            grace = shutdown.survivors_grace(plan.shutdown_timeout)  # [Note: the survivors' last words]
+            with env.patched(variables), _torch_logs(shown=plan.verbose), agent, grace, watch as stragglers:
                 torchrun.run(torchrun.parse_args(plan.argv))
         except ChildFailedError as exc:
             outcome = failures.describe_failures(exc.failures, plan.log_dir, stragglers.stragglers)

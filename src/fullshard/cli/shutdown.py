@@ -16,6 +16,17 @@ It also remembers which ranks were still running when the first one failed. If t
 names them first (see ``failures.describe_failures``): the agent reports only the ranks that had ended when
 it looked, so without this the rank that timed out was named as the cause.
 
+[Note: the survivors' last words]
+When a worker fails, the others usually fail a moment later on their own: their next collective finds the peer
+gone and each prints one line (``[rank 0] stopped: a peer process ended ...``, see ``worker.py``). torch's agent
+stops them with SIGTERM as soon as its poll sees the first failure (``SubprocessContext._poll`` closes the
+context), so on a busy machine the signal often won the race and a survivor ended without its line (seen in CI:
+the test reading it failed). While the launcher runs, :func:`survivors_grace` has the context wait, before that
+SIGTERM, up to ``SURVIVORS_GRACE_S`` (never more than ``--shutdown_timeout``) for the workers still alive to end by
+themselves; only once a worker has failed (a SIGTERM to the launcher, or a restart for a node that joins, stops
+healthy workers at once). A survivor that is computing, or hangs, gets SIGTERM after the grace as before; the
+survivors that ended on their own are then reported with their own exit code and message.
+
 [Note: ending the launcher]
 A worker SIGKILLed without restarts: the agent notices within its monitor interval (0.1 s), stops the other
 workers, and ``fullshard launch`` prints its summary about 0.3-0.5 s after the kill (measured on the loaded
@@ -46,9 +57,11 @@ from typing import NoReturn
 
 from fullshard.cli.failures import Straggler, read_identities, read_statuses
 
-__all__ = ["ShutdownWatch", "exit_without_teardown", "watching"]
+__all__ = ["SURVIVORS_GRACE_S", "ShutdownWatch", "exit_without_teardown", "survivors_grace", "watching"]
 
 POLL_S = 0.2
+SURVIVORS_GRACE_S = 5.0
+"""The longest the agent waits for the workers left after a failure to end on their own (the module note)."""
 
 _STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "R": "running", "S": "sleeping", "D": "in disk wait"}
 
@@ -128,6 +141,41 @@ def watching(folder: str, local_world_size: int, shutdown_timeout: float | None)
     finally:
         watch.stop()
         thread.join()
+
+
+@contextlib.contextmanager
+def survivors_grace(shutdown_timeout: float | None) -> Iterator[None]:
+    """While open, torch's agent lets the workers left after a failure end on their own before it stops them;
+    see [Note: the survivors' last words]."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    grace = SURVIVORS_GRACE_S if shutdown_timeout is None else min(SURVIVORS_GRACE_S, shutdown_timeout)
+    close = SubprocessContext._close
+
+    def close_after_grace(context: SubprocessContext, *args: object, **kwargs: object) -> None:
+        wait_for_survivors(context.subprocess_handlers, grace)
+        close(context, *args, **kwargs)
+
+    SubprocessContext._close = close_after_grace  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SubprocessContext._close = close  # type: ignore[method-assign]
+
+
+def wait_for_survivors(handlers: dict[int, object], grace: float) -> bool:
+    """Once one of the workers (torch's ``SubprocessHandler`` s, by local rank) has failed, wait up to ``grace``
+    seconds for the others to end; return whether none is left running. Nothing is waited for when none failed."""
+    procs = [getattr(handler, "proc", None) for handler in handlers.values()]
+    procs = [proc for proc in procs if proc is not None]
+    if not any(proc.poll() not in (None, 0) for proc in procs):
+        return not any(proc.poll() is None for proc in procs)
+    deadline = time.monotonic() + grace
+    while any(proc.poll() is None for proc in procs):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def exit_without_teardown(code: int) -> NoReturn:
