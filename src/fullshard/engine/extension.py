@@ -163,6 +163,11 @@ class ExtensionParam:
     unsynced: torch.Tensor | None = None  # full shape, reduce dtype: micro-batches' gradients with sync off
 
     @property
+    def training(self) -> bool:
+        """Trainable and not frozen since sharding: its full tensor requires grad and its gradient is reduced."""
+        return self.trainable and self.sharded_param.requires_grad
+
+    @property
     def local(self) -> torch.Tensor:
         """This rank's rows, of the parameter's class (the local tensor of a trainable one's ``DTensor``)."""
         param = self.sharded_param
@@ -324,9 +329,8 @@ class ExtensionParams:
                 if t.untyped_storage().nbytes() < nbytes:
                     t.untyped_storage().resize_(nbytes)
             post(outputs, ep.metadata, dtype, out=ep.full)
-        wanted = ep.trainable and ep.sharded_param.requires_grad  # frozen (or unfrozen) since sharding: followed
-        if ep.full.requires_grad != wanted:  # type: ignore[union-attr]
-            ep.full.requires_grad_(wanted)  # type: ignore[union-attr]
+        if ep.full.requires_grad != ep.training:  # type: ignore[union-attr]  # frozen or unfrozen since sharding
+            ep.full.requires_grad_(ep.training)  # type: ignore[union-attr]
         ep.metadata = None
 
     def register_sharded(self) -> None:
@@ -345,13 +349,13 @@ class ExtensionParams:
                 t.untyped_storage().resize_(0)
         self.gathered = False
 
-    @property
-    def trainable(self) -> list[ExtensionParam]:
-        """The trainable ones not frozen since sharding (the gradients of those that were are dropped)."""
+    def training_params(self) -> list[ExtensionParam]:
+        """The ones in training (:attr:`ExtensionParam.training`); drops the gradients of the trainable ones frozen
+        since sharding, which are not reduced."""
         for ep in self.params:
-            if ep.trainable and not ep.sharded_param.requires_grad and ep.full is not None:
+            if ep.trainable and not ep.training and ep.full is not None:
                 ep.full.grad = None
-        return [ep for ep in self.params if ep.trainable and ep.sharded_param.requires_grad]
+        return [ep for ep in self.params if ep.training]
 
     def hold_unsynced_grads(self) -> None:
         """With gradient sync off, move each trainable parameter's unsharded gradient into a sum kept in the reduce
@@ -359,7 +363,7 @@ class ExtensionParams:
         :meth:`reduce_grads` adds the synced backward's gradient to it and reduces it."""
         if self.world == 1 or self.reduce_dtype is None:
             return
-        for ep in self.trainable:
+        for ep in self.training_params():
             grad = ep.full.grad if ep.full is not None else None
             held = widened_sum(ep.unsynced, grad, self.reduce_dtype)
             if held is not None:
@@ -378,7 +382,7 @@ class ExtensionParams:
         collective over the shard group (and the replicas) whether or not a rank has a gradient for it. Reduced
         in the unit's ``reduce_dtype`` and divided as a plain parameter's (``options.divide_factor``); a parameter
         that got no gradient on any rank keeps ``.grad`` as it was (``None`` after ``zero_grad()``)."""
-        eps = self.trainable
+        eps = self.training_params()
         if self.world == 1 or not eps:
             return
         pg = self.shard_group.shard_pg

@@ -61,8 +61,7 @@ def _summon_group(group: ParamGroup, show: bool, offload_to_cpu: bool, with_grad
     if not show:
         return []
     for ep, full in zip(group.extension.params if group.extension is not None else [], subclass):
-        requires_grad = ep.trainable and ep.sharded_param.requires_grad  # frozen (a QLoRA base) or trainable
-        ep.register(nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=requires_grad))
+        ep.register(nn.Parameter(full.cpu() if offload_to_cpu else full, requires_grad=ep.training))
     summoned = []
     for i, sp in enumerate(group.params):
         # A tensor parallel parameter is summoned as what its module computes with: its tp DTensor.
