@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.frontend.availability import is_peft_available
 from fullshard.frontend.training import extract_model_from_parallel
 
 __all__ = ["full_adapter_state_dict", "is_peft_model", "save_adapters_whole"]
@@ -37,10 +36,8 @@ def is_peft_model(model: nn.Module) -> bool:
 
     Never imports peft: a model can only be a ``PeftModel`` once peft is imported, and importing it (with
     transformers, torchao, scipy and the rest it pulls in) costs seconds of every ``prepare``."""
-    peft = sys.modules.get("peft")
-    if peft is None or not is_peft_available():
-        return False
-    return isinstance(extract_model_from_parallel(model), peft.PeftModel)
+    peft_model = getattr(sys.modules.get("peft"), "PeftModel", None)
+    return peft_model is not None and isinstance(extract_model_from_parallel(model), peft_model)
 
 
 def full_adapter_state_dict(model: nn.Module) -> dict[str, Any]:
