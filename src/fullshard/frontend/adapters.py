@@ -1,8 +1,8 @@
 """PEFT adapters on sharded models: recognising a PEFT model behind the wrappers, and saving its adapter whole.
 
 ``is_peft_model`` is Accelerate's check (TRL and transformers import it from ``accelerate.utils``): the model
-``extract_model_from_parallel`` returns is a ``peft.PeftModel``. ``peft`` is imported only when it is installed
-and only when asked, so fullshard never needs it.
+``extract_model_from_parallel`` returns is a ``peft.PeftModel``. It never imports ``peft`` (a model can only be
+one once the user imported it); the functions that save an adapter import it, so fullshard never needs it.
 
 [Note: saving a sharded adapter]
 PEFT's ``save_pretrained(d)`` without ``state_dict=`` takes ``model.state_dict()``. Under ``fully_shard`` its
