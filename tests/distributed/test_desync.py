@@ -180,3 +180,88 @@ def test_debug_mode_names_a_different_unit_order(pool2: WorkerPool) -> None:
     for message in messages:
         assert "ranks are out of step" in message, message
         assert "unit 'a'" in message and "unit 'b'" in message  # rank 0 gathers a where rank 1 gathers b
+
+
+class _Uneven(_TwoBlocks):
+    """Blocks of different sizes: a gather of one met by the other's would abort gloo (a size mismatch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b.lin = nn.Linear(4, 4, bias=True)
+        self.b.register_parameter("spare", nn.Parameter(torch.zeros(300)))  # gathered with b, used by nothing
+
+
+def _uneven_orders(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 runs the blocks in the other order, with the default check: both ranks must name it, and neither
+    may abort (rank 0's gather of a and rank 1's of b differ in size)."""
+    torch.manual_seed(0)
+    pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=4))
+    model = FullyShardedDataParallel(_Uneven(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_Block}))
+    _step(model)
+    model.module.order = "ab" if rank == 0 else "ba"
+    start, message = time.monotonic(), ""
+    try:
+        _step(model)
+    except DesyncError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(pg)
+    return message, elapsed
+
+
+def test_units_of_different_sizes_in_another_order_are_named_not_aborted(pool2: WorkerPool) -> None:
+    # The payloads are posted before the headers are compared (collective_check's note): they travel on tags of
+    # their unit, so rank 0's gather of a never meets rank 1's gather of b, and the headers name the fault.
+    results = pool2.run(_uneven_orders)
+    for rank, (message, elapsed) in enumerate(results):
+        assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
+        mine, theirs = ("unit 'a'", "unit 'b'") if rank == 0 else ("unit 'b'", "unit 'a'")
+        assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
+        assert elapsed < 60, f"rank {rank} took {elapsed:.1f}s"  # named at once; the bound only catches a hang
+
+
+class _ReducingBlock(_Block):
+    """A block whose forward runs the script's own all-reduce over the engine's group."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total = x.detach().sum().reshape(1)
+        dist.all_reduce(total, group=self.pg)
+        return torch.tanh(self.lin(x)) + total * 1e-3
+
+
+def _script_collectives_between(rank: int, world_size: int, checked: bool) -> list[torch.Tensor]:
+    """Forward prefetch posts block b's gather before block a runs the script's all-reduce over the same group."""
+    os.environ["FULLSHARD_CHECK_COLLECTIVES"] = "1" if checked else "0"
+    try:
+        torch.manual_seed(0)
+        pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=20))
+        module = _TwoBlocks()
+        module.a, module.b = _ReducingBlock(), _ReducingBlock()
+        module.a.pg = module.b.pg = pg
+        model = FullyShardedDataParallel(
+            module, process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_ReducingBlock}), forward_prefetch=True
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.full((2, 4), float(rank + step))).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with FullyShardedDataParallel.summon_full_params(model):
+            params = [p.detach().clone() for p in model.parameters()]
+        dist.destroy_process_group(pg)
+        return params
+    finally:
+        del os.environ["FULLSHARD_CHECK_COLLECTIVES"]
+
+
+def test_a_script_collective_between_the_engines_on_one_group_is_not_disturbed(pool2: WorkerPool) -> None:
+    # The checked gathers and reductions go point-to-point on their own tags, posted while the script's all-reduce
+    # takes gloo's next collective slot on the same group: the training is bitwise the unchecked one's.
+    checked = pool2.run(_script_collectives_between, True)
+    unchecked = pool2.run(_script_collectives_between, False)
+    for got, want in zip(checked, unchecked):
+        assert len(got) == len(want) == 4
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert not torch.equal(checked[0][0], _TwoBlocks().a.lin.weight)  # it trained

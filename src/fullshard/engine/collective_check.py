@@ -11,14 +11,13 @@ process group's timeout (fullshard sets minutes, see ``frontend/processes/runtim
 - Always: an error raised while issuing or waiting for a collective is re-raised naming this rank, the
   collective, the unit and how many forwards this process ran (:func:`collective`), so a timeout says where.
   A peer that ended or whose connection broke raises :class:`PeerLostError`, not :class:`DesyncError`.
-- By default on gloo groups: a header before each of the engine's collectives. The ranks all-gather four
-  integers (the kind of collective, a CRC-32 of the unit's name, how many collectives the group ran, how many
-  forwards this process ran), the same 32 bytes on every rank whatever comes next, so the exchange itself
-  cannot meet a collective of another size. Every rank compares the kinds and units and raises
-  :class:`DesyncError` naming each rank's collective, unit and counts before any payload moves. Cost: one small blocking
-  collective per engine collective (a group's gather, its reduction), measured in ``docs/benchmarks.md``.
-  ``FULLSHARD_CHECK_COLLECTIVES=0`` turns it off. Not on NCCL and other device backends: reading the header
-  back would synchronise the device on every collective.
+- By default on gloo groups: a header with each of the engine's collectives. Every rank sends every other
+  rank four integers (the kind of collective, a CRC-32 of the unit's name, how many collectives the group ran,
+  how many forwards this process ran), the same 32 bytes whatever comes next, point-to-point on a tag of their
+  own (:data:`HEADER_TAG`), in the order the collectives are issued. Every rank compares the kinds and units
+  and raises :class:`DesyncError` naming each rank's collective, unit and counts. Where the comparison happens
+  is [Note: the check off the critical path]. ``FULLSHARD_CHECK_COLLECTIVES=0`` turns it off. Not on NCCL and
+  other device backends: reading the header back would synchronise the device on every collective.
 - With ``FULLSHARD_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), on every backend: the same comparison
   with the full descriptions (``all_gather_object``, a pickle and two collectives each time).
 
@@ -30,11 +29,13 @@ header then meets it as any collective would.
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import os
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ __all__ = [
     "check_enabled",
     "collective",
     "debug_enabled",
+    "issue",
     "note_forward",
     "waiting",
 ]
@@ -165,11 +167,40 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
 
 
 # --- the header (see the module note) ----------------------------------------------------------------------
+#
+# [Note: the check off the critical path]
+# A header exchanged and compared before its collective is posted makes the ranks meet at every collective: each
+# waits for the slowest at every gather and reduction it issues, where without the check it would post the
+# collective and go on computing (measured: 10-16% of a small model's step). So the comparison waits for the
+# collective's result instead. What makes that safe is what gloo aborts on: a message of another size arriving
+# for a posted receive. Hence:
+# - The asynchronous collectives (a unit's gather, its gradients' reduction: :func:`issue`) go point-to-point
+#   (``p2p.py``) on a tag drawn from their kind and unit (:func:`payload_tag`), posted at once after the header.
+#   Messages match only on the same tag, so a rank's payload meets only the same collective of the same unit on
+#   the other ranks, whose sizes are the same; a payload of another collective or unit is never received
+#   against it (it waits, unread, and the header names the fault). The tags take none of gloo's collective
+#   slots, so they cannot meet a collective the script or the engine runs meanwhile on the same group.
+# - The headers travel in issue order on :data:`HEADER_TAG` (first-in first-out between two ranks) and are
+#   compared in that order: when a collective's work is waited for, every header issued before it over the group
+#   is compared first (:func:`_compare_through`), so a fault is named at its first collective, on every rank
+#   that waits.
+# - The collectives with a result needed at once (:func:`collective`: the gradient norm's, world-size-invariant
+#   mode's, a user's communication hook or custom collective) compare their header before they are posted, as
+#   before; they use gloo's collectives.
+# Invariant: the comparison's outcome is the same as comparing before posting; only its place moves: a
+# mismatch raises where the first mismatched collective is waited for (or at the next blocking one).
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-# torch 2.13 renamed the flat all-gather; older releases have the old name only (as in collectives.py).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+# Point-to-point tags: below gloo's collective slots (those carry a prefix in the top byte), apart from p2p.py's
+# own (REDUCE_SCATTER_TAG, ALL_GATHER_TAG) and from small tags a script may use.
+HEADER_TAG = 0x5EA3
+_PAYLOAD_TAG_BASE = 0x40000000
 _label_of_crc: dict[int, str] = {}  # every unit name seen here: the other ranks' CRCs are named back with it
+
+
+def payload_tag(kind: str, label: str) -> int:
+    """The point-to-point tag of unit ``label``'s ``kind`` collectives under the check (see the note above)."""
+    return _PAYLOAD_TAG_BASE | (zlib.crc32(f"{kind}:{label}".encode()) & 0x3FFFFFFF)
 
 
 def _header(kind: str, label: str, pg: dist.ProcessGroup) -> array.array:
@@ -184,26 +215,117 @@ def _describe(header: list[int]) -> str:
     return f"{_KINDS[kind]} of unit {label!r} (collective #{count} of its group) in its forward #{forwards}"
 
 
+class _Exchange:
+    """One header sent to and received from every other rank of a group (point-to-point, :data:`HEADER_TAG`).
+
+    The header's buffers are Python arrays seen as tensors (``torch.frombuffer``, no copy): building and reading
+    them dispatches no ATen op. They live here until :meth:`compare` has waited for every transfer."""
+
+    def __init__(self, kind: str, label: str, pg: dist.ProcessGroup) -> None:
+        self.where = f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"
+        self.ranks, self.me = dist.get_process_group_ranks(pg), dist.get_rank(pg)
+        n = len(self.ranks)
+        self.headers = [_header(kind, label, pg) if r == self.me else array.array("q", bytes(32)) for r in range(n)]
+        with _named(self.where):
+            sends = [pg.send([_view(self.headers[self.me])], r, HEADER_TAG) for r in range(n) if r != self.me]
+            self.works = sends + [pg.recv([_view(self.headers[r])], r, HEADER_TAG) for r in range(n) if r != self.me]
+
+    def compare(self) -> None:
+        with _named(self.where):
+            for work in self.works:
+                work.wait()
+        _raise_if_out_of_step([h.tolist() for h in self.headers], self.ranks, self.me)
+
+
+def _view(header: array.array) -> torch.Tensor:
+    return torch.frombuffer(header, dtype=torch.int64)
+
+
+# per group, the headers sent and not yet compared, in issue order; and the error that stopped a group
+_uncompared: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.deque[_Exchange]] = weakref.WeakKeyDictionary()
+_failed: weakref.WeakKeyDictionary[dist.ProcessGroup, BaseException] = weakref.WeakKeyDictionary()
+# What a failed check leaves posted (receives gloo may still write into): kept for the life of the process.
+_kept_after_failure: list[object] = []
+
+
+def _send_header(kind: str, label: str, pg: dist.ProcessGroup) -> _Exchange:
+    exchange = _Exchange(kind, label, pg)
+    queue = _uncompared.get(pg)
+    if queue is None:
+        queue = _uncompared[pg] = collections.deque()
+    queue.append(exchange)
+    return exchange
+
+
+def _compare_through(pg: dist.ProcessGroup, exchange: _Exchange) -> None:
+    """Compare, in issue order, every header over ``pg`` up to ``exchange`` not compared yet; raise on the first
+    that disagrees (and at every later call: the group's collectives are out of step for good)."""
+    failed = _failed.get(pg)
+    if failed is not None:
+        raise failed
+    queue = _uncompared.get(pg)
+    while queue and exchange in queue:
+        first = queue.popleft()
+        try:
+            first.compare()
+        except (DesyncError, PeerLostError) as exc:
+            _failed[pg] = exc
+            _kept_after_failure.append(first)
+            raise
+
+
+class _CheckedWork:
+    """A ``dist.Work``-like handle: ``wait()`` compares the headers through this collective's, then waits for it."""
+
+    def __init__(self, pg: dist.ProcessGroup, exchange: _Exchange, works: list[Any]) -> None:
+        self._pg, self._exchange, self._works = pg, exchange, works
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._exchange is not None:
+            try:
+                _compare_through(self._pg, self._exchange)
+            except BaseException:
+                _kept_after_failure.append(self._works)  # posted receives into the caller's buffers
+                raise
+            self._exchange = None
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return True
+
+
+def issue(kind: str, label: str, pg: dist.ProcessGroup | None, post: Callable[[int | None], list[Any]]) -> list[Any]:
+    """Count, check and post the asynchronous collectives of ``kind`` for unit ``label`` over ``pg``; their works.
+
+    ``post(tag)`` posts them and returns their works: point-to-point on ``tag`` when it is not ``None``. With the
+    header check on (gloo), the header is sent, ``post(payload_tag(kind, label))`` runs at once, and the one work
+    returned compares the headers before it waits (see [Note: the check off the critical path]). Otherwise as
+    :func:`collective` around ``post(None)``."""
+    if _size(pg) == 1 or pg is None or debug_enabled() or not check_enabled(pg):
+        with collective(kind, label, pg):
+            return [w for w in post(None) if w is not None]
+    _issued[pg] = _issued.get(pg, 0) + 1
+    exchange = _send_header(kind, label, pg)
+    with _named(f"{_where(kind, label, pg)}, in forward #{_forwards} of this process"):
+        works = [w for w in post(payload_tag(kind, label)) if w is not None]
+    return [_CheckedWork(pg, exchange, works)]
+
+
 def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> None:
-    """All-gather this rank's header over ``pg``; raise on every rank if any rank is about to run another kind
-    of collective or another unit's. The counts are only reported: a forward without collectives (NO_SHARD)
-    is no desync, and a process that caught an earlier error on one rank would never run in step again."""
+    """Exchange this rank's header over ``pg`` and compare it, with every one sent before it; raise on every rank
+    if any rank is about to run another kind of collective or another unit's. The counts are only reported: a
+    forward without collectives (NO_SHARD) is no desync, and a process that caught an earlier error on one rank
+    would never run in step again."""
     if pg is None:
         return
-    # The header's buffers are Python arrays seen as tensors (``torch.frombuffer``, no copy): building and reading
-    # them dispatches no ATen op, so the check costs the collective alone (it runs before every engine collective).
-    mine = _header(kind, label, pg)
-    n, width = dist.get_world_size(pg), len(mine)
-    everyone = array.array("q", bytes(n * width * mine.itemsize))
-    with _named(f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"):
-        _all_gather_single(
-            torch.frombuffer(everyone, dtype=torch.int64), torch.frombuffer(mine, dtype=torch.int64), group=pg
-        )
-    headers = [everyone[r * width : (r + 1) * width].tolist() for r in range(n)]
+    _compare_through(pg, _send_header(kind, label, pg))
+
+
+def _raise_if_out_of_step(headers: list[list[int]], ranks: list[int], me: int) -> None:
+    """Raise :class:`DesyncError` naming each rank's collective if any rank's kind or unit differs from this one's."""
+    n = len(headers)
     if all(h[:2] == headers[0][:2] for h in headers):
         return
-    ranks = dist.get_process_group_ranks(pg)
-    me = dist.get_rank(pg)
     others = [(r, h) for r, h in zip(ranks, headers) if h[:2] != headers[me][:2]]
     rank, other = others[0]
     listing = "; ".join(f"rank {r}: {_describe(h)}" for r, h in zip(ranks, headers))

@@ -89,14 +89,23 @@ def _size(pg: dist.ProcessGroup | None) -> int:
 
 
 def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    pg: dist.ProcessGroup | None,
+    *,
+    async_op: bool,
+    tag: int | None = None,
 ) -> dist.Work | p2p.P2PWork | None:
-    """``output`` (1D, ``n * shard.numel()``) receives every rank's ``shard`` (1D) in rank order."""
+    """``output`` (1D, ``n * shard.numel()``) receives every rank's ``shard`` (1D) in rank order.
+
+    ``tag``: point-to-point on this tag, whatever the size (see ``collective_check.issue``)."""
     n = _size(pg)
     if n == 1:
         output.copy_(shard)
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
+    if tag is not None:
+        return _returned(p2p.pairwise_all_gather(output, shard, pg, tag), async_op)
     if p2p.use_p2p("all_gather", pg, output):
         return _returned(p2p.pairwise_all_gather(output, shard, pg), async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
@@ -109,6 +118,7 @@ def reduce_scatter_flat(
     *,
     async_op: bool,
     scratch_input: bool = False,
+    tag: int | None = None,
 ) -> dist.Work | p2p.P2PWork | _ChunkOfAllReduce | None:
     """``output`` (1D) receives the sum over ranks of this rank's chunk of ``full`` (1D, ``n`` chunks).
 
@@ -123,9 +133,10 @@ def reduce_scatter_flat(
         output.copy_(full)
         return None
     ring_bytes = full.numel() * full.element_size() * (n - 1) / n
-    if p2p.use_p2p("reduce_scatter", pg, full):
+    if tag is not None or p2p.use_p2p("reduce_scatter", pg, full):
         COMM_STATS.add("reduce_scatter", ring_bytes)
-        return _returned(p2p.pairwise_reduce_scatter(output, full, pg), async_op)
+        work = p2p.pairwise_reduce_scatter(output, full, pg, p2p.REDUCE_SCATTER_TAG if tag is None else tag)
+        return _returned(work, async_op)
     # gloo's reduce_scatter_tensor and the in-place path below are both an all-reduce of all of ``full``.
     COMM_STATS.add("reduce_scatter", 2 * ring_bytes if is_gloo(pg) else ring_bytes)
     if scratch_input and is_gloo(pg):
@@ -229,32 +240,44 @@ def foreach_all_gather(
     flat_full: torch.Tensor,
     world: int,
     pg: dist.ProcessGroup | None,
+    label: str,
     custom: Any = None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
     """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
     in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
     into its block of ``flat_full`` (``direct_blocks``, views of its allocated storage; its version counter
     preserved, see :func:`copy_out`)."""
-    works = []
     out = None
-    gather = all_gather_flat if custom is None else _custom_gather(custom)
     if packed:
         numel = _numel(packed)
         out = torch.empty(world * numel, dtype=send.dtype, device=flat_full.device)
-        shard = send if numel == send.numel() else send.narrow(0, 0, numel)  # no direct ones: all of it
-        works.append(gather(out, shard, pg, async_op=True))
-    if direct:
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-            for sp, block in zip(direct, direct_blocks):
-                shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
-                works.append(gather(block, shard, pg, async_op=True))
-    return [w for w in works if w is not None], out
+    gather = all_gather_flat if custom is None else _custom_gather(custom)
+
+    def post(tag: int | None) -> list[Any]:
+        works = []
+        if packed:
+            numel = _numel(packed)
+            shard = send if numel == send.numel() else send.narrow(0, 0, numel)  # no direct ones: all of it
+            works.append(gather(out, shard, pg, async_op=True, tag=tag))
+        if direct:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
+                for sp, block in zip(direct, direct_blocks):
+                    shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
+                    works.append(gather(block, shard, pg, async_op=True, tag=tag))
+        return works
+
+    if custom is not None:  # the user's collective: issued here, after a blocking check
+        with collective_check.collective("all_gather", label, pg):
+            return [w for w in post(None) if w is not None], out
+    return collective_check.issue("all_gather", label, pg, post), out
 
 
 def _custom_gather(comm: Any) -> Callable[..., Any]:
     """A user's ``AllGather`` (``set_custom_all_gather``) in :func:`all_gather_flat`'s signature."""
 
-    def gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool) -> Any:
+    def gather(
+        output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup | None, *, async_op: bool, tag: int | None
+    ) -> Any:
         return comm(output, shard, pg, async_op=async_op)
 
     return gather
@@ -341,6 +364,7 @@ def foreach_reduce(
     packed: list[ShardedParam],
     direct: list[ShardedParam],
     shard_group: ShardGroup,
+    label: str,
     comm_hook: tuple[object, Callable[..., Any]] | None,
     options: CommOptions | None = None,
 ) -> PendingReduce:
@@ -353,15 +377,17 @@ def foreach_reduce(
     world = shard_group.shard_size
     params = packed + direct
     numel = _numel(params)
+    pg = shard_group.shard_pg if world > 1 else shard_group.replicate_pg
     if comm_hook is not None:
         state, hook = comm_hook
         ordered = rank_major(grad, params, world)
-        if world == 1:
-            output = ordered.view(-1)
-            hook(state, output)
-        else:
-            output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
-            hook(state, ordered.view(-1), output)
+        with collective_check.collective("reduce_scatter", label, pg):
+            if world == 1:
+                output = ordered.view(-1)
+                hook(state, output)
+            else:
+                output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
+                hook(state, ordered.view(-1), output)
         return PendingReduce([], output, None, 1, hooked=True)
     options = options or CommOptions()
     before, after = gradient_divide_factors(shard_group.data_parallel_size, grad.dtype, options.divide_factor)
@@ -369,27 +395,36 @@ def foreach_reduce(
         grad.div_(before)
     if world == 1:
         output = rank_major(grad, params, world).view(-1)
-        work = all_reduce_flat(output, shard_group.replicate_pg, async_op=True)
+        with collective_check.collective("reduce_scatter", label, pg):
+            work = all_reduce_flat(output, pg, async_op=True)
         return PendingReduce([work] if work is not None else [], output, None, after)
-    pg, works = shard_group.shard_pg, []
     if options.reduce_scatter is not None:  # one call of the user's reduce-scatter for the whole group
         ordered = rank_major(grad, params, world)
         output = options.reduce_scatter.allocate((numel,), dtype=grad.dtype, device=grad.device)
-        work = options.reduce_scatter(output, ordered.view(-1), pg, dist.ReduceOp.SUM, async_op=False)
+        with collective_check.collective("reduce_scatter", label, pg):
+            work = options.reduce_scatter(output, ordered.view(-1), pg, dist.ReduceOp.SUM, async_op=False)
         return PendingReduce([work] if work is not None else [], output, (ordered, grad), after)
     ordered = rank_major(grad, packed, world)  # (N, packed G)
     output = torch.empty(numel, dtype=grad.dtype, device=grad.device)
     packed_numel = _numel(packed)
-    # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
-    # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
-    if packed_numel:
-        packed_out = output if packed_numel == numel else output.narrow(0, 0, packed_numel)
-        works.append(reduce_scatter_flat(packed_out, ordered.view(-1), pg, async_op=True, scratch_input=True))
-    for sp in direct:
-        # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
-        out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
-        works.append(reduce_scatter_flat(out, full_block(grad, sp, world), pg, async_op=True, scratch_input=True))
-    return PendingReduce(works, output, (ordered, grad), after)
+
+    def post(tag: int | None) -> list[Any]:
+        # ``ordered`` and ``grad`` are ours to clobber (the caller handed the gradient over): on gloo that saves a
+        # full-size clone per reduction (see reduce_scatter_flat's scratch_input).
+        works = []
+        if packed_numel:
+            packed_out = output if packed_numel == numel else output.narrow(0, 0, packed_numel)
+            works.append(
+                reduce_scatter_flat(packed_out, ordered.view(-1), pg, async_op=True, scratch_input=True, tag=tag)
+            )
+        for sp in direct:
+            # A direct parameter's gradient block is already rank-major: reduce it in place, no copy-in.
+            out = output.narrow(0, sp.grad_offset, sp.layout.padded_shard_numel)
+            block = full_block(grad, sp, world)
+            works.append(reduce_scatter_flat(out, block, pg, async_op=True, scratch_input=True, tag=tag))
+        return works
+
+    return PendingReduce(collective_check.issue("reduce_scatter", label, pg, post), output, (ordered, grad), after)
 
 
 def finish_reduce(

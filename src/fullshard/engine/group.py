@@ -339,18 +339,17 @@ class ParamGroup(GroupGrads, GroupMoves):
                     self._allocate_full()
                     self._full_version = self.flat_full._version
                     direct_blocks = self.full_blocks()[1]
-                pg = self.shard_group.shard_pg
-                with collective_check.collective("all_gather", self.label, pg):
-                    self._gather = foreach_all_gather(
-                        send,
-                        self.packed,
-                        self.direct,
-                        direct_blocks,
-                        self.flat_full,
-                        self.world,
-                        pg,
-                        self.comm_options.all_gather,
-                    )
+                self._gather = foreach_all_gather(
+                    send,
+                    self.packed,
+                    self.direct,
+                    direct_blocks,
+                    self.flat_full,
+                    self.world,
+                    self.shard_group.shard_pg,
+                    self.label,
+                    self.comm_options.all_gather,
+                )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
 

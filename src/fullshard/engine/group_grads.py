@@ -148,15 +148,18 @@ class GroupGrads:
         Only trainable parameters are reduced (see :func:`collectives.foreach_reduce`). The unsharded gradient
         is freed here; :meth:`finish_reduce` lands the result in the sharded parameters' ``.grad``.
         """
-        pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
-        with trace.phase(trace.REDUCE_SCATTER), collective_check.collective("reduce_scatter", self.label, pg):
-            if not self.requires_grad:
+        with trace.phase(trace.REDUCE_SCATTER):
+            if not self.requires_grad:  # the check's header all the same: every rank passes here (see issue)
+                pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
+                collective_check.issue("reduce_scatter", self.label, pg, lambda tag: [])
                 return
             self._restore_sharded_grads()
             received = self._full_views.take_received()
             grad = self.take_unsharded_grad()
             packed, direct = self.packed_grad_params, self.direct_grad_params
-            pending = foreach_reduce(grad, packed, direct, self.shard_group, self._comm_hook, self.comm_options)
+            pending = foreach_reduce(
+                grad, packed, direct, self.shard_group, self.label, self._comm_hook, self.comm_options
+            )
             self._pending.append((pending, received))
 
     def drop_reductions(self) -> None:

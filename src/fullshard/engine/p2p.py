@@ -85,18 +85,21 @@ def _chunk_numel(chunk: torch.Tensor, full: torch.Tensor, n: int, what: str) -> 
     return chunk.numel()
 
 
-def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup) -> P2PWork:
-    """``output`` becomes the rank-order sum over ranks of chunk ``rank`` of ``full`` (``n`` equal chunks)."""
+def pairwise_reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup, tag: int = REDUCE_SCATTER_TAG
+) -> P2PWork:
+    """``output`` becomes the rank-order sum over ranks of chunk ``rank`` of ``full`` (``n`` equal chunks), sent on
+    ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
     if n == 2:  # the peer's chunk lands in output and ours is added: one addition, which commutes; no buffer
         peer = 1 - rank
-        works = [pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG), pg.recv([output], peer, REDUCE_SCATTER_TAG)]
+        works = [pg.send([chunks[peer]], peer, tag), pg.recv([output], peer, tag)]
         return P2PWork(works, lambda: output.add_(chunks[rank]))
     received = torch.empty(max(n - 1, 0), chunks.shape[1], dtype=full.dtype, device=full.device)
-    works = [pg.send([chunks[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
+    works = [pg.send([chunks[peer]], peer, tag) for peer in range(n) if peer != rank]
     rows = [chunks[rank] if peer == rank else received[peer - (peer > rank)] for peer in range(n)]
-    works += [pg.recv([rows[peer]], peer, REDUCE_SCATTER_TAG) for peer in range(n) if peer != rank]
+    works += [pg.recv([rows[peer]], peer, tag) for peer in range(n) if peer != rank]
 
     def finish() -> None:
         if n == 1:
@@ -109,12 +112,14 @@ def pairwise_reduce_scatter(output: torch.Tensor, full: torch.Tensor, pg: dist.P
     return P2PWork(works, finish)
 
 
-def pairwise_all_gather(output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup) -> P2PWork:
-    """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place."""
+def pairwise_all_gather(
+    output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, tag: int = ALL_GATHER_TAG
+) -> P2PWork:
+    """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place, sent on ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = output.view(n, _chunk_numel(shard, output, n, "pairwise_all_gather"))
-    works = [pg.send([shard], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
-    works += [pg.recv([chunks[peer]], peer, ALL_GATHER_TAG) for peer in range(n) if peer != rank]
+    works = [pg.send([shard], peer, tag) for peer in range(n) if peer != rank]
+    works += [pg.recv([chunks[peer]], peer, tag) for peer in range(n) if peer != rank]
     chunks[rank].copy_(shard)
     return P2PWork(works)
 
