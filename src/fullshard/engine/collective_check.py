@@ -174,7 +174,8 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
 # collective and go on computing (measured: 10-16% of a small model's step). So the comparison waits for the
 # collective's result instead. What makes that safe is what gloo aborts on: a message of another size arriving
 # for a posted receive. Hence:
-# - The asynchronous collectives (a unit's gather, its gradients' reduction: :func:`issue`) go point-to-point
+# - The asynchronous collectives (a unit's gather, its tensor-subclass parameters' gather, its gradients'
+#   reduction: :func:`issue`) go point-to-point
 #   (``p2p.py``) on a tag drawn from their kind and unit (:func:`payload_tag`), posted at once after the header.
 #   Messages match only on the same tag, so a rank's payload meets only the same collective of the same unit on
 #   the other ranks, whose sizes are the same; a payload of another collective or unit is never received

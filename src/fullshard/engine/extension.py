@@ -278,9 +278,9 @@ class ExtensionParams:
         """Start gathering every extension parameter (no-op if gathered or gathering, or with one rank)."""
         if self.world == 1 or self.gathered or self._works is not None:
             return
-        works = []
         pg = self.shard_group.shard_pg
-        with trace.phase(trace.ALL_GATHER), collective_check.collective("all_gather", self.label, pg):
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gathered buffer, this rank's input), in order
+        with trace.phase(trace.ALL_GATHER):
             for ep in self.params:
                 inputs, ep.metadata = self._pre_all_gather(ep)
                 if not ep.buffers:
@@ -289,9 +289,13 @@ class ExtensionParams:
                     ]
                 for buf, t in zip(ep.buffers, inputs):
                     buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-                    works.append(all_gather_flat(buf, _plain(t).view(-1), pg, async_op=True))
+                    pairs.append((buf, _plain(t).view(-1)))
                 ep.input_shapes = [tuple(t.shape) for t in inputs]
-        self._works = works
+
+            def post(tag: int | None) -> list[Any]:
+                return [all_gather_flat(buf, mine, pg, async_op=True, tag=tag) for buf, mine in pairs]
+
+            self._works = collective_check.issue("all_gather", self.label, pg, post)
 
     def wait(self) -> None:
         """Finish the gathers started by :meth:`unshard` and register the full tensors (again, after
