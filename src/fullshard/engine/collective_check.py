@@ -21,9 +21,12 @@ process group's timeout (fullshard sets minutes, see ``frontend/processes/runtim
 - With ``FULLSHARD_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), on every backend: the same comparison
   with the full descriptions (``all_gather_object``, a pickle and two collectives each time).
 
-Invariant: nothing here changes what is communicated by the engine's own collectives; what a mismatch cannot
-be caught against is a collective outside the engine (the script's own ``all_reduce``, a barrier): the
-header then meets it as any collective would.
+Invariants: nothing here changes the values the engine's collectives compute (under the check they take the
+point-to-point path of ``p2p.py``, the same sums on 2 ranks and the same gathers on any number). What a mismatch
+cannot be caught against is a collective outside the engine (the script's own ``all_reduce``, a barrier): the
+headers travel point-to-point and never meet it, so the rank in the script's collective and the rank waiting
+for a header both wait for the group's timeout, which names where. After a :class:`DesyncError` the mismatched
+collectives stay posted: the job is over.
 """
 
 from __future__ import annotations
