@@ -21,8 +21,10 @@ process group's timeout (fullshard sets minutes, see ``frontend/processes/runtim
 - With ``FULLSHARD_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), on every backend: the same comparison
   with the full descriptions (``all_gather_object``, a pickle and two collectives each time).
 
-Invariants: nothing here changes the values the engine's collectives compute (under the check they take the
-point-to-point path of ``p2p.py``, the same sums on 2 ranks and the same gathers on any number). What a mismatch
+Invariants: under the check the engine's gathers and reductions take the point-to-point path of ``p2p.py``: the
+same gathers on any number of ranks and the same sums on 2; on 3 or more its sums add in rank order, which may
+differ from gloo's own collective in the last bit (``FULLSHARD_CHECK_COLLECTIVES=0`` below the crossover sizes
+of ``p2p.py``). What a mismatch
 cannot be caught against is a collective outside the engine (the script's own ``all_reduce``, a barrier): the
 headers travel point-to-point and never meet it, so the rank in the script's collective and the rank waiting
 for a header both wait for the group's timeout, which names where. After a :class:`DesyncError` the mismatched
