@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -22,15 +21,6 @@ from fullshard.engine import collective_check
 from fullshard.engine.collective_check import DesyncError
 from fullshard.engine.wrap import ModuleWrapPolicy
 from fullshard.testing import WorkerPool
-
-
-@pytest.fixture
-def desync_pool(pool2: WorkerPool) -> Iterator[WorkerPool]:
-    """``pool2``, stopped after the test (it restarts on next use). Under the default check, ranks that caught a
-    DesyncError keep the collectives they posted in flight, never received (collective_check's note: that is the
-    end of a job); a later process group in the same processes then failed to connect about once in 30 runs."""
-    yield pool2
-    pool2.close()
 
 
 class _Block(nn.Module):
@@ -84,8 +74,8 @@ def _one_extra_forward(rank: int, world_size: int) -> tuple[str, float]:
     return message, elapsed
 
 
-def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(desync_pool: WorkerPool) -> None:
-    (message, elapsed), _ = desync_pool.run(_one_extra_forward)
+def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2: WorkerPool) -> None:
+    (message, elapsed), _ = pool2.run(_one_extra_forward)
     assert message.startswith("[rank 0] ")
     assert "all_gather of unit 'a'" in message and "forward #" in message
     assert "did not reach the same collective" in message and "ranks are out of step" not in message
@@ -111,8 +101,8 @@ def _extra_forward_by_default(rank: int, world_size: int) -> tuple[str, float]:
     return message, elapsed
 
 
-def test_an_extra_forward_is_named_at_once_by_default(desync_pool: WorkerPool) -> None:
-    results = desync_pool.run(_extra_forward_by_default)
+def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None:
+    results = pool2.run(_extra_forward_by_default)
     for rank, (message, elapsed) in enumerate(results):
         assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
         # Rank 1, one forward ahead, gathers block a for its next forward (its forward #3); rank 0 gathers
@@ -220,10 +210,10 @@ def _uneven_orders(rank: int, world_size: int) -> tuple[str, float]:
     return message, elapsed
 
 
-def test_units_of_different_sizes_in_another_order_are_named_not_aborted(desync_pool: WorkerPool) -> None:
+def test_units_of_different_sizes_in_another_order_are_named_not_aborted(pool2: WorkerPool) -> None:
     # The payloads are posted before the headers are compared (collective_check's note): they travel on tags of
     # their unit, so rank 0's gather of a never meets rank 1's gather of b, and the headers name the fault.
-    results = desync_pool.run(_uneven_orders)
+    results = pool2.run(_uneven_orders)
     for rank, (message, elapsed) in enumerate(results):
         assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
         mine, theirs = ("unit 'a'", "unit 'b'") if rank == 0 else ("unit 'b'", "unit 'a'")
