@@ -116,13 +116,13 @@ def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None
 
 
 def _check_switch(rank: int, world_size: int) -> list[bool]:
-    pg = dist.new_group(list(range(world_size)))
+    # The pool's own gloo group: a new one here, right after the desync tests, failed to connect ("Connection
+    # closed by peer") about once in 10-30 runs on a loaded machine, with the blocking header as with this one.
     seen = []
     for value in ("", "1", "0"):
         os.environ["FULLSHARD_CHECK_COLLECTIVES"] = value
-        seen.append(collective_check.check_enabled(pg))
+        seen.append(collective_check.check_enabled(dist.group.WORLD))
     del os.environ["FULLSHARD_CHECK_COLLECTIVES"]
-    dist.destroy_process_group(pg)
     return seen
 
 
