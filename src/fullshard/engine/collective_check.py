@@ -190,9 +190,9 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
 #   compared in that order: when a collective's work is waited for, every header issued before it over the group
 #   is compared first (:func:`_compare_through`), so a fault is named at its first collective, on every rank
 #   that waits.
-# - The collectives with a result needed at once (:func:`collective`: the gradient norm's, world-size-invariant
-#   mode's, a user's communication hook or custom collective) compare their header before they are posted, as
-#   before; they use gloo's collectives.
+# - The collectives with a result needed at once (:func:`collective`: HSDP's all-reduce across replicas,
+#   world-size-invariant mode's reductions and gradient norm, a user's communication hook or custom collective)
+#   compare their header before they are posted, as before; they use gloo's collectives.
 # Invariant: the comparison's outcome is the same as comparing before posting; only its place moves: a
 # mismatch raises where the first mismatched collective is waited for (or at the next blocking one).
 
