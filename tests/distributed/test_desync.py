@@ -265,3 +265,30 @@ def test_a_script_collective_between_the_engines_on_one_group_is_not_disturbed(p
         for a, b in zip(got, want):
             assert torch.equal(a, b)
     assert not torch.equal(checked[0][0], _TwoBlocks().a.lin.weight)  # it trained
+
+
+def _summon_against_forward(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 0 gathers the units for summon_full_params (compared before posting) while rank 1 runs a forward
+    (posted at once, compared at its wait): the same units, but the two would wait on different channels."""
+    model, pg = _sharded(timeout_s=20)
+    _step(model)
+    start, message = time.monotonic(), ""
+    try:
+        if rank == 0:
+            with FullyShardedDataParallel.summon_full_params(model):
+                pass
+        else:
+            _step(model)
+    except DesyncError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(pg)
+    return message, elapsed
+
+
+def test_a_blocking_gather_against_an_asynchronous_one_is_named_at_once(pool2: WorkerPool) -> None:
+    for rank, (message, elapsed) in enumerate(pool2.run(_summon_against_forward)):
+        assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
+        assert "all_gather (compared before it is posted) of unit" in message, message
+        assert elapsed < 15, f"rank {rank} took {elapsed:.1f}s: named by the 20 s timeout, not by the check"

@@ -209,16 +209,20 @@ def payload_tag(kind: str, label: str) -> int:
     return _PAYLOAD_TAG_BASE | (zlib.crc32(f"{kind}:{label}".encode()) & 0x3FFFFFFF)
 
 
-def _header(kind: str, label: str, pg: dist.ProcessGroup) -> array.array:
+def _header(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> array.array:
+    """Kind (offset by ``len(_KINDS)`` for a collective compared before it is posted: it must not meet an
+    asynchronous one, whose payload travels on another channel), unit CRC, group count, forward count."""
     crc = zlib.crc32(label.encode())
     _label_of_crc.setdefault(crc, label)
-    return array.array("q", [_KINDS.index(kind), crc, _issued.get(pg, 0), _forwards])
+    code = _KINDS.index(kind) + (len(_KINDS) if blocking else 0)
+    return array.array("q", [code, crc, _issued.get(pg, 0), _forwards])
 
 
 def _describe(header: list[int]) -> str:
-    kind, crc, count, forwards = header
+    code, crc, count, forwards = header
+    kind = _KINDS[code % len(_KINDS)] + (" (compared before it is posted)" if code >= len(_KINDS) else "")
     label = _label_of_crc.get(crc, f"<CRC-32 {crc:#010x}>")
-    return f"{_KINDS[kind]} of unit {label!r} (collective #{count} of its group) in its forward #{forwards}"
+    return f"{kind} of unit {label!r} (collective #{count} of its group) in its forward #{forwards}"
 
 
 class _Exchange:
@@ -227,11 +231,12 @@ class _Exchange:
     The header's buffers are Python arrays seen as tensors (``torch.frombuffer``, no copy): building and reading
     them dispatches no ATen op. They live here until :meth:`compare` has waited for every transfer."""
 
-    def __init__(self, kind: str, label: str, pg: dist.ProcessGroup) -> None:
+    def __init__(self, kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> None:
         self.where = f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"
         self.ranks, self.me = dist.get_process_group_ranks(pg), dist.get_rank(pg)
         n = len(self.ranks)
-        self.headers = [_header(kind, label, pg) if r == self.me else array.array("q", bytes(32)) for r in range(n)]
+        mine = _header(kind, label, pg, blocking)
+        self.headers = [mine if r == self.me else array.array("q", bytes(32)) for r in range(n)]
         with _named(self.where):
             sends = [pg.send([_view(self.headers[self.me])], r, HEADER_TAG) for r in range(n) if r != self.me]
             self.works = sends + [pg.recv([_view(self.headers[r])], r, HEADER_TAG) for r in range(n) if r != self.me]
@@ -254,8 +259,8 @@ _failed: weakref.WeakKeyDictionary[dist.ProcessGroup, BaseException] = weakref.W
 _kept_after_failure: list[object] = []
 
 
-def _send_header(kind: str, label: str, pg: dist.ProcessGroup) -> _Exchange:
-    exchange = _Exchange(kind, label, pg)
+def _send_header(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> _Exchange:
+    exchange = _Exchange(kind, label, pg, blocking)
     queue = _uncompared.get(pg)
     if queue is None:
         queue = _uncompared[pg] = collections.deque()
@@ -311,7 +316,7 @@ def issue(kind: str, label: str, pg: dist.ProcessGroup | None, post: Callable[[i
         with collective(kind, label, pg):
             return [w for w in post(None) if w is not None]
     _issued[pg] = _issued.get(pg, 0) + 1
-    exchange = _send_header(kind, label, pg)
+    exchange = _send_header(kind, label, pg, blocking=False)
     with _named(f"{_where(kind, label, pg)}, in forward #{_forwards} of this process"):
         works = [w for w in post(payload_tag(kind, label)) if w is not None]
     return [_CheckedWork(pg, exchange, works)]
@@ -324,7 +329,7 @@ def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> Non
     would never run in step again."""
     if pg is None:
         return
-    _compare_through(pg, _send_header(kind, label, pg))
+    _compare_through(pg, _send_header(kind, label, pg, blocking=True))
 
 
 def _raise_if_out_of_step(headers: list[list[int]], ranks: list[int], me: int) -> None:
