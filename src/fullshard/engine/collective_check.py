@@ -192,7 +192,8 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
 #   that waits.
 # - The collectives with a result needed at once (:func:`collective`: HSDP's all-reduce across replicas,
 #   world-size-invariant mode's reductions and gradient norm, a user's communication hook or custom collective)
-#   compare their header before they are posted, as before; they use gloo's collectives.
+#   compare their header before they are posted, as before; they use gloo's collectives. Their headers say so:
+#   one meeting an asynchronous collective (whose payload waits on a tag) is named at once, not by the timeout.
 # Invariant: the comparison's outcome is the same as comparing before posting; only its place moves: a
 # mismatch raises where the first mismatched collective is waited for (or at the next blocking one).
 
