@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -57,21 +58,25 @@ def _step(model: nn.Module) -> None:
     model(torch.ones(2, 4)).sum().backward()
 
 
+def _outcome(pg: dist.ProcessGroup, scenario: Callable[[], None]) -> tuple[str, float]:
+    """Run ``scenario``: the message of the DesyncError it raised ("" for none) and the seconds it took. Then the
+    ranks meet on the default group and ``pg`` is destroyed, so that the pool goes on working."""
+    start, message = time.monotonic(), ""
+    try:
+        scenario()
+    except DesyncError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    dist.destroy_process_group(pg)
+    return message, elapsed
+
+
 def _one_extra_forward(rank: int, world_size: int) -> tuple[str, float]:
     """Both ranks train a step; then rank 0 alone trains one more. Rank 0 must fail within the timeout."""
     model, pg = _sharded(timeout_s=3)
     _step(model)
-    start = time.monotonic()
-    message = ""
-    if rank == 0:
-        try:
-            _step(model)
-        except DesyncError as exc:
-            message = str(exc)
-    elapsed = time.monotonic() - start
-    dist.barrier()  # the default group: the pool goes on working
-    dist.destroy_process_group(pg)
-    return message, elapsed
+    return _outcome(pg, lambda: _step(model) if rank == 0 else None)
 
 
 def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2: WorkerPool) -> None:
@@ -85,20 +90,15 @@ def test_a_rank_alone_in_a_collective_times_out_naming_unit_and_collective(pool2
 def _extra_forward_by_default(rank: int, world_size: int) -> tuple[str, float]:
     """Rank 1 runs one forward more than rank 0, without FULLSHARD_DEBUG: every rank must name it at once."""
     model, pg = _sharded(timeout_s=4)
-    start = time.monotonic()
-    message = ""
-    try:
+
+    def scenario() -> None:
         _step(model)
         if rank == 1:
             with torch.no_grad():
                 model(torch.ones(2, 4))
         _step(model)
-    except DesyncError as exc:
-        message = str(exc)
-    elapsed = time.monotonic() - start
-    dist.barrier()
-    dist.destroy_process_group(pg)
-    return message, elapsed
+
+    return _outcome(pg, scenario)
 
 
 def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None:
@@ -199,15 +199,7 @@ def _uneven_orders(rank: int, world_size: int) -> tuple[str, float]:
     model = FullyShardedDataParallel(_Uneven(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_Block}))
     _step(model)
     model.module.order = "ab" if rank == 0 else "ba"
-    start, message = time.monotonic(), ""
-    try:
-        _step(model)
-    except DesyncError as exc:
-        message = str(exc)
-    elapsed = time.monotonic() - start
-    dist.barrier()
-    dist.destroy_process_group(pg)
-    return message, elapsed
+    return _outcome(pg, lambda: _step(model))
 
 
 def test_units_of_different_sizes_in_another_order_are_named_not_aborted(pool2: WorkerPool) -> None:
@@ -272,19 +264,15 @@ def _summon_against_forward(rank: int, world_size: int) -> tuple[str, float]:
     (posted at once, compared at its wait): the same units, but the two would wait on different channels."""
     model, pg = _sharded(timeout_s=20)
     _step(model)
-    start, message = time.monotonic(), ""
-    try:
+
+    def scenario() -> None:
         if rank == 0:
             with FullyShardedDataParallel.summon_full_params(model):
                 pass
         else:
             _step(model)
-    except DesyncError as exc:
-        message = str(exc)
-    elapsed = time.monotonic() - start
-    dist.barrier()
-    dist.destroy_process_group(pg)
-    return message, elapsed
+
+    return _outcome(pg, scenario)
 
 
 def test_a_blocking_gather_against_an_asynchronous_one_is_named_at_once(pool2: WorkerPool) -> None:

@@ -104,10 +104,9 @@ def all_gather_flat(
         output.copy_(shard)
         return None
     COMM_STATS.add("all_gather", output.numel() * output.element_size() * (n - 1) / n)
-    if tag is not None:
-        return _returned(p2p.pairwise_all_gather(output, shard, pg, tag), async_op)
-    if p2p.use_p2p("all_gather", pg, output):
-        return _returned(p2p.pairwise_all_gather(output, shard, pg), async_op)
+    if tag is not None or p2p.use_p2p("all_gather", pg, output):
+        work = p2p.pairwise_all_gather(output, shard, pg, p2p.ALL_GATHER_TAG if tag is None else tag)
+        return _returned(work, async_op)
     return _all_gather_single(output, shard, group=pg, async_op=async_op)
 
 
@@ -377,7 +376,7 @@ def foreach_reduce(
     world = shard_group.shard_size
     params = packed + direct
     numel = _numel(params)
-    pg = shard_group.shard_pg if world > 1 else shard_group.replicate_pg
+    pg = shard_group.reduce_pg
     if comm_hook is not None:
         state, hook = comm_hook
         ordered = rank_major(grad, params, world)

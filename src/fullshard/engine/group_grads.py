@@ -150,8 +150,7 @@ class GroupGrads:
         """
         with trace.phase(trace.REDUCE_SCATTER):
             if not self.requires_grad:  # the check's header all the same: every rank passes here (see issue)
-                pg = self.shard_group.shard_pg if self.world > 1 else self.shard_group.replicate_pg
-                collective_check.issue("reduce_scatter", self.label, pg, lambda tag: [])
+                collective_check.issue("reduce_scatter", self.label, self.shard_group.reduce_pg, lambda tag: [])
                 return
             self._restore_sharded_grads()
             received = self._full_views.take_received()

@@ -88,6 +88,12 @@ class ShardGroup:
         return 0 if self.shard_pg is None else dist.get_rank(self.shard_pg)
 
     @functools.cached_property
+    def reduce_pg(self) -> dist.ProcessGroup | None:
+        """The group a unit's gradients are reduced over first: its shard group, or with one rank per shard
+        group the replicas (HSDP's all-reduce)."""
+        return self.shard_pg if self.shard_size > 1 else self.replicate_pg
+
+    @functools.cached_property
     def replicate_size(self) -> int:
         return 1 if self.replicate_pg is None else dist.get_world_size(self.replicate_pg)
 
