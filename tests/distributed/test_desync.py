@@ -101,14 +101,19 @@ def _extra_forward_by_default(rank: int, world_size: int) -> tuple[str, float]:
     return _outcome(pg, scenario)
 
 
+def _assert_named(rank: int, message: str, this_unit: str, other_unit: str) -> None:
+    """``message`` is rank ``rank``'s out-of-step error: its own unit first, then the other rank's."""
+    assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
+    mine, theirs = f"unit {this_unit!r}", f"unit {other_unit!r}"
+    assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
+
+
 def test_an_extra_forward_is_named_at_once_by_default(pool2: WorkerPool) -> None:
     results = pool2.run(_extra_forward_by_default)
     for rank, (message, elapsed) in enumerate(results):
-        assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
         # Rank 1, one forward ahead, gathers block a for its next forward (its forward #3); rank 0 gathers
         # block b for its backward (its forward #2).
-        mine, theirs = ("unit 'b'", "unit 'a'") if rank == 0 else ("unit 'a'", "unit 'b'")
-        assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
+        _assert_named(rank, message, *(("b", "a") if rank == 0 else ("a", "b")))
         assert len(re.findall(r"in its forward #\d+", message)) == 2, message  # each rank's forward count
         # A DesyncError at all shows the header failed first: the group's 4 s timeout raises gloo's own error, which
         # the message checks above would reject. The bound only catches a hang, with room for a loaded machine.
@@ -207,9 +212,7 @@ def test_units_of_different_sizes_in_another_order_are_named_not_aborted(pool2: 
     # their unit, so rank 0's gather of a never meets rank 1's gather of b, and the headers name the fault.
     results = pool2.run(_uneven_orders)
     for rank, (message, elapsed) in enumerate(results):
-        assert message.startswith(f"[rank {rank}] ranks are out of step: this rank is about to run"), message
-        mine, theirs = ("unit 'a'", "unit 'b'") if rank == 0 else ("unit 'b'", "unit 'a'")
-        assert message.index(mine) < message.index(f"rank {1 - rank} ") < message.index(theirs), message
+        _assert_named(rank, message, *(("a", "b") if rank == 0 else ("b", "a")))
         assert elapsed < 60, f"rank {rank} took {elapsed:.1f}s"  # named at once; the bound only catches a hang
 
 
