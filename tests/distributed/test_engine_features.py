@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from fullshard import (
@@ -21,6 +22,7 @@ from fullshard import (
     apply_activation_checkpointing,
     fully_shard,
 )
+from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.comm_hooks import (
     DefaultState,
     LowPrecisionState,
@@ -153,6 +155,58 @@ def test_forward_order_is_recorded_and_rate_limited(pool2: WorkerPool) -> None:
     got = pool2.run(_gathered_at_once, True)[0]
     assert got["order"] == ["<root TinyGPT>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert got["max"] == 2  # the current unit and one prefetched, never more
+
+
+def _frozen_embedding_gathers(rank: int, world: int, entry: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2)
+    model = TinyGPT(cfg)
+    model.wte.requires_grad_(False)  # fed token ids: its output needs no gradient, so it has no backward
+    if entry == "fsdp":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Embedding}), use_orig_params=True)
+        embedding = model.module.wte
+    else:
+        fully_shard(model.wte)
+        model = fully_shard_blocks(model)
+        embedding = model.wte
+    group = unit_state(embedding).group
+    in_backward: list[bool] = []
+    original = group.unshard
+
+    def counting_unshard() -> None:
+        in_backward.append(unit_state(model).ctx.backward.in_backward)
+        original()
+
+    group.unshard = counting_unshard
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    losses = []
+    for step in range(2):
+        loss = model(*make_batch(cfg, 2, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.manual_seed(0)
+    reference = TinyGPT(cfg)
+    reference.wte.requires_grad_(False)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    ref_losses = []
+    for step in range(2):
+        loss = reference(*make_batch(cfg, 2, step))  # every rank the same batch: the mean is this batch's
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    return {"gathers": in_backward, "losses": losses, "ref_losses": ref_losses}
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_backward_does_not_prefetch_a_unit_without_backward(pool2: WorkerPool, entry: str) -> None:
+    # Block 0's pre-backward used to prefetch the unit before it in forward order, the frozen embedding, which
+    # then stayed gathered, unused, to the end of backward: [False, True] per step.
+    for got in pool2.run(_frozen_embedding_gathers, entry):
+        assert got["gathers"] == [False, False], got  # once per forward, never in backward
+        torch.testing.assert_close(got["losses"], got["ref_losses"], atol=1e-5, rtol=1e-5)
 
 
 def _spare_handoffs(rank: int, world: int, prefetch: str | None, entry: str) -> dict[str, object]:
@@ -467,6 +521,66 @@ def test_activation_checkpointing_saves_less(pool2: WorkerPool) -> None:
     plain = pool2.run(_saved_activation_bytes, False)[0]
     checkpointed = pool2.run(_saved_activation_bytes, True)[0]
     assert checkpointed < 0.5 * plain, (checkpointed, plain)
+
+
+def _checkpoint_reentrant(module: nn.Module) -> None:
+    forward = module.forward
+
+    def checkpointed(*args: object) -> object:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=True)
+
+    module.forward = checkpointed
+
+
+def wrap_checkpointed_nested(model: nn.Module, entry: str, reentrant: bool = False) -> nn.Module:
+    """Every ``Linear`` of each block a unit of its own inside its block's unit, each block recomputed in backward
+    (the layout of LoRA's smallest units): reentrant or not."""
+    for block in model.blocks:
+        _checkpoint_reentrant(block) if reentrant else checkpoint_module(block)
+    if entry == "fsdp":
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Linear}))
+    for block in model.blocks:
+        for linear in (block.attn, block.proj, block.fc, block.fc_out):
+            fully_shard(linear)
+    return fully_shard_blocks(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_units_inside_a_recomputed_block_keep_parity(
+    pool2: WorkerPool, reference: RunResult, entry: str, reentrant: bool
+) -> None:
+    wrap = functools.partial(wrap_checkpointed_nested, entry=entry, reentrant=reentrant)
+    for got in pool2.run(_run, SPEC, wrap):
+        assert_parity(got, reference)
+
+
+def _gathered_in_backward(rank: int, world: int, entry: str) -> dict[str, int]:
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3)
+    model = wrap_checkpointed_nested(TinyGPT(cfg), entry)
+    most = {"forward": 0, "backward": 0}
+    for step in range(2):
+        loss = model(*make_batch(cfg, 2, step))
+        ctx = unit_state(model).ctx
+        most["forward"] = max(most["forward"], ctx.max_gathered)
+        ctx.max_gathered = 0
+        loss.backward()
+        most["backward"] = max(most["backward"], ctx.max_gathered)
+        ctx.max_gathered = 0
+        model.zero_grad()
+    return most
+
+
+@pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
+def test_a_recomputed_block_does_not_gather_all_its_units_at_once(pool2: WorkerPool, entry: str) -> None:
+    # Recomputing a block runs all four of its Linear units' forwards before any of their backwards. Kept
+    # gathered from there on (as before), the block, its four units and one prefetched were gathered together
+    # (6). Now each is freed after its recomputed forward and gathered again for its own backward: at most the
+    # block, the unit whose backward triggered the recomputation, the one prefetched and the one recomputed.
+    for got in pool2.run(_gathered_in_backward, entry):
+        assert got["backward"] <= 4, got
+        assert got["forward"] <= 2, got  # limit_all_gathers, as without recomputation
 
 
 # --- communication hooks ------------------------------------------------------------------------------

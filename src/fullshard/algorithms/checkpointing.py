@@ -4,7 +4,10 @@
 recompute its forward during backward instead of keeping its activations. Module names and parameters are
 unchanged (no wrapper module is inserted, so state-dict keys stay the same). It composes with units in
 either order: recomputation inside a unit runs after the unit's pre-backward has gathered its
-parameters, and a unit recomputed as a whole is only gathered (never freed or re-hooked) by that forward.
+parameters, and a unit recomputed as a whole is only gathered (never re-hooked) by that forward. Units inside
+the recomputed module (LoRA's projections inside a decoder layer) are gathered one after another for the
+recomputation and freed again, as in forward, until their own backward gathers them (the engine's
+[Note: recomputation frees what it gathered]); so a recomputed layer never holds all its units at once.
 """
 
 from __future__ import annotations

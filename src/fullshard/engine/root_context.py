@@ -115,6 +115,8 @@ def next_gather_fits(ctx: RootContext, state: Any, step: int) -> bool:
     nearest = ctx.order.next(state, step)
     if nearest is not None and nearest.group is not None and nearest.group.state is not ShardState.SHARDED:
         nearest = ctx.order.next(nearest, step)  # gathered already (prefetched, or the root): the one after
+    if step < 0 and nearest is not None and nearest.no_backward:
+        return False  # it will not be gathered for backward (see prefetch_backward)
     other = nearest.group if nearest is not None else None
     mine = (state.group.full_nbytes, state.group.device)
     return other is not None and other.state is ShardState.SHARDED and (other.full_nbytes, other.device) == mine
@@ -130,9 +132,13 @@ def prefetch(ctx: RootContext, state: Any) -> None:
 
 
 def prefetch_backward(ctx: RootContext, state: Any) -> None:
-    """Prefetch the unit that runs backward after ``state`` (the previous one in forward order)."""
+    """Prefetch the unit that runs backward after ``state`` (the previous one in forward order), unless it has no
+    backward this iteration (``UnitState.no_backward``: a frozen embedding fed token ids; torch's FSDP2 skips such a
+    unit too): it would stay gathered, unused, to the end of backward."""
     if not ctx.order.changed:
-        prefetch(ctx, ctx.order.next(state, -1))
+        target = ctx.order.next(state, -1)
+        if target is not None and not target.no_backward:
+            prefetch(ctx, target)
         ctx.note_gathered()
 
 

@@ -23,6 +23,8 @@ forward order, the backward pass under way, and the prefetch and keep-spare deci
   asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
   and with ``BACKWARD_POST`` prefetch the next unit. At most ``_reductions_in_flight()`` reductions are
   left in flight (none on gloo).
+- Recomputation (activation checkpointing) in backward gathers a unit for the recomputed forward; a unit inside
+  the recomputed region is freed again after it (see [Note: recomputation frees what it gathered]).
 - Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
   so that every rank issues the same collectives), wait for every reduction and land it in ``.grad``,
   free anything still gathered. So ``optimizer.step()`` right after ``backward()`` sees final gradients.
@@ -156,6 +158,13 @@ class UnitState:
         self.members = [module]
         self.member_names = [label]  # class names, taken before fully_shard changes the classes
         self._round_left = 0
+        # Whether this iteration ran a forward of the unit with autograd on, and whether an output of one carries
+        # the pre-backward hook (the unit will be gathered for backward). Backward prefetching skips a unit that
+        # ran with autograd and got no hook (``no_backward``: a frozen embedding fed token ids); recomputation
+        # frees what it gathered only for a hooked unit ([Note: recomputation frees what it gathered]).
+        self.forward_with_grad = False
+        self.backward_hooked = False
+        self._gathered_for_recompute = False
         if group is not None:
             group.observe(on_grads_ready=self.post_backward, on_state_change=self._group_state_changed)
         # [Note: hooks outside compiled graphs] torch.compile must not trace the forward hooks: they issue
@@ -260,8 +269,24 @@ class UnitState:
         if ctx is None:
             raise AssertionError(f"[rank {global_rank()}] {self.label}: no root context after lazy init")
         if ctx.backward.in_backward:
-            # Recomputation (activation checkpointing) during backward: parameters are needed, nothing else.
+            # [Note: recomputation frees what it gathered] Recomputation (activation checkpointing) during backward:
+            # parameters are needed, nothing else. A unit inside a checkpointed region (LoRA's projections in a
+            # recomputed decoder layer) is recomputed before its own backward begins; kept gathered until then,
+            # every unit of the region would be gathered at once (a whole layer: what small units are meant to
+            # avoid). So when this recomputation gathers a one-module unit whose backward has not begun and whose
+            # forward output carries the pre-backward hook (non-reentrant checkpointing: gradients flow through the
+            # original graph, so that hook gathers the unit again), post_forward frees it again if the unit frees
+            # after forward. Otherwise (reentrant checkpointing, whose recomputed graph is the one differentiated
+            # and has no hook; a unit already gathered for its backward or prefetched) it stays gathered.
+            self._gathered_for_recompute = (
+                self.backward_hooked
+                and len(self.members) == 1
+                and self.training_state is not TrainingState.PRE_BACKWARD
+                and self.group is not None
+                and self.group.state is ShardState.SHARDED
+            )
             self._unshard_now()
+            ctx.note_gathered()
             return
         if len(self.members) > 1 and self._round_left > 0:  # a later member of this unit's round: gathered already
             self._unshard_now()
@@ -310,7 +335,13 @@ class UnitState:
 
     def post_forward(self, output: Any) -> Any:
         ctx = self.ctx
-        if ctx is None or ctx.backward.in_backward:
+        if ctx is None:
+            return output
+        if ctx.backward.in_backward:
+            if self._gathered_for_recompute and self.group is not None and self._reshards_after_forward():
+                with trace.phase(trace.POST_FORWARD):
+                    self.group.reshard()
+            self._gathered_for_recompute = False
             return output
         with trace.phase(trace.POST_FORWARD):
             self._round_left -= 1
@@ -337,8 +368,15 @@ class UnitState:
             self.training_state = TrainingState.IDLE
             output = cast_floating(output, self.config.casts.output_dtype)
             if torch.is_grad_enabled():
-                _register_on_tensors(output, self._pre_backward_hook)
+                self.forward_with_grad = True
+                self.backward_hooked |= _register_on_tensors(output, self._pre_backward_hook)
             return output
+
+    @property
+    def no_backward(self) -> bool:
+        """This iteration's forward ran with autograd on and no output needs a gradient: the unit has no backward
+        to be gathered for. (A forward under ``no_grad``, e.g. inside reentrant checkpointing, says nothing.)"""
+        return self.forward_with_grad and not self.backward_hooked
 
     def _reshards_after_forward(self) -> bool:
         """Whether this forward ends by freeing the unit's gathered parameters: always under ``no_grad`` (no backward
@@ -428,6 +466,7 @@ class UnitState:
                 for state in ctx.states:
                     state.training_state = TrainingState.IDLE
                     state.ran_forward = False
+                    state.forward_with_grad = state.backward_hooked = False
                     state.reduced = False
 
 
@@ -447,6 +486,7 @@ def reset_iteration(root: UnitState) -> None:
             group.reshard()
         state.training_state = TrainingState.IDLE
         state.ran_forward = False
+        state.forward_with_grad = state.backward_hooked = False
         state.reduced = False
     ctx.backward.end()
     ctx.spare.drop()
@@ -479,10 +519,14 @@ def _check_same_order_on_all_ranks(order: list[str]) -> None:
     )
 
 
-def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Register ``hook`` on every tensor in ``output`` that requires grad; whether there was one."""
+    registered = False
     for tensor in _tensors_in(output):
         if tensor.requires_grad:
             tensor.register_hook(hook)
+            registered = True
+    return registered
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
