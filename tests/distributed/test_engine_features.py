@@ -7,6 +7,7 @@ import ctypes
 import functools
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -207,6 +208,51 @@ def test_backward_does_not_prefetch_a_unit_without_backward(pool2: WorkerPool, e
     for got in pool2.run(_frozen_embedding_gathers, entry):
         assert got["gathers"] == [False, False], got  # once per forward, never in backward
         torch.testing.assert_close(got["losses"], got["ref_losses"], atol=1e-5, rtol=1e-5)
+
+
+def _backward_gathers(rank: int, world: int) -> list[str]:
+    """The units gathered during the second backward (a gather started, not one found done), in order."""
+    from fullshard.engine.group import ShardState
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2)
+    model = TinyGPT(cfg)
+    for block in model.blocks:
+        for linear in (block.attn, block.proj, block.fc, block.fc_out):
+            fully_shard(linear)
+        fully_shard(block)
+    fully_shard(model)
+    model(*make_batch(cfg, 2, 0)).backward()  # records the order
+    ctx = unit_state(model).ctx
+    names = {id(module): name or "root" for name, module in model.named_modules()}
+    gathered: list[str] = []
+
+    def logging(group: object, name: str) -> Callable[[], None]:
+        original = group.unshard
+
+        def unshard() -> None:
+            if group.state is ShardState.SHARDED and ctx.backward.in_backward:
+                gathered.append(name)
+            original()
+
+        return unshard
+
+    for state in ctx.states:
+        state.group.unshard = logging(state.group, names[id(state.module)])
+    model(*make_batch(cfg, 2, 1)).backward()
+    return gathered
+
+
+def test_backward_prefetches_nested_units_in_the_order_their_backward_runs(pool2: WorkerPool) -> None:
+    # A block's unit begins forward before its Linear units and ends after them, so its backward begins first
+    # and theirs follow, last Linear first. Prefetching in reverse pre-forward order fetched, at each block's
+    # pre-backward, the previous block's last Linear (needed a whole block later) and gathered the block's own
+    # last Linear on demand.
+    want = [f"blocks.{i}.{name}" for i in (1, 0) for name in ("fc_out", "fc", "proj", "attn")]
+    for got in pool2.run(_backward_gathers):
+        # the blocks' own units (norms) are gathered on demand when their backward begins; drop them
+        assert [name for name in got if name.count(".") == 2] == want, got
+        assert got.index("blocks.1.fc_out") < got.index("blocks.0"), got  # prefetched before block 0's turn
 
 
 def _spare_handoffs(rank: int, world: int, prefetch: str | None, entry: str) -> dict[str, object]:

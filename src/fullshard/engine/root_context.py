@@ -39,32 +39,45 @@ __all__ = [
 @dataclass
 class ForwardOrder:
     """The order units ran forward in the first iteration (frozen after it), and this iteration's progress
-    against it: prefetching follows the recorded order and stops at the first difference."""
+    against it: prefetching follows the recorded order and stops at the first difference.
+
+    Two orders are recorded: of pre-forwards (``units``: what forward gathers next) and of post-forwards
+    (``finished``: its reverse is the order units begin backward in). They differ where units nest: a decoder
+    layer's unit begins forward before the projections inside it and ends after them, so in backward it comes
+    first and they follow, and the unit to prefetch after the layer is its last projection, not the unit that
+    ran forward before the layer (the previous layer's last projection, needed a whole layer later)."""
 
     units: list[Any] = field(default_factory=list)
+    finished: list[Any] = field(default_factory=list)  # in the order their forwards ended
     frozen: bool = False
     cursor: int = 0  # units run forward so far this iteration
     changed: bool = False
     this_iteration: list[str] = field(default_factory=list)  # labels, for the cross-rank check
     position: dict[int, int] = field(default_factory=dict)  # id(state) -> first index in units
+    finished_position: dict[int, int] = field(default_factory=dict)  # id(state) -> last index in finished
 
     def start_iteration(self) -> None:  # at the root's pre-forward
         self.cursor = 0
         self.this_iteration.clear()
         if not self.frozen:
             self.units.clear()
+            self.finished.clear()
 
     def freeze(self) -> None:
         self.frozen = True
         for i, state in enumerate(self.units):
             self.position.setdefault(id(state), i)
+        for i, state in enumerate(self.finished):
+            self.finished_position[id(state)] = i
 
     def next(self, state: Any, step: int) -> Any:
-        """The unit ``step`` places after ``state`` in the recorded order: 1 in forward, -1 in backward."""
-        i = self.position.get(id(state))
-        if i is None or not 0 <= i + step < len(self.units):
+        """The unit that runs after ``state``: in forward (``step`` 1) the next pre-forward recorded, in backward
+        (``step`` -1) the unit whose forward ended just before ``state``'s."""
+        units, position = (self.units, self.position) if step > 0 else (self.finished, self.finished_position)
+        i = position.get(id(state))
+        if i is None or not 0 <= i + step < len(units):
             return None
-        return self.units[i + step]
+        return units[i + step]
 
 
 @dataclass

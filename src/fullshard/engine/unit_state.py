@@ -23,6 +23,8 @@ forward order, the backward pass under way, and the prefetch and keep-spare deci
   asynchronously (unless gradient sync is off, e.g. inside ``no_sync()``), free the gathered parameters,
   and with ``BACKWARD_POST`` prefetch the next unit. At most ``_reductions_in_flight()`` reductions are
   left in flight (none on gloo).
+- A unit without trainable parameters has no gradient, hence no post-backward of its own: it is freed once the
+  gradients of its forward inputs are computed (``frozen_backward.py``), not at the final callback.
 - Recomputation (activation checkpointing) in backward gathers a unit for the recomputed forward; a unit inside
   the recomputed region is freed again after it (see [Note: recomputation frees what it gathered]).
 - Root final callback (end of ``backward()``): reduce units that ran forward but got no gradient (zeros,
@@ -44,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, invariant, trace
 from fullshard.engine.api import BackwardPrefetch
+from fullshard.engine.frozen_backward import FrozenBackward
 from fullshard.engine.group import ParamGroup, ShardState
 from fullshard.engine.mesh import is_gloo, simulating
 from fullshard.engine.names import STATE_ATTR, clean_key
@@ -149,6 +152,7 @@ class UnitState:
         self.ctx: RootContext | None = None
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
+        self.frozen_backward = FrozenBackward(self._post_backward_frozen)
         self.ran_forward = False
         self.reduced = False
         self.hook_handles: list[RemovableHandle] = []  # every hook registered for this unit, removable
@@ -258,9 +262,14 @@ class UnitState:
             self._pre_forward()
         casts = self.config.casts
         dtype = casts.root_input_dtype if self.is_root else casts.input_dtype
-        if dtype is None:
-            return args, kwargs or {}
-        return cast_floating(args, dtype), cast_floating(kwargs or {}, dtype)
+        kwargs = kwargs or {}
+        if dtype is not None:
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        group, ctx = self.group, self.ctx
+        frozen = group is not None and not group.requires_grad
+        if frozen and ctx is not None and not ctx.backward.in_backward and torch.is_grad_enabled():
+            args, kwargs = self.frozen_backward.wrap(args, kwargs)  # see frozen_backward.py
+        return args, kwargs
 
     def _pre_forward(self) -> None:
         if self.ctx is None:
@@ -348,9 +357,12 @@ class UnitState:
             if len(self.members) > 1 and self._round_left > 0:  # members still to run forward: stay gathered
                 output = cast_floating(output, self.config.casts.output_dtype)
                 if torch.is_grad_enabled():
-                    _register_on_tensors(output, self._pre_backward_hook)
+                    self.forward_with_grad = True
+                    self.backward_hooked |= _register_on_tensors(output, self._pre_backward_hook)
                 return output
             self._round_left = 0
+            if not ctx.order.frozen:
+                ctx.order.finished.append(self)
             if self.group is not None:
                 if self._reshards_after_forward():
                     self.group.reshard(keep_spare=next_gather_fits(ctx, self, 1))
@@ -411,6 +423,14 @@ class UnitState:
                 prefetch_backward(ctx, self)
             ctx.note_gathered()
 
+    def _post_backward_frozen(self) -> None:
+        """A unit without trainable parameters is done with backward (``frozen_backward.py``): free it now, not at
+        the final callback; a later pre-backward of it (another use of an output) gathers it again."""
+        if self.group is not None and self.ctx is not None and self.ctx.backward.in_backward:
+            with trace.phase(trace.POST_BACKWARD):
+                self.group.reshard()
+                self.training_state = TrainingState.POST_BACKWARD
+
     def post_backward(self) -> None:
         """Runs when every parameter of the unit has its gradient for this backward pass."""
         ctx, group = self.ctx, self.group
@@ -468,6 +488,7 @@ class UnitState:
                     state.ran_forward = False
                     state.forward_with_grad = state.backward_hooked = False
                     state.reduced = False
+                    state.frozen_backward.reset()
 
 
 def reset_iteration(root: UnitState) -> None:
@@ -485,6 +506,7 @@ def reset_iteration(root: UnitState) -> None:
                 group.extension.drop_grads()
             group.reshard()
         state.training_state = TrainingState.IDLE
+        state.frozen_backward.reset()
         state.ran_forward = False
         state.forward_with_grad = state.backward_hooked = False
         state.reduced = False
