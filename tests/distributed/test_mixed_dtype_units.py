@@ -88,19 +88,27 @@ def mixed_run(rank: int, world: int, entry: str) -> dict[str, Any]:
     elif entry.startswith("fully_shard"):
         from fullshard import MixedPrecisionPolicy, fully_shard
         from fullshard.algorithms.checkpointing import checkpoint_module
+        from fullshard.engine import group as group_module
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            if entry.endswith("+AC"):  # recomputed in backward: the views are registered again from the same leaf
-                checkpoint_module(block)
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        direct_min = group_module.DIRECT_MIN_BYTES
+        if entry.endswith("direct"):  # the base weight (182 gathered elements) and `a` (52) gathered on their own
+            group_module.DIRECT_MIN_BYTES = 50 * 2
+        try:
+            for block in model.blocks:
+                if entry.endswith("+AC"):  # recomputed in backward: the views are registered again from the same leaf
+                    checkpoint_module(block)
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        finally:
+            group_module.DIRECT_MIN_BYTES = direct_min
     else:
         from fullshard import FSDP, MixedPrecision
         from fullshard.wrap import ModuleWrapPolicy
 
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Adapted}), mixed_precision=mp, use_orig_params=True)
+    sent_in_place = _direct_bf16_sent_in_place(model) if entry.endswith("direct") else None
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -132,7 +140,23 @@ def mixed_run(rank: int, world: int, entry: str) -> dict[str, Any]:
         "grads": grads,
         "state_dtypes": {t.dtype for t in state_tensors},
         "local_base_dtypes": {t.dtype for t in local_base.values()},
+        "sent_in_place": sent_in_place,
     }
+
+
+def _direct_bf16_sent_in_place(model: nn.Module) -> list[tuple[str, torch.dtype, bool]]:
+    """Per parameter a block's gather sends on its own: its dtype, and whether what it sends lies in the unit's
+    flat shard (no copy) rather than in a buffer of its own."""
+    from fullshard.engine.unit_state import unit_state
+
+    seen = []
+    for block in model.blocks:
+        group = unit_state(block).group
+        _, pieces = group._send_pieces()
+        shard_storage = group.flat_shard.untyped_storage().data_ptr()
+        for sp, piece in zip(group.direct, pieces):
+            seen.append((sp.fqn.rsplit(".", 2)[-2], sp.dtype, piece.untyped_storage().data_ptr() == shard_storage))
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +169,15 @@ def torch_run(pool2: WorkerPool) -> dict[str, Any]:
     return pool2.run(mixed_run, "torch")[0]
 
 
-@pytest.mark.parametrize("entry", ["fully_shard", "fully_shard+AC", "fsdp1"])
+@pytest.mark.parametrize("entry", ["fully_shard", "fully_shard+AC", "fsdp1", "fully_shard, direct"])
 def test_bf16_frozen_base_and_fp32_adapters_in_one_unit(
     pool2: WorkerPool, entry: str, reference: dict[str, Any], torch_run: dict[str, Any]
 ) -> None:
     result = pool2.run(mixed_run, entry)[0]
+    if entry.endswith("direct"):
+        # gathered on their own (as every large weight is): the frozen bf16 base is sent from its shard, not
+        # copied for each gather; the fp32 adapter is cast to bf16 into a buffer of its own
+        assert result["sent_in_place"] == [("a", torch.float32, False), ("base", torch.bfloat16, True)] * 2
     assert result["base_unchanged"]
     assert result["local_base_dtypes"] == {torch.bfloat16}  # the frozen shards are not upcast
     # gradients: the fp32 trainable parameters only; the frozen bf16 base has none

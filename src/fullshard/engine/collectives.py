@@ -241,11 +241,13 @@ def foreach_all_gather(
     pg: dist.ProcessGroup | None,
     label: str,
     custom: Any = None,
+    direct_sends: list[torch.Tensor] | None = None,
 ) -> tuple[list[dist.Work], torch.Tensor | None]:
     """Start gathering a group from ``send`` (its flat shard, compute dtype), asynchronously: the packed prefix
     in one collective into a new rank-major buffer (returned, for :func:`copy_out`), each direct parameter straight
     into its block of ``flat_full`` (``direct_blocks``, views of its allocated storage; its version counter
-    preserved, see :func:`copy_out`)."""
+    preserved, see :func:`copy_out`). ``direct_sends``: the direct parameters' padded shards, one tensor each, where
+    ``send`` holds only the packed prefix (a unit of mixed dtypes, ``ParamGroup._send_pieces``)."""
     out = None
     if packed:
         numel = _numel(packed)
@@ -260,8 +262,11 @@ def foreach_all_gather(
             works.append(gather(out, shard, pg, async_op=True, tag=tag))
         if direct:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-                for sp, block in zip(direct, direct_blocks):
-                    shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
+                for i, (sp, block) in enumerate(zip(direct, direct_blocks)):
+                    if direct_sends is not None:
+                        shard = direct_sends[i]
+                    else:
+                        shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
                     works.append(gather(block, shard, pg, async_op=True, tag=tag))
         return works
 

@@ -42,15 +42,16 @@ gradient layout), and gathered and reduced one collective each, with no copy at 
 keeps one collective for all the small parameters (norms, biases), which would each cost gloo's latency.
 
 [Note: mixed dtypes]
-A unit may hold parameters of several dtypes when they are gathered in one compute dtype (``param_dtype`` set)
-and its trainable parameters share one dtype: the usual LoRA setup, a frozen bf16 base with fp32 adapters,
-computing in bf16. Each parameter's shard stays in its own dtype: ``flat_shard`` is then a buffer of *bytes*, the
-parameters grouped by dtype (widest first within the packed ones and within the direct ones), each dtype's run of
-shards starting on a 16-byte boundary (``ShardedParam.byte_offset``); ``local_view`` views a parameter's bytes as
-its dtype. Everything else keeps the element layout (``ShardedParam.offset``) in one dtype: the gather's input is
-built in ``param_dtype`` with one copy per run (``_send_buffer``; the frozen bf16 weights are copied as they are,
-never upcast), ``flat_full`` is in ``param_dtype``, and gradients are reduced in ``reduce_dtype`` and land in the
-trainable parameters' dtype (``self.dtype``, the group's *main* dtype, which ``group_precision`` resolved): fp32
+A unit may hold parameters of several dtypes when they are gathered in one compute dtype (``param_dtype`` set) and
+its trainable parameters share one dtype: the usual LoRA setup, a frozen bf16 base with fp32 adapters, computing in
+bf16. Each parameter's shard stays in its own dtype: ``flat_shard`` is then a buffer of *bytes*, the parameters
+grouped by dtype (widest first within the packed ones and within the direct ones), each dtype's run of shards
+starting on a 16-byte boundary (``ShardedParam.byte_offset``); ``local_view`` views a parameter's bytes as its
+dtype. Everything else keeps the element layout (``ShardedParam.offset``) in one dtype: the gather's input is built
+in ``param_dtype`` with one copy per run (``_send_buffer``; the frozen bf16 weights are copied as they are, never
+upcast; a parameter gathered on its own that is in ``param_dtype`` already is sent from ``flat_shard`` with no copy,
+``_send_pieces``), ``flat_full`` is in ``param_dtype``, and gradients are reduced in ``reduce_dtype`` and land in
+the trainable parameters' dtype (``self.dtype``, the group's *main* dtype, which ``group_precision`` resolved): fp32
 adapters keep fp32 weights, gradients and optimizer state. Full state dicts gather the bytes, so every parameter
 comes back in its own dtype. Without ``param_dtype`` (gather each dtype as itself, as torch's FSDP2 does) a unit
 would need one ``flat_full`` per dtype: refused, naming the two ways that work (``unit.build_unit``). Such a unit
@@ -333,7 +334,7 @@ class ParamGroup(GroupGrads, GroupMoves):
                     self._allocate_full()
                     copy_out(self._send_buffer() if self.mixed else self.flat_shard, [], [], self.flat_full)
             else:
-                send = self._send_buffer()
+                send, direct_sends = self._send_pieces()
                 direct_blocks: list[torch.Tensor] = []
                 if self.direct:  # gathered straight into flat_full (see collectives.foreach_all_gather)
                     self._allocate_full()
@@ -349,9 +350,33 @@ class ParamGroup(GroupGrads, GroupMoves):
                     self.shard_group.shard_pg,
                     self.label,
                     self.comm_options.all_gather,
+                    direct_sends,
                 )
             self._unsharded_version = self.flat_shard._version
             self.state = ShardState.UNSHARDING
+
+    def _send_pieces(self) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """What the all-gather sends: :meth:`_send_buffer`, or for a unit of mixed dtypes with direct parameters the
+        packed prefix cast into one buffer and each direct parameter's padded shard on its own, a view of
+        ``flat_shard``'s bytes where it is in ``param_dtype`` already. A frozen bf16 weight beside fp32 adapters
+        (LoRA) is then sent from where it lies: no copy of the shard per gather, alive until the gather is waited
+        for (a prefetched one's for a whole unit's compute)."""
+        if not (self.mixed and self.direct):
+            return self._send_buffer(), None
+        param_dtype = self.precision.param_dtype
+        packed_numel = sum(sp.layout.padded_shard_numel for sp in self.packed)
+        send = torch.empty(packed_numel, dtype=param_dtype, device=self.device)
+        for offset, byte_offset, numel, dtype in self._runs:
+            numel = min(numel, packed_numel - offset)
+            if numel > 0:
+                nbytes = numel * dtype.itemsize
+                send.narrow(0, offset, numel).copy_(self.flat_shard.narrow(0, byte_offset, nbytes).view(dtype))
+        direct_sends = []
+        for sp in self.direct:
+            nbytes = sp.layout.padded_shard_numel * sp.dtype.itemsize
+            rows = self.flat_shard.narrow(0, sp.byte_offset, nbytes).view(sp.dtype)
+            direct_sends.append(cast_to(rows, self.device, param_dtype, non_blocking=True))
+        return send, direct_sends
 
     def _send_buffer(self) -> torch.Tensor:
         """What the all-gather sends: ``flat_shard`` in ``param_dtype`` on the compute device (one copy per dtype
