@@ -131,8 +131,9 @@ class FSDPModule:
         self._set_comm(recurse, requires_all_reduce=bool(requires_all_reduce))
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Accepted for torch's API: backward prefetches the unit that ran before this one in forward (the usual
-        list); the order changes when collectives start, never the results."""
+        """Accepted for torch's API: backward prefetches the unit that runs backward next (the one whose forward
+        ended just before this one's, torch's default); the order changes when collectives start, never the
+        results."""
         _check_modules("set_modules_to_backward_prefetch", modules)
         self._fullshard_state()
 

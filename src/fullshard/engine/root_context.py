@@ -9,8 +9,8 @@ its freed memory for the next gather (``next_gather_fits``) and which units to f
 (``reshard_leftovers``). See [Note: one iteration] in ``unit_state.py`` for when each runs.
 
 The units here are ``UnitState``s (``unit_state.py``), typed ``Any``: ``unit_state`` imports this module, so it
-cannot be imported here. Of a unit this module reads ``group``, ``config`` and, through ``ForwardOrder``, its
-identity; it sets nothing on it.
+cannot be imported here. Of a unit this module reads ``group``, ``config``, ``no_backward`` and, through
+``ForwardOrder``, its identity; it sets nothing on it.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def prefetch(ctx: RootContext, state: Any) -> None:
 
 
 def prefetch_backward(ctx: RootContext, state: Any) -> None:
-    """Prefetch the unit that runs backward after ``state`` (the previous one in forward order), unless it has no
+    """Prefetch the unit that runs backward after ``state`` (the one whose forward ended just before), unless it has no
     backward this iteration (``UnitState.no_backward``: a frozen embedding fed token ids; torch's FSDP2 skips such a
     unit too): it would stay gathered, unused, to the end of backward."""
     if not ctx.order.changed:
