@@ -262,11 +262,8 @@ def foreach_all_gather(
             works.append(gather(out, shard, pg, async_op=True, tag=tag))
         if direct:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(flat_full):
-                for i, (sp, block) in enumerate(zip(direct, direct_blocks)):
-                    if direct_sends is not None:
-                        shard = direct_sends[i]
-                    else:
-                        shard = send.narrow(0, sp.offset, sp.layout.padded_shard_numel)
+                shards = direct_sends or [send.narrow(0, sp.offset, sp.layout.padded_shard_numel) for sp in direct]
+                for shard, block in zip(shards, direct_blocks):
                     works.append(gather(block, shard, pg, async_op=True, tag=tag))
         return works
 

@@ -363,31 +363,27 @@ class ParamGroup(GroupGrads, GroupMoves):
         for (a prefetched one's for a whole unit's compute)."""
         if not (self.mixed and self.direct):
             return self._send_buffer(), None
-        param_dtype = self.precision.param_dtype
-        packed_numel = sum(sp.layout.padded_shard_numel for sp in self.packed)
-        send = torch.empty(packed_numel, dtype=param_dtype, device=self.device)
-        for offset, byte_offset, numel, dtype in self._runs:
-            numel = min(numel, packed_numel - offset)
-            if numel > 0:
-                nbytes = numel * dtype.itemsize
-                send.narrow(0, offset, numel).copy_(self.flat_shard.narrow(0, byte_offset, nbytes).view(dtype))
         direct_sends = []
         for sp in self.direct:
             nbytes = sp.layout.padded_shard_numel * sp.dtype.itemsize
             rows = self.flat_shard.narrow(0, sp.byte_offset, nbytes).view(sp.dtype)
-            direct_sends.append(cast_to(rows, self.device, param_dtype, non_blocking=True))
-        return send, direct_sends
+            direct_sends.append(cast_to(rows, self.device, self.precision.param_dtype, non_blocking=True))
+        return self._send_buffer(sum(self._packed_sizes)), direct_sends
 
-    def _send_buffer(self) -> torch.Tensor:
+    def _send_buffer(self, numel: int | None = None) -> torch.Tensor:
         """What the all-gather sends: ``flat_shard`` in ``param_dtype`` on the compute device (one copy per dtype
-        for a unit of mixed dtypes, see [Note: mixed dtypes])."""
+        for a unit of mixed dtypes, see [Note: mixed dtypes]); of a unit of mixed dtypes, only its first ``numel``
+        elements when given."""
         param_dtype = self.precision.param_dtype
         if not self.mixed:
             return cast_to(self.flat_shard, self.device, param_dtype, non_blocking=True)
-        send = torch.empty(self.shard_numel, dtype=param_dtype, device=self.device)
-        for offset, byte_offset, numel, dtype in self._runs:
-            nbytes = numel * dtype.itemsize
-            send.narrow(0, offset, numel).copy_(self.flat_shard.narrow(0, byte_offset, nbytes).view(dtype))
+        numel = self.shard_numel if numel is None else numel
+        send = torch.empty(numel, dtype=param_dtype, device=self.device)
+        for offset, byte_offset, run_numel, dtype in self._runs:
+            taken = min(run_numel, numel - offset)
+            if taken > 0:
+                rows = self.flat_shard.narrow(0, byte_offset, taken * dtype.itemsize).view(dtype)
+                send.narrow(0, offset, taken).copy_(rows)
         return send
 
     def wait_for_unshard(self) -> None:
