@@ -2,8 +2,10 @@
 
 This module holds ``UnitState`` (lazy init, the forward and backward hooks, the root's final callback) and the
 lookups of units in a model; beside it, ``root_context.py`` (what the root shares with its units: the recorded
-forward order, the backward pass under way, and the prefetch and keep-spare decisions drawn from them) and
-``direct_calls.py`` (the guard against calling a module inside a sharded unit directly).
+forward order, the backward pass under way, and the prefetch and keep-spare decisions drawn from them),
+``direct_calls.py`` (the guard against calling a module inside a sharded unit directly), ``frozen_backward.py``
+(when a unit without trainable parameters is done with backward) and ``agreement.py`` (the checks that every rank
+built the same units and runs them in one order).
 
 [Note: one iteration]
 - Root pre-forward (lazy init on the first call): the outermost unit called becomes the root; it finds
@@ -45,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fullshard.engine import collective_check, invariant, trace
+from fullshard.engine.agreement import check_same_order_on_all_ranks, check_same_units_on_all_ranks
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.frozen_backward import FrozenBackward
 from fullshard.engine.group import ParamGroup, ShardState
@@ -60,7 +63,7 @@ from fullshard.engine.root_context import (
     prefetch_backward,
     reshard_leftovers,
 )
-from fullshard.ranks import first_difference, global_rank, require_agreement, warn_rank0
+from fullshard.ranks import global_rank, warn_rank0
 
 __all__ = ["TrainingState", "UnitConfig", "UnitState", "has_units", "is_unit", "unit_state", "unit_states_in"]
 
@@ -234,7 +237,7 @@ class UnitState:
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
         invariant.check_one_mode(states)
-        _check_same_units_on_all_ranks(states)
+        check_same_units_on_all_ranks(states)
 
     def _group_state_changed(self, old: ShardState, new: ShardState) -> None:
         ctx = self.ctx
@@ -376,7 +379,7 @@ class UnitState:
                 reshard_leftovers(ctx)
                 ctx.spare.drop()
                 if collective_check.debug_enabled():
-                    _check_same_order_on_all_ranks(ctx.order.this_iteration)
+                    check_same_order_on_all_ranks(ctx.order.this_iteration)
             self.training_state = TrainingState.IDLE
             output = cast_floating(output, self.config.casts.output_dtype)
             if torch.is_grad_enabled():
@@ -484,11 +487,14 @@ class UnitState:
                 ctx.backward.end()
                 ctx.spare.drop()
                 for state in ctx.states:
-                    state.training_state = TrainingState.IDLE
-                    state.ran_forward = False
-                    state.forward_with_grad = state.backward_hooked = False
-                    state.reduced = False
-                    state.frozen_backward.reset()
+                    state.end_iteration()
+
+    def end_iteration(self) -> None:
+        """Forget this iteration's progress (at the final callback, or after an aborted iteration)."""
+        self.training_state = TrainingState.IDLE
+        self.ran_forward = self.reduced = False
+        self.forward_with_grad = self.backward_hooked = False
+        self.frozen_backward.reset()
 
 
 def reset_iteration(root: UnitState) -> None:
@@ -505,11 +511,7 @@ def reset_iteration(root: UnitState) -> None:
             if group.extension is not None:
                 group.extension.drop_grads()
             group.reshard()
-        state.training_state = TrainingState.IDLE
-        state.frozen_backward.reset()
-        state.ran_forward = False
-        state.forward_with_grad = state.backward_hooked = False
-        state.reduced = False
+        state.end_iteration()
     ctx.backward.end()
     ctx.spare.drop()
     ctx.order.cursor = 0
@@ -526,19 +528,6 @@ def _refuse_meta(states: list[UnitState]) -> None:
             ". Materialize the sharded model first: model.to_empty(device=...), then initialise the values in place "
             "(reset_parameters() on each module, or your init_weights()); or pass param_init_fn=... to fully_shard."
         )
-
-
-def _check_same_order_on_all_ranks(order: list[str]) -> None:
-    def describe(rank: int, theirs: list[str], ours: list[str]) -> str:
-        i, mine, other = first_difference(ours, theirs, "nothing")
-        return f"unit #{i} was {mine!r} on rank 0 and {other!r} on rank {rank}"
-
-    require_agreement(
-        order,
-        what="ranks ran units in different orders this iteration",
-        describe=describe,
-        remedy="Every rank must run the same units in the same order",
-    )
 
 
 def _register_on_tensors(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> bool:
@@ -563,31 +552,6 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from _tensors_in(getattr(obj, name))
-
-
-def _check_same_units_on_all_ranks(states: list[UnitState]) -> None:
-    """Raise on every rank, naming the first rank and unit that differ from rank 0 (no hang later)."""
-    require_agreement(
-        [s.signature() for s in states],
-        what="the sharded model differs across ranks",
-        describe=_describe_difference,
-        remedy="Every rank must build the same model (same config and sizes) and wrap it with the same policy "
-        "before training",
-    )
-
-
-def _describe_difference(rank: int, theirs: list[Any], reference: list[Any]) -> str:
-    def text(sig: Any) -> str:
-        if sig is None:
-            return "no unit"
-        label, params = sig
-        shown = ", ".join(f"{n} {tuple(s)} {d}" for n, s, d in params[:6])
-        more = f", ... ({len(params)} in all)" if len(params) > 6 else ""
-        return f"unit {label!r} with parameters [{shown}{more}]"
-
-    _, ours, other = first_difference(reference, theirs, None)
-    where = (other or ours)[0]
-    return f"at module {where!r}, rank {rank} has {text(other)}, but rank 0 has {text(ours)}"
 
 
 def set_gradient_sync(states: list[UnitState], enabled: bool) -> list[bool]:
