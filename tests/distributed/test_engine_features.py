@@ -179,6 +179,15 @@ def _frozen_embedding_gathers(rank: int, world: int, entry: str) -> dict[str, ob
         original()
 
     group.unshard = counting_unshard
+    losses = _two_sgd_steps(model, cfg)
+    torch.manual_seed(0)
+    reference = TinyGPT(cfg)
+    reference.wte.requires_grad_(False)
+    ref_losses = _two_sgd_steps(reference, cfg)  # every rank the same batch: the mean is this batch's
+    return {"gathers": in_backward, "losses": losses, "ref_losses": ref_losses}
+
+
+def _two_sgd_steps(model: nn.Module, cfg: GPTConfig) -> list[float]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses = []
     for step in range(2):
@@ -187,18 +196,7 @@ def _frozen_embedding_gathers(rank: int, world: int, entry: str) -> dict[str, ob
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    torch.manual_seed(0)
-    reference = TinyGPT(cfg)
-    reference.wte.requires_grad_(False)
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
-    ref_losses = []
-    for step in range(2):
-        loss = reference(*make_batch(cfg, 2, step))  # every rank the same batch: the mean is this batch's
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    return {"gathers": in_backward, "losses": losses, "ref_losses": ref_losses}
+    return losses
 
 
 @pytest.mark.parametrize("entry", ["fsdp", "fully_shard"])
@@ -216,12 +214,7 @@ def _backward_gathers(rank: int, world: int) -> list[str]:
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2)
-    model = TinyGPT(cfg)
-    for block in model.blocks:
-        for linear in (block.attn, block.proj, block.fc, block.fc_out):
-            fully_shard(linear)
-        fully_shard(block)
-    fully_shard(model)
+    model = _linear_units_in_blocks(TinyGPT(cfg))
     model(*make_batch(cfg, 2, 0)).backward()  # records the order
     ctx = unit_state(model).ctx
     names = {id(module): name or "root" for name, module in model.named_modules()}
@@ -585,6 +578,11 @@ def wrap_checkpointed_nested(model: nn.Module, entry: str, reentrant: bool = Fal
         _checkpoint_reentrant(block) if reentrant else checkpoint_module(block)
     if entry == "fsdp":
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block, nn.Linear}))
+    return _linear_units_in_blocks(model)
+
+
+def _linear_units_in_blocks(model: TinyGPT) -> nn.Module:
+    """``fully_shard`` on every ``Linear`` of each block, then on each block and the model."""
     for block in model.blocks:
         for linear in (block.attn, block.proj, block.fc, block.fc_out):
             fully_shard(linear)
