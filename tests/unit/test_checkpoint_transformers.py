@@ -80,3 +80,14 @@ def _saved_in_forward(model: nn.Module) -> int:
         loss = model(input_ids=_ids(), labels=_ids()).loss
     loss.backward()
     return len(saved)
+
+
+def test_a_layer_transformers_checkpoints_already_is_left_as_it_is() -> None:
+    """After ``gradient_checkpointing_enable()``, checkpointing again keeps the user's function: one recomputation."""
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    functions = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    for layer in model.model.layers:
+        checkpoint_module(layer)
+    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == functions
+    assert _saved_in_forward(model) < _saved_in_forward(_llama()) / 2
