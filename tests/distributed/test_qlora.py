@@ -4,7 +4,8 @@ Set up: a tiny ``LlamaForCausalLM`` from a config in bf16, its attention and MLP
 (block sizes 32 and 8, which divide a 2-rank shard of every projection), LoRA adapters on every projection (fp32,
 PEFT's default); 2 gloo ranks, each half of the batch, computing in bf16 (``param_dtype=bf16``, reducing in fp32).
 Run: 4 AdamW steps under ``fully_shard`` (per decoder layer, then the root) and under the ``Accelerator`` (FSDP2, and
-the FSDP class); the same PEFT model in one process on the whole batch as the reference; then the adapters saved with
+the FSDP class), and on 4 ranks under HSDP (sharded over pairs, replicated across them); the same PEFT model in one
+process on the whole batch as the reference; then the adapters saved with
 ``save_pretrained`` and loaded into a fresh quantized base.
 Check: losses are finite, decrease and equal the reference's within bf16 compute rounding; each rank keeps half of
 every NF4 weight's codes and block scales (its shard's inner tensors); only adapters get gradients; the saved adapter
@@ -105,11 +106,17 @@ def _summoned_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 def _prepare(entry: str, model: nn.Module) -> Any:
     from fullshard import Accelerator, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, fully_shard
 
-    if entry == "fully_shard":
+    if entry in ("fully_shard", "fully_shard_hsdp"):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = None  # HSDP: shards over pairs of ranks, replicated across the pairs
+        if entry == "fully_shard_hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            world = torch.distributed.get_world_size()
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         for layer in model.base_model.model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        return None, fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mp_policy=policy, mesh=mesh)
+        return None, fully_shard(model, mp_policy=policy, mesh=mesh)
     version = 2 if entry == "accelerate_fsdp2" else 1
     plugin = FullyShardedDataParallelPlugin(fsdp_version=version, use_orig_params=True,
                                             auto_wrap_policy="transformer_based_wrap",
@@ -184,8 +191,15 @@ def _nf4_full_check(state: dict[str, torch.Tensor]) -> tuple[int, bool]:
 
 @pytest.mark.parametrize("entry", ["fully_shard", "accelerate_fsdp2", "accelerate_fsdp1"])
 def test_qlora_trains_as_one_process_on_half_the_quantized_bytes(pool2: WorkerPool, tmp_path: Any, entry: str) -> None:
-    results = pool2.run(train_qlora, entry, str(tmp_path))
-    reference = _reference(2)
+    _check_trained(pool2.run(train_qlora, entry, str(tmp_path)), _reference(2))
+
+
+def test_qlora_under_hsdp_trains_as_one_process(pool4: WorkerPool, tmp_path: Any) -> None:
+    """4 ranks, each NF4 weight sharded over a pair of ranks and replicated across the two pairs."""
+    _check_trained(pool4.run(train_qlora, "fully_shard_hsdp", str(tmp_path)), _reference(4))
+
+
+def _check_trained(results: list[dict[str, Any]], reference: list[float]) -> None:
     losses = results[0]["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and all(b < a for a, b in itertools.pairwise(losses)), losses
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-2, atol=0)
