@@ -37,15 +37,14 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     A transformers decoder layer is switched on the way transformers does it (see the module docstring), and left as
     it is when ``gradient_checkpointing_enable()`` switched it on already (never recomputed twice over); any other
     module's forward is wrapped in non-reentrant ``torch.utils.checkpoint``."""
-    if getattr(module, _MARK, False):
-        return module
-    if _is_transformers_checkpointing_layer(module):
+    if _is_transformers_checkpointing_layer(module):  # transformers' switch is the state: no mark of ours
         if not module.gradient_checkpointing:  # on already (gradient_checkpointing_enable): the user's function stays
             module.gradient_checkpointing = True
             module._gradient_checkpointing_func = functools.partial(
                 torch.utils.checkpoint.checkpoint, use_reentrant=False
             )
-        setattr(module, _MARK, True)
+        return module
+    if getattr(module, _MARK, False):
         return module
     forward = module.forward
 
