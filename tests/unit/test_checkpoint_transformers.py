@@ -85,16 +85,17 @@ def _saved_in_forward(model: nn.Module) -> int:
 def test_a_layer_transformers_checkpoints_already_is_left_as_it_is() -> None:
     """After ``gradient_checkpointing_enable()``, checkpointing again keeps the user's function: one recomputation;
     after ``gradient_checkpointing_disable()`` it switches the layer on again."""
+    unchecked = _saved_in_forward(_llama())
     model = _llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     functions = [layer._gradient_checkpointing_func for layer in model.model.layers]
     for layer in model.model.layers:
         checkpoint_module(layer)
     assert [layer._gradient_checkpointing_func for layer in model.model.layers] == functions
-    assert _saved_in_forward(model) < _saved_in_forward(_llama()) / 2
+    assert _saved_in_forward(model) < unchecked / 2
 
     model.gradient_checkpointing_disable()  # transformers' switch is the only state: switched off, then on again
-    assert _saved_in_forward(model) == _saved_in_forward(_llama())
+    assert _saved_in_forward(model) == unchecked
     for layer in model.model.layers:
         checkpoint_module(layer)
-    assert _saved_in_forward(model) < _saved_in_forward(_llama()) / 2
+    assert _saved_in_forward(model) < unchecked / 2
