@@ -34,17 +34,17 @@ collectives stay posted: the job is over.
 from __future__ import annotations
 
 import array
-import collections
 import contextlib
 import os
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from fullshard.engine import check_watch, p2p
 from fullshard.engine.mesh import is_gloo
 from fullshard.ranks import gather_from_ranks, global_rank, peer_lost
 
@@ -140,15 +140,23 @@ def _named(where: str) -> Iterator[None]:
     except (DesyncError, PeerLostError):
         raise
     except RuntimeError as exc:
-        if peer_lost(exc):
-            raise PeerLostError(
-                f"[rank {global_rank()}] a peer process ended or its connection was lost during the {where}: {exc}"
-            ) from exc
-        raise DesyncError(
-            f"[rank {global_rank()}] {where} failed: {exc}\nIf this is a timeout, the other ranks did not "
-            "reach the same collective: they ran a different number of forwards or units in another order, "
-            "finished early, wait in a collective outside fullshard, or hang."
+        _raise_named(exc, where)
+
+
+def _raise_named(exc: RuntimeError, where: str) -> NoReturn:
+    """Raise ``exc`` (from issuing or waiting for the ``where`` collective) as what it means: a lost peer or a
+    desync (a timeout: the other ranks did not come)."""
+    if isinstance(exc, (DesyncError, PeerLostError)):
+        raise exc
+    if peer_lost(exc):
+        raise PeerLostError(
+            f"[rank {global_rank()}] a peer process ended or its connection was lost during the {where}: {exc}"
         ) from exc
+    raise DesyncError(
+        f"[rank {global_rank()}] {where} failed: {exc}\nIf this is a timeout, the other ranks did not "
+        "reach the same collective: they ran a different number of forwards or units in another order, "
+        "finished early, wait in a collective outside fullshard, or hang."
+    ) from exc
 
 
 def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
@@ -171,138 +179,157 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
         )
 
 
-# --- the header (see the module note) ----------------------------------------------------------------------
+# --- the check (see the module note) ----------------------------------------------------------------------
 #
 # [Note: the check off the critical path]
 # A header exchanged and compared before its collective is posted makes the ranks meet at every collective: each
 # waits for the slowest at every gather and reduction it issues, where without the check it would post the
-# collective and go on computing (measured: 10-16% of a small model's step). So the comparison waits for the
-# collective's result instead. What makes that safe is what gloo aborts on: a message of another size arriving
-# for a posted receive. Hence:
-# - The asynchronous collectives (a unit's gather, its tensor-subclass parameters' gather, its gradients'
-#   reduction: :func:`issue`) go point-to-point
-#   (``p2p.py``) on a tag drawn from their kind and unit (:func:`payload_tag`), posted at once after the header.
-#   Messages match only on the same tag, so a rank's payload meets only the same collective of the same unit on
-#   the other ranks, whose sizes are the same; a payload of another collective or unit is never received
-#   against it (it waits, unread, and the header names the fault). The tags take none of gloo's collective
-#   slots, so they cannot meet a collective the script or the engine runs meanwhile on the same group.
-# - The headers travel in issue order on :data:`HEADER_TAG` (first-in first-out between two ranks) and are
-#   compared in that order: when a collective's work is waited for, every header issued before it over the group
-#   is compared first (:func:`_compare_through`), so a fault is named at its first collective, on every rank
-#   that waits.
+# collective and go on computing (measured: 10-16% of a small model's step). Sending the header beside the
+# payload and comparing at the wait (the fourteenth session's design) still cost two small messages per
+# collective and rank pair (2-5% of the small model's CPU). So the asynchronous collectives carry no header:
+# - They (a unit's gather, its tensor-subclass parameters' gather, its gradients' reduction: :func:`issue`) go
+#   point-to-point (``p2p.py``) on a tag drawn from their kind, unit and count in the group
+#   (``check_watch.payload_tag``). A payload meets only the same collective at the same place on the other ranks
+#   (the same size, so never gloo's abort), and a rank out of step waits for a payload that does not come. The
+#   tags take none of gloo's collective slots, so they cannot meet a collective the script or the engine runs
+#   meanwhile on the same group.
+# - Which collectives disagree is found by ``check_watch.py`` only once a wait lasts ([Note: the check without
+#   headers]): the ranks compare their records of recent collectives, note the first that differs, and the
+#   waiting rank is woken to raise the same :class:`DesyncError` the header gave.
 # - The collectives with a result needed at once (:func:`collective`: HSDP's all-reduce across replicas,
 #   world-size-invariant mode's reductions and gradient norm, a user's communication hook or custom collective)
-#   compare their header before they are posted, as before; they use gloo's collectives. Their headers say so:
-#   one meeting an asynchronous collective (whose payload waits on a tag) is named at once, not by the timeout.
-# Invariant: the comparison's outcome is the same as comparing before posting; only its place moves: a
-# mismatch raises where the first mismatched collective is waited for (or at the next blocking one).
+#   exchange and compare a header (:data:`HEADER_TAG`) before they are posted, as before; they use gloo's
+#   collectives. Their headers and records say so: one meeting an asynchronous collective is named by the
+#   watch, not by the timeout.
+# Invariant: the comparison's outcome is that of comparing every collective's kind and unit in issue order; only
+# its place moves: a mismatch raises where the first mismatched collective is waited for (or at the next issue).
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # Point-to-point tags: below gloo's collective slots (those carry a prefix in the top byte), apart from p2p.py's
-# own (REDUCE_SCATTER_TAG, ALL_GATHER_TAG) and from small tags a script may use.
+# own (REDUCE_SCATTER_TAG, ALL_GATHER_TAG), the watch's (check_watch.DIAG_TAG) and from small tags a script uses.
 HEADER_TAG = 0x5EA3
-_PAYLOAD_TAG_BASE = 0x40000000
 _label_of_crc: dict[int, str] = {}  # every unit name seen here: the other ranks' CRCs are named back with it
+_kind_crcs: dict[tuple[str, str], int] = {}
 
 
-def payload_tag(kind: str, label: str) -> int:
-    """The point-to-point tag of unit ``label``'s ``kind`` collectives under the check (see the note above)."""
-    return _PAYLOAD_TAG_BASE | (zlib.crc32(f"{kind}:{label}".encode()) & 0x3FFFFFFF)
-
-
-def _header(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> array.array:
-    """Kind (offset by ``len(_KINDS)`` for a collective compared before it is posted: it must not meet an
-    asynchronous one, whose payload travels on another channel), unit CRC, group count, forward count."""
+def _record(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> check_watch.Record:
+    """This rank's record of the collective just counted over ``pg``, kept for the watch: kind (offset by
+    ``len(_KINDS)`` for a collective compared before it is posted), unit CRC, group count, forward count."""
     crc = zlib.crc32(label.encode())
     _label_of_crc.setdefault(crc, label)
-    code = _KINDS.index(kind) + (len(_KINDS) if blocking else 0)
-    return array.array("q", [code, crc, _issued.get(pg, 0), _forwards])
+    record = (_KINDS.index(kind) + (len(_KINDS) if blocking else 0), crc, _issued[pg], _forwards)
+    check_watch.note(pg, record)
+    return record
 
 
-def _describe(header: list[int]) -> str:
+def payload_tag(kind: str, label: str, count: int) -> int:
+    """The point-to-point tag of unit ``label``'s ``kind`` collective numbered ``count`` in its group."""
+    kind_crc = _kind_crcs.get((kind, label))
+    if kind_crc is None:
+        kind_crc = _kind_crcs[(kind, label)] = zlib.crc32(f"{kind}:{label}".encode())
+    return check_watch.payload_tag(kind_crc, count)
+
+
+def _describe(header: list[int] | tuple[int, ...] | None) -> str:
+    if header is None:
+        return "not known here (it agrees with this rank, or has not answered)"
     code, crc, count, forwards = header
     kind = _KINDS[code % len(_KINDS)] + (" (compared before it is posted)" if code >= len(_KINDS) else "")
     label = _label_of_crc.get(crc, f"<CRC-32 {crc:#010x}>")
     return f"{kind} of unit {label!r} (collective #{count} of its group) in its forward #{forwards}"
 
 
+# per group, the error that stopped it; what a failed check leaves posted is kept for the life of the process
+_failed: weakref.WeakKeyDictionary[dist.ProcessGroup, BaseException] = weakref.WeakKeyDictionary()
+_kept_after_failure: list[object] = []
+
+
+def _stopped(pg: dist.ProcessGroup) -> BaseException | None:
+    """The error that stopped ``pg``: a header that disagreed, or a mismatch the watch noted (made an error once)."""
+    failed = _failed.get(pg)
+    if failed is None:
+        found = check_watch.mismatch(pg)
+        if found is not None:
+            own, others = found
+            headers = {pg.rank(): own, **others}
+            failed = _failed[pg] = _out_of_step(headers, dist.get_process_group_ranks(pg), pg.rank())
+    return failed
+
+
+def _wait_watched(wait: check_watch.Wait, works: list[Any], where: Callable[[], str]) -> None:
+    """Wait for ``works`` (the messages of ``wait``) as the watch expects: announced, and the mismatch it may have
+    noted raised before anything received is used (a released wait received nothing real)."""
+    pg = wait.pg
+    check_watch.begin_wait(wait)
+    try:
+        failed = _stopped(pg)
+        if failed is None:
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                failed = _stopped(pg)
+                if failed is None:
+                    _raise_named(exc, where())
+                raise failed from exc
+            failed = _stopped(pg)
+    finally:
+        check_watch.end_wait()
+    if failed is not None:
+        _kept_after_failure.append(works)  # posted receives into the caller's buffers
+        raise failed
+
+
 class _Exchange:
-    """One header sent to and received from every other rank of a group (point-to-point, :data:`HEADER_TAG`).
+    """One header sent to and received from every other rank of a group (point-to-point, :data:`HEADER_TAG`),
+    before a blocking collective.
 
     The header's buffers are Python arrays seen as tensors (``torch.frombuffer``, no copy): building and reading
     them dispatches no ATen op. They live here until :meth:`compare` has waited for every transfer."""
 
-    def __init__(self, kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> None:
+    def __init__(self, kind: str, label: str, pg: dist.ProcessGroup) -> None:
         self.where = f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"
-        self.ranks, self.me = dist.get_process_group_ranks(pg), dist.get_rank(pg)
+        self.ranks, self.me, self.pg = dist.get_process_group_ranks(pg), dist.get_rank(pg), pg
         n = len(self.ranks)
-        mine = _header(kind, label, pg, blocking)
+        mine = array.array("q", _record(kind, label, pg, blocking=True))
         self.headers = [mine if r == self.me else array.array("q", bytes(32)) for r in range(n)]
         with _named(self.where):
             sends = [pg.send([_view(self.headers[self.me])], r, HEADER_TAG) for r in range(n) if r != self.me]
             self.works = sends + [pg.recv([_view(self.headers[r])], r, HEADER_TAG) for r in range(n) if r != self.me]
+        self.wait = check_watch.Wait(pg, _issued[pg], HEADER_TAG, [32])
 
     def compare(self) -> None:
-        with _named(self.where):
-            for work in self.works:
-                work.wait()
-        _raise_if_out_of_step([h.tolist() for h in self.headers], self.ranks, self.me)
+        try:
+            _wait_watched(self.wait, self.works, lambda: self.where)
+            _raise_if_out_of_step([h.tolist() for h in self.headers], self.ranks, self.me)
+        except (DesyncError, PeerLostError) as exc:
+            _failed.setdefault(self.pg, exc)
+            _kept_after_failure.append(self)
+            raise
 
 
 def _view(header: array.array) -> torch.Tensor:
     return torch.frombuffer(header, dtype=torch.int64)
 
 
-# per group, the headers sent and not yet compared, in issue order; and the error that stopped a group
-_uncompared: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.deque[_Exchange]] = weakref.WeakKeyDictionary()
-_failed: weakref.WeakKeyDictionary[dist.ProcessGroup, BaseException] = weakref.WeakKeyDictionary()
-# What a failed check leaves posted (receives gloo may still write into): kept for the life of the process.
-_kept_after_failure: list[object] = []
-
-
-def _send_header(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> _Exchange:
-    exchange = _Exchange(kind, label, pg, blocking)
-    queue = _uncompared.get(pg)
-    if queue is None:
-        queue = _uncompared[pg] = collections.deque()
-    queue.append(exchange)
-    return exchange
-
-
-def _compare_through(pg: dist.ProcessGroup, exchange: _Exchange) -> None:
-    """Compare, in issue order, every header over ``pg`` up to ``exchange`` not compared yet; raise on the first
-    that disagrees (and at every later call: the group's collectives are out of step for good)."""
-    failed = _failed.get(pg)
-    if failed is not None:
-        raise failed
-    queue = _uncompared.get(pg)
-    while queue and exchange in queue:
-        first = queue.popleft()
-        try:
-            first.compare()
-        except (DesyncError, PeerLostError) as exc:
-            _failed[pg] = exc
-            _kept_after_failure.append(first)
-            raise
-
-
 class _CheckedWork:
-    """A ``dist.Work``-like handle: ``wait()`` compares the headers through this collective's, then waits for it."""
+    """A ``dist.Work``-like handle for an asynchronous collective under the check: ``wait()`` waits as the watch
+    expects and raises the mismatch it found, if any (see [Note: the check off the critical path])."""
 
-    def __init__(self, pg: dist.ProcessGroup, exchange: _Exchange, works: list[Any]) -> None:
-        self._pg, self._exchange, self._works = pg, exchange, works
+    def __init__(self, wait: check_watch.Wait, works: list[Any], kind: str, label: str, forwards: int) -> None:
+        self._wait, self._works, self._what = wait, works, (kind, label, forwards)
+
+    def _where(self) -> str:
+        kind, label, forwards = self._what
+        return (
+            f"check before the {kind} of unit {label!r} (collective #{self._wait.count} of its group), in forward "
+            f"#{forwards} of this process"
+        )
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._exchange is not None:
-            try:
-                _compare_through(self._pg, self._exchange)
-            except BaseException:
-                _kept_after_failure.append(self._works)  # posted receives into the caller's buffers
-                raise
-            self._exchange = None
-        for work in self._works:
-            work.wait()
-        self._works = []
+        if self._works is not None:
+            works, self._works = self._works, None
+            _wait_watched(self._wait, works, self._where)
         return True
 
 
@@ -310,39 +337,57 @@ def issue(kind: str, label: str, pg: dist.ProcessGroup | None, post: Callable[[i
     """Count, check and post the asynchronous collectives of ``kind`` for unit ``label`` over ``pg``; their works.
 
     ``post(tag)`` posts them and returns their works: point-to-point on ``tag`` when it is not ``None``. With the
-    header check on (gloo), the header is sent, ``post(payload_tag(kind, label))`` runs at once, and the one work
-    returned compares the headers before it waits (see [Note: the check off the critical path]). Otherwise as
-    :func:`collective` around ``post(None)``."""
+    check on (gloo), ``post`` runs at once on the collective's own tag, and the one work returned waits as the
+    watch expects (see [Note: the check off the critical path]). Otherwise as :func:`collective` around
+    ``post(None)``."""
     if _size(pg) == 1 or pg is None or debug_enabled() or not check_enabled(pg):
         with collective(kind, label, pg):
             return [w for w in post(None) if w is not None]
-    _issued[pg] = _issued.get(pg, 0) + 1
-    exchange = _send_header(kind, label, pg, blocking=False)
-    with _named(f"{_where(kind, label, pg)}, in forward #{_forwards} of this process"):
-        works = [w for w in post(payload_tag(kind, label)) if w is not None]
-    return [_CheckedWork(pg, exchange, works)]
+    failed = _stopped(pg)
+    if failed is not None:
+        raise failed
+    count = _issued[pg] = _issued.get(pg, 0) + 1
+    _record(kind, label, pg, blocking=False)
+    tag = payload_tag(kind, label, count)
+    sizes: list[int] = []
+    p2p.recorded_sizes = sizes
+    try:
+        works = [w for w in post(tag) if w is not None]
+    except RuntimeError as exc:
+        _raise_named(exc, f"{_where(kind, label, pg)}, in forward #{_forwards} of this process")
+    finally:
+        p2p.recorded_sizes = None
+    return [_CheckedWork(check_watch.Wait(pg, count, tag, sizes), works, kind, label, _forwards)]
 
 
 def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> None:
-    """Exchange this rank's header over ``pg`` and compare it, with every one sent before it; raise on every rank
-    if any rank is about to run another kind of collective or another unit's. The counts are only reported: a
-    forward without collectives (NO_SHARD) is no desync, and a process that caught an earlier error on one rank
-    would never run in step again."""
+    """Exchange this rank's header over ``pg`` and compare it; raise on every rank if any rank is about to run
+    another kind of collective or another unit's. The counts are only reported: a forward without collectives
+    (NO_SHARD) is no desync."""
     if pg is None:
         return
-    _compare_through(pg, _send_header(kind, label, pg, blocking=True))
+    failed = _stopped(pg)
+    if failed is not None:
+        raise failed
+    _Exchange(kind, label, pg).compare()
 
 
 def _raise_if_out_of_step(headers: list[list[int]], ranks: list[int], me: int) -> None:
     """Raise :class:`DesyncError` naming each rank's collective if any rank's kind or unit differs from this one's."""
-    n = len(headers)
-    if all(h[:2] == headers[0][:2] for h in headers):
-        return
-    others = [(r, h) for r, h in zip(ranks, headers) if h[:2] != headers[me][:2]]
+    if any(h[:2] != headers[me][:2] for h in headers):
+        raise _out_of_step(dict(enumerate(headers)), ranks, me)
+
+
+def _out_of_step(headers: dict[int, Any], ranks: list[int], me: int) -> DesyncError:
+    """The error naming this rank's collective and the others' (``headers``: by group rank, the known ones)."""
+    n = len(ranks)
+    mine = headers[me]
+    others = [(r, h) for i, (r, h) in enumerate(zip(ranks, [headers.get(i) for i in range(n)]))
+              if h is not None and i != me and tuple(h[:2]) != tuple(mine[:2])]  # fmt: skip
     rank, other = others[0]
-    listing = "; ".join(f"rank {r}: {_describe(h)}" for r, h in zip(ranks, headers))
-    raise DesyncError(
-        f"[rank {global_rank()}] ranks are out of step: this rank is about to run {_describe(headers[me])}, "
+    listing = "; ".join(f"rank {r}: {_describe(headers.get(i))}" for i, r in enumerate(ranks))
+    return DesyncError(
+        f"[rank {global_rank()}] ranks are out of step: this rank is about to run {_describe(mine)}, "
         f"rank {rank} {_describe(other)}." + (f" All: {listing}." if n > 2 else "") + " Every rank must run "
         f"the same forwards and backwards, with units in one order (caught before the collective ran; {CHECK_VAR}=0 "
         "turns this check off)."

@@ -56,6 +56,10 @@ P2P_MIN_BYTES: dict[tuple[str, int], int] = {
 # all-gather and a reduce-scatter in flight together never take each other's messages.
 REDUCE_SCATTER_TAG, ALL_GATHER_TAG = 0x5EA1, 0x5EA2
 
+# While not None, the calls below append the bytes each sends to (and receives from) every other rank: what a
+# waiting rank's messages are, for the check's watch to mirror (``collective_check.issue``, ``check_watch.py``).
+recorded_sizes: list[int] | None = None
+
 
 class P2PWork:
     """A ``dist.Work``-like handle: ``wait()`` waits for the posted transfers, then runs ``finish`` once."""
@@ -92,6 +96,8 @@ def pairwise_reduce_scatter(
     ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
+    if recorded_sizes is not None:
+        recorded_sizes.append(output.numel() * output.element_size())
     if n == 2:  # the peer's chunk lands in output and ours is added: one addition, which commutes; no buffer
         peer = 1 - rank
         works = [pg.send([chunks[peer]], peer, tag), pg.recv([output], peer, tag)]
@@ -118,6 +124,8 @@ def pairwise_all_gather(
     """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place, sent on ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = output.view(n, _chunk_numel(shard, output, n, "pairwise_all_gather"))
+    if recorded_sizes is not None:
+        recorded_sizes.append(shard.numel() * shard.element_size())
     works = [pg.send([shard], peer, tag) for peer in range(n) if peer != rank]
     works += [pg.recv([chunks[peer]], peer, tag) for peer in range(n) if peer != rank]
     chunks[rank].copy_(shard)

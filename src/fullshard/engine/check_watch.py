@@ -1,0 +1,267 @@
+"""The watch: finds which collective ranks disagree on, without a message per collective.
+
+[Note: the check without headers]
+Under the check (``collective_check.py``), each asynchronous gather and reduction goes point-to-point
+(``p2p.py``) on a tag drawn from its kind, its unit **and its count** in the group (:func:`payload_tag`). Messages
+match only on the same tag, so a payload only ever meets the same collective, at the same place in the group's
+sequence, on the other ranks: equal sizes, never gloo's size-mismatch abort, and a rank out of step never
+receives a payload meant for another collective. Out of step, a rank's wait for its payload simply does not end.
+Nothing else travels with the payloads; finding *which* collectives disagree is left to this module, and costs
+nothing until a wait lasts:
+
+- Every rank keeps a short record of the collectives it issued over each group (:func:`note`: count, kind, CRC-32
+  of the unit, forward count), the last :data:`RECORDS_KEPT` of them.
+- A waiting main thread says so (:func:`begin_wait` / :func:`end_wait`: two assignments). A watchdog thread (one
+  per process) looks every :data:`POLL_S`; once a wait has lasted :data:`FIRST_QUERY_S`, and then at doubling
+  intervals, it sends every other rank of the group a query: this rank's recent records, and the tag and sizes of
+  the messages its wait is for.
+- Each rank answers on a listener thread of its own for the group (started with its first query: a rank that has
+  never waited that long is either fine or waiting too, and then starts its own). The listener compares the
+  asker's records with its own at the same counts; the first count where both ranks have a record and the kinds
+  or units differ is the mismatch. It notes it for its own rank and replies with its record at that count, so the
+  asker notes it too.
+- A rank that has noted a mismatch while its main thread waits cannot wake that wait itself (gloo's waits cannot
+  be interrupted, and a timed wait closes the pair for good), so it asks the other ranks to: each mirrors the
+  waited messages, a send of the same size for every receive, a receive for every send, on the same tag. The main
+  thread, woken, finds the mismatch noted (:func:`mismatch`) before it uses anything it received, and raises.
+  The mismatch is noted before the release is asked for, on the asker's side, so it cannot be missed.
+
+What it cannot name: a rank that never waits in the engine (it waits in the script's own collective, or it
+stopped) never starts its listener; the asker's query waits unread and the group's timeout ends the wait, as it
+would have without the check. A rank merely slower than the others answers nothing (its records, at the counts it
+has reached, agree) and the asker goes on waiting. Invariants: only the diagnostic tags (:data:`DIAG_TAG`) carry
+the watch's messages, so they never meet a payload or a collective; their sends are never waited for (posted and
+kept: a rank can answer while its main thread is blocked, and two listeners answering each other cannot deadlock);
+after a mismatch the group is over (the mirrored messages stay posted for the life of the process).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import threading
+import time
+import weakref
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DIAG_TAG",
+    "FIRST_QUERY_S",
+    "RECORDS_KEPT",
+    "Record",
+    "Wait",
+    "begin_wait",
+    "end_wait",
+    "mismatch",
+    "note",
+    "payload_tag",
+    "stats",
+]
+
+Record = tuple[int, int, int, int]
+"""(kind code, CRC-32 of the unit's name, count in the group, forwards of the process) of one collective."""
+
+RECORDS_KEPT = 64  # per group: far more than the collectives a rank can have posted and not waited for
+POLL_S = 0.1  # how often the watchdog looks at the main thread's wait
+FIRST_QUERY_S = 0.5  # a wait this long asks the other ranks where they are; then after 1, 2, 4, ... s more
+DIAG_TAG = 0x5EA4  # the watch's own messages (below gloo's collective slots, apart from p2p.py's and the header's)
+_PAYLOAD_TAG_BASE = 0x40000000
+_QUERY, _DIFFERS, _RELEASE = 1, 2, 3
+_MESSAGE_LEN = 1024  # int64 slots of one diagnostic message (a fixed size: gloo's receive needs one)
+_SHOWN_RECORDS = 16  # records a query carries: the waited one's neighbours, up to the newest
+_MAX_SIZES = _MESSAGE_LEN - 4 * _SHOWN_RECORDS - 8
+
+_records: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, Record]] = weakref.WeakKeyDictionary()
+_mismatches: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[Record, dict[int, Record]]] = (
+    weakref.WeakKeyDictionary()
+)
+_listeners: dict[dist.ProcessGroup, threading.Thread] = {}  # a group once listened to is kept: its thread waits on it
+_kept: list[Any] = []  # the watch's posted sends and the mirrored messages, with their buffers: never waited for
+_lock = threading.Lock()
+_watchdog: threading.Thread | None = None
+_waiting: Wait | None = None  # the main thread's wait in progress, if any
+_counts = {"queries": 0, "mismatches": 0, "releases": 0}
+
+
+def stats() -> dict[str, int]:
+    """How many queries this process sent, mismatches it noted and releases it mirrored (for tests)."""
+    return dict(_counts)
+
+
+def payload_tag(kind_crc: int, count: int) -> int:
+    """The point-to-point tag of the collective numbered ``count`` in its group, whose kind and unit hash to
+    ``kind_crc``: equal on two ranks only for the same collective at the same place (see the note)."""
+    return _PAYLOAD_TAG_BASE | (zlib.crc32(count.to_bytes(8, "little"), kind_crc) & 0x3FFFFFFF)
+
+
+def note(pg: dist.ProcessGroup, record: Record) -> None:
+    """Keep ``record`` (the collective just issued over ``pg``) for the other ranks' queries."""
+    records = _records.get(pg)
+    if records is None:
+        records = _records[pg] = {}
+    records[record[2]] = record
+    records.pop(record[2] - RECORDS_KEPT, None)
+
+
+def mismatch(pg: dist.ProcessGroup) -> tuple[Record, dict[int, Record]] | None:
+    """The first collective over ``pg`` on which this rank and others disagree, once noted: (this rank's record,
+    {group rank: its record}); ``None`` while none is known."""
+    return _mismatches.get(pg)
+
+
+class Wait:
+    """The main thread's wait for the messages of one collective: ``sizes`` bytes each way with every other rank,
+    in order, on ``tag`` (what a release mirrors)."""
+
+    __slots__ = ("count", "next_query", "pg", "since", "sizes", "tag")
+
+    def __init__(self, pg: dist.ProcessGroup, count: int, tag: int, sizes: list[int]) -> None:
+        self.pg, self.count, self.tag, self.sizes = pg, count, tag, sizes
+        self.since, self.next_query = 0.0, FIRST_QUERY_S
+
+
+def begin_wait(wait: Wait) -> None:
+    """The main thread is about to block on ``wait``'s messages. The caller checks :func:`mismatch` after this
+    (a mismatch noted before it would otherwise ask for no release)."""
+    global _waiting
+    wait.since = time.monotonic()
+    _waiting = wait
+    if _watchdog is None or not _watchdog.is_alive():
+        _start_watchdog()
+
+
+def end_wait() -> None:
+    global _waiting
+    _waiting = None
+
+
+def _start_watchdog() -> None:
+    global _watchdog
+    with _lock:
+        if _watchdog is None or not _watchdog.is_alive():
+            _watchdog = threading.Thread(target=_watch, name="fullshard-check-watchdog", daemon=True)
+            _watchdog.start()
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(POLL_S)
+        wait = _waiting
+        if wait is None:
+            continue
+        waited = time.monotonic() - wait.since
+        if waited < wait.next_query:
+            continue
+        wait.next_query = 2 * waited
+        with contextlib.suppress(RuntimeError):  # the group broke: the main thread's wait raises what broke it
+            _query(wait)
+
+
+def _post_send(pg: dist.ProcessGroup, message: array.array | torch.Tensor, peer: int, tag: int) -> None:
+    tensor = torch.frombuffer(message, dtype=torch.int64) if isinstance(message, array.array) else message
+    _kept.append((message, tensor, pg.send([tensor], peer, tag)))
+
+
+def _peers(pg: dist.ProcessGroup) -> list[int]:
+    me = pg.rank()
+    return [r for r in range(pg.size()) if r != me]
+
+
+def _message(kind: int, records: list[Record], tail: list[int]) -> array.array:
+    body = [kind, len(records)] + [v for r in records for v in r] + tail
+    return array.array("q", body + [0] * (_MESSAGE_LEN - len(body)))
+
+
+def _query(wait: Wait) -> None:
+    pg = wait.pg
+    _listen(pg)
+    records = _records.get(pg, {})
+    newest = max(records, default=wait.count)
+    shown = [records[c] for c in range(max(wait.count - 2, newest - _SHOWN_RECORDS + 1), newest + 1) if c in records]
+    sizes = wait.sizes[:_MAX_SIZES]
+    message = _message(_QUERY, shown[-_SHOWN_RECORDS:], [pg.rank(), wait.tag, len(sizes), *sizes])
+    _counts["queries"] += 1
+    for peer in _peers(pg):
+        _post_send(pg, message, peer, DIAG_TAG)
+
+
+def _listen(pg: dist.ProcessGroup) -> None:
+    with _lock:
+        if pg in _listeners:
+            return
+        thread = threading.Thread(target=_serve, args=(pg,), name="fullshard-check-listener", daemon=True)
+        _listeners[pg] = thread
+        thread.start()
+
+
+def _serve(pg: dist.ProcessGroup) -> None:
+    """Answer the other ranks' queries over ``pg`` until the group breaks (its peers ended)."""
+    while True:
+        buffer = torch.zeros(_MESSAGE_LEN, dtype=torch.int64)
+        try:
+            pg.recv_anysource([buffer], DIAG_TAG).wait()
+            _handle(pg, buffer.tolist())
+        except RuntimeError:
+            return
+
+
+def _parse(message: list[int]) -> tuple[int, list[Record], list[int]]:
+    n = message[1]
+    flat = message[2 : 2 + 4 * n]
+    records = [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, 4 * n, 4)]
+    return message[0], records, message[2 + 4 * n :]
+
+
+def _handle(pg: dist.ProcessGroup, message: list[int]) -> None:
+    kind, theirs, tail = _parse(message)
+    sender = tail[0]
+    mine = _records.get(pg, {})
+    if kind == _QUERY:
+        for record in sorted(theirs, key=lambda r: r[2]):
+            own = mine.get(record[2])
+            if own is not None and own[:2] != record[:2]:
+                _post_send(pg, _message(_DIFFERS, [own], [pg.rank()]), sender, DIAG_TAG)
+                _noted(pg, own, {sender: record})
+                return
+    elif kind == _DIFFERS and theirs:
+        own = mine.get(theirs[0][2])
+        if own is not None:
+            _noted(pg, own, {sender: theirs[0]})
+    elif kind == _RELEASE:
+        tag, n = tail[1], tail[2]
+        _counts["releases"] += 1
+        for size in tail[3 : 3 + n]:  # in the waiter's order: messages on one tag match first-in first-out
+            inbound = torch.empty(size, dtype=torch.uint8)
+            _kept.append((inbound, pg.recv([inbound], sender, tag)))
+            _post_send(pg, torch.zeros(size, dtype=torch.uint8), sender, tag)
+
+
+def _noted(pg: dist.ProcessGroup, own: Record, others: dict[int, Record]) -> None:
+    """Note the first mismatch over ``pg`` (later ones add nothing); if the main thread waits on ``pg``, ask the
+    other ranks to release its wait. The order matters: noted first, then released (see the note)."""
+    with _lock:
+        if pg in _mismatches:
+            return
+        _mismatches[pg] = (own, others)
+    _counts["mismatches"] += 1
+    wait = _waiting
+    if wait is not None and wait.pg is pg:
+        sizes = wait.sizes[:_MAX_SIZES]
+        release = _message(_RELEASE, [], [pg.rank(), wait.tag, len(sizes), *sizes])
+        for peer in _peers(pg):
+            _post_send(pg, release, peer, DIAG_TAG)
+
+
+def _after_fork() -> None:
+    global _watchdog, _waiting
+    _watchdog, _waiting = None, None
+    _listeners.clear()
+    _kept.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
