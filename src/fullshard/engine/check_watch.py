@@ -29,10 +29,14 @@ nothing until a wait lasts:
 What it cannot name: a rank that never waits in the engine (it waits in the script's own collective, or it
 stopped) never starts its listener; the asker's query waits unread and the group's timeout ends the wait, as it
 would have without the check. A rank merely slower than the others answers nothing (its records, at the counts it
-has reached, agree) and the asker goes on waiting. Invariants: only the diagnostic tags (:data:`DIAG_TAG`) carry
-the watch's messages, so they never meet a payload or a collective; their sends are never waited for (posted and
-kept: a rank can answer while its main thread is blocked, and two listeners answering each other cannot deadlock);
-after a mismatch the group is over (the mirrored messages stay posted for the life of the process).
+has reached, agree) and the asker goes on waiting.
+
+Invariants: only the diagnostic tag (:data:`DIAG_TAG`) carries the watch's messages, so they never meet a
+payload or a collective. What the watch leaves posted is bounded: a group's questions go out from one thread at a
+time, which waits until every rank has read them (no new question over the group before); everything else it
+sends (an answer naming a mismatch, a release request, the mirrored messages) follows a mismatch, after which
+the group is over, and is kept posted, never waited for (a listener waiting on another rank's listener could wait
+on one that waits on it).
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ _mismatches: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[Record, dict[int
     weakref.WeakKeyDictionary()
 )
 _listeners: dict[dist.ProcessGroup, threading.Thread] = {}  # a group once listened to is kept: its thread waits on it
-_kept: list[Any] = []  # the watch's posted sends and the mirrored messages, with their buffers: never waited for
+_asking: weakref.WeakKeyDictionary[dist.ProcessGroup, threading.Thread] = weakref.WeakKeyDictionary()
+_kept: list[Any] = []  # what a mismatch leaves posted (release requests, mirrored messages): never waited for
 _lock = threading.Lock()
 _watchdog: threading.Thread | None = None
 _waiting: Wait | None = None  # the main thread's wait in progress, if any
@@ -162,9 +167,10 @@ def _watch() -> None:
             _query(wait)
 
 
-def _post_send(pg: dist.ProcessGroup, message: array.array | torch.Tensor, peer: int, tag: int) -> None:
+def _post_send(pg: dist.ProcessGroup, message: array.array | torch.Tensor, peer: int, tag: int) -> Any:
     tensor = torch.frombuffer(message, dtype=torch.int64) if isinstance(message, array.array) else message
-    _kept.append((message, tensor, pg.send([tensor], peer, tag)))
+    work = pg.send([tensor], peer, tag)
+    return (message, tensor, work)  # the buffers live as long as the send
 
 
 def _peers(pg: dist.ProcessGroup) -> list[int]:
@@ -178,16 +184,29 @@ def _message(kind: int, records: list[Record], tail: list[int]) -> array.array:
 
 
 def _query(wait: Wait) -> None:
+    """Ask every other rank of ``wait``'s group where it is, from a thread of the group's own that waits until
+    every rank has read the question: while one has not (it never waited this long, so never listens), no new
+    question goes out over the group, and a question is never left unread behind another."""
     pg = wait.pg
+    asking = _asking.get(pg)
+    if asking is not None and asking.is_alive():
+        return
     _listen(pg)
     records = _records.get(pg, {})
     newest = max(records, default=wait.count)
     shown = [records[c] for c in range(max(wait.count - 2, newest - _SHOWN_RECORDS + 1), newest + 1) if c in records]
     sizes = wait.sizes[:_MAX_SIZES]
     message = _message(_QUERY, shown[-_SHOWN_RECORDS:], [pg.rank(), wait.tag, len(sizes), *sizes])
+    sends = [_post_send(pg, message, peer, DIAG_TAG) for peer in _peers(pg)]
     _counts["queries"] += 1
-    for peer in _peers(pg):
-        _post_send(pg, message, peer, DIAG_TAG)
+    _asking[pg] = thread = threading.Thread(target=_wait_sends, args=(sends,), name="fullshard-check-ask", daemon=True)
+    thread.start()
+
+
+def _wait_sends(sends: list[Any]) -> None:
+    with contextlib.suppress(RuntimeError):  # the group broke: nobody is left to ask
+        for _, _, work in sends:
+            work.wait()
 
 
 def _listen(pg: dist.ProcessGroup) -> None:
@@ -201,13 +220,11 @@ def _listen(pg: dist.ProcessGroup) -> None:
 
 def _serve(pg: dist.ProcessGroup) -> None:
     """Answer the other ranks' queries over ``pg`` until the group breaks (its peers ended)."""
-    while True:
-        buffer = torch.zeros(_MESSAGE_LEN, dtype=torch.int64)
-        try:
+    with contextlib.suppress(RuntimeError):
+        while True:
+            buffer = torch.zeros(_MESSAGE_LEN, dtype=torch.int64)
             pg.recv_anysource([buffer], DIAG_TAG).wait()
             _handle(pg, buffer.tolist())
-        except RuntimeError:
-            return
 
 
 def _parse(message: list[int]) -> tuple[int, list[Record], list[int]]:
@@ -218,6 +235,8 @@ def _parse(message: list[int]) -> tuple[int, list[Record], list[int]]:
 
 
 def _handle(pg: dist.ProcessGroup, message: list[int]) -> None:
+    """Act on one message. Its answer (only to a query that shows a mismatch: a group over) is kept, not waited
+    for: a listener waiting on another rank's listener could wait on one that waits on it."""
     kind, theirs, tail = _parse(message)
     sender = tail[0]
     mine = _records.get(pg, {})
@@ -225,7 +244,7 @@ def _handle(pg: dist.ProcessGroup, message: list[int]) -> None:
         for record in sorted(theirs, key=lambda r: r[2]):
             own = mine.get(record[2])
             if own is not None and own[:2] != record[:2]:
-                _post_send(pg, _message(_DIFFERS, [own], [pg.rank()]), sender, DIAG_TAG)
+                _kept.append(_post_send(pg, _message(_DIFFERS, [own], [pg.rank()]), sender, DIAG_TAG))
                 _noted(pg, own, {sender: record})
                 return
     elif kind == _DIFFERS and theirs:
@@ -238,12 +257,13 @@ def _handle(pg: dist.ProcessGroup, message: list[int]) -> None:
         for size in tail[3 : 3 + n]:  # in the waiter's order: messages on one tag match first-in first-out
             inbound = torch.empty(size, dtype=torch.uint8)
             _kept.append((inbound, pg.recv([inbound], sender, tag)))
-            _post_send(pg, torch.zeros(size, dtype=torch.uint8), sender, tag)
+            _kept.append(_post_send(pg, torch.zeros(size, dtype=torch.uint8), sender, tag))
 
 
 def _noted(pg: dist.ProcessGroup, own: Record, others: dict[int, Record]) -> None:
     """Note the first mismatch over ``pg`` (later ones add nothing); if the main thread waits on ``pg``, ask the
-    other ranks to release its wait. The order matters: noted first, then released (see the note)."""
+    other ranks to release its wait. The order matters: noted first, then released (see the note). The release
+    requests are kept, not waited for: a rank that never listens must not hold this thread."""
     with _lock:
         if pg in _mismatches:
             return
@@ -253,14 +273,14 @@ def _noted(pg: dist.ProcessGroup, own: Record, others: dict[int, Record]) -> Non
     if wait is not None and wait.pg is pg:
         sizes = wait.sizes[:_MAX_SIZES]
         release = _message(_RELEASE, [], [pg.rank(), wait.tag, len(sizes), *sizes])
-        for peer in _peers(pg):
-            _post_send(pg, release, peer, DIAG_TAG)
+        _kept.extend(_post_send(pg, release, peer, DIAG_TAG) for peer in _peers(pg))
 
 
 def _after_fork() -> None:
     global _watchdog, _waiting
     _watchdog, _waiting = None, None
     _listeners.clear()
+    _asking.clear()
     _kept.clear()
 
 

@@ -11,24 +11,25 @@ process group's timeout (fullshard sets minutes, see ``frontend/processes/runtim
 - Always: an error raised while issuing or waiting for a collective is re-raised naming this rank, the
   collective, the unit and how many forwards this process ran (:func:`collective`), so a timeout says where.
   A peer that ended or whose connection broke raises :class:`PeerLostError`, not :class:`DesyncError`.
-- By default on gloo groups: a header with each of the engine's collectives. Every rank sends every other
-  rank four integers (the kind of collective, a CRC-32 of the unit's name, how many collectives the group ran,
-  how many forwards this process ran), the same 32 bytes whatever comes next, point-to-point on a tag of their
-  own (:data:`HEADER_TAG`), in the order the collectives are issued. Every rank compares the kinds and units
-  and raises :class:`DesyncError` naming each rank's collective, unit and counts. Where the comparison happens
-  is [Note: the check off the critical path]. ``FULLSHARD_CHECK_COLLECTIVES=0`` turns it off. Not on NCCL and
-  other device backends: reading the header back would synchronise the device on every collective.
+- By default on gloo groups: the engine's collectives are checked in step. Its asynchronous gathers and
+  reductions travel point-to-point on a tag of their own kind, unit and place in the group's sequence, so a rank
+  out of step waits (never a payload of another size: no abort); once a wait lasts, ``check_watch.py`` compares
+  the ranks' records of their recent collectives (the kind, a CRC-32 of the unit's name, how many collectives
+  the group ran, how many forwards this process ran) and every rank raises :class:`DesyncError` naming each
+  rank's collective, unit and counts. Collectives whose result is needed at once exchange a 32-byte header of
+  the same fields first (:data:`HEADER_TAG`). See [Note: the check off the critical path].
+  ``FULLSHARD_CHECK_COLLECTIVES=0`` turns it off. Not on NCCL and other device backends: their payloads do not
+  go point-to-point here.
 - With ``FULLSHARD_DEBUG=1`` (or ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), on every backend: the same comparison
   with the full descriptions (``all_gather_object``, a pickle and two collectives each time).
 
 Invariants: under the check the engine's gathers and reductions take the point-to-point path of ``p2p.py``: the
 same gathers on any number of ranks and the same sums on 2; on 3 or more its sums add in rank order, which may
 differ from gloo's own collective in the last bit (``FULLSHARD_CHECK_COLLECTIVES=0`` below the crossover sizes
-of ``p2p.py``). What a mismatch
-cannot be caught against is a collective outside the engine (the script's own ``all_reduce``, a barrier): the
-headers travel point-to-point and never meet it, so the rank in the script's collective and the rank waiting
-for a header both wait for the group's timeout, which names where. After a :class:`DesyncError` the mismatched
-collectives stay posted: the job is over.
+of ``p2p.py``). What a mismatch cannot be caught against is a collective outside the engine (the script's own
+``all_reduce``, a barrier): the payloads travel point-to-point and never meet it, and a rank waiting there
+never answers the watch, so both wait for the group's timeout, which names where. After a :class:`DesyncError`
+the mismatched collectives stay posted: the job is over.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def debug_enabled() -> bool:
 
 
 def check_enabled(pg: dist.ProcessGroup | None) -> bool:
-    """Whether the header goes before each collective over ``pg``: gloo, unless ``FULLSHARD_CHECK_COLLECTIVES=0``."""
+    """Whether the engine's collectives over ``pg`` are checked in step (the module note): gloo, unless
+    ``FULLSHARD_CHECK_COLLECTIVES=0``."""
     value = os.environ.get(CHECK_VAR, "1").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"{CHECK_VAR}={value!r}: expected 1 (check each collective, the default) or 0 (do not)")

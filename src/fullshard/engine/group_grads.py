@@ -149,7 +149,7 @@ class GroupGrads:
         is freed here; :meth:`finish_reduce` lands the result in the sharded parameters' ``.grad``.
         """
         with trace.phase(trace.REDUCE_SCATTER):
-            if not self.requires_grad:  # the check's header all the same: every rank passes here (see issue)
+            if not self.requires_grad:  # counted all the same: every rank passes here (see issue)
                 collective_check.issue("reduce_scatter", self.label, self.shard_group.reduce_pg, lambda tag: [])
                 return
             self._restore_sharded_grads()
