@@ -193,10 +193,12 @@ def _query(wait: Wait) -> None:
         return
     _listen(pg)
     records = _records.get(pg, {})
-    newest = max(records, default=wait.count)
-    shown = [records[c] for c in range(max(wait.count - 2, newest - _SHOWN_RECORDS + 1), newest + 1) if c in records]
+    # The waited collective, the two before it and those issued after it (prefetched ones). Looked up one by one:
+    # the main thread may add a record meanwhile (a dict's single lookups are safe from another thread).
+    around = (records.get(c) for c in range(wait.count - 2, wait.count + _SHOWN_RECORDS - 2))
+    shown = [record for record in around if record is not None]
     sizes = wait.sizes[:_MAX_SIZES]
-    message = _message(_QUERY, shown[-_SHOWN_RECORDS:], [pg.rank(), wait.tag, len(sizes), *sizes])
+    message = _message(_QUERY, shown, [pg.rank(), wait.tag, len(sizes), *sizes])
     sends = [_post_send(pg, message, peer, DIAG_TAG) for peer in _peers(pg)]
     _counts["queries"] += 1
     _asking[pg] = thread = threading.Thread(target=_wait_sends, args=(sends,), name="fullshard-check-ask", daemon=True)
