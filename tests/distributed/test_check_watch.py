@@ -16,36 +16,29 @@ from fullshard.engine import check_watch
 from fullshard.engine.collective_check import DesyncError
 from fullshard.engine.wrap import ModuleWrapPolicy
 from fullshard.testing import WorkerPool
+from tests.distributed import test_desync
 
 _slow: tuple[int, float] | None = None  # (rank, seconds): that rank's blocks sleep this long in their forward
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
+class _SleepyBlock(test_desync._Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _slow is not None and dist.get_rank() == _slow[0]:
             time.sleep(_slow[1])
-        return torch.tanh(self.lin(x))
+        return super().forward(x)
 
 
-class _TwoBlocks(nn.Module):
+class _TwoBlocks(test_desync._TwoBlocks):
+    """``test_desync``'s two blocks (their order per rank), each asleep on the rank ``_slow`` names."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = _Block(), _Block()
-        self.order = "ab"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for name in self.order:
-            x = getattr(self, name)(x)
-        return x
+        self.a, self.b = _SleepyBlock(), _SleepyBlock()
 
 
 def _model(pg: dist.ProcessGroup) -> FullyShardedDataParallel:
     torch.manual_seed(0)
-    return FullyShardedDataParallel(_TwoBlocks(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_Block}))
+    return FullyShardedDataParallel(_TwoBlocks(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_SleepyBlock}))
 
 
 def _train(model: nn.Module, rank: int, steps: int, slow: list[tuple[int, float] | None]) -> None:
