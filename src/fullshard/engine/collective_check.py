@@ -188,7 +188,7 @@ def _compare_across_ranks(where: str, pg: dist.ProcessGroup | None) -> None:
 # waits for the slowest at every gather and reduction it issues, where without the check it would post the
 # collective and go on computing (measured: 10-16% of a small model's step). Sending the header beside the
 # payload and comparing at the wait (the fourteenth session's design) still cost two small messages per
-# collective and rank pair (2-5% of the small model's CPU). So the asynchronous collectives carry no header:
+# collective and rank pair (2-7% of the small model's CPU). So the asynchronous collectives carry no header:
 # - They (a unit's gather, its tensor-subclass parameters' gather, its gradients' reduction: :func:`issue`) go
 #   point-to-point (``p2p.py``) on a tag drawn from their kind, unit and count in the group
 #   (``check_watch.payload_tag``). A payload meets only the same collective at the same place on the other ranks
