@@ -41,11 +41,12 @@ def _model(pg: dist.ProcessGroup) -> FullyShardedDataParallel:
     return FullyShardedDataParallel(_TwoBlocks(), process_group=pg, auto_wrap_policy=ModuleWrapPolicy({_SleepyBlock}))
 
 
-def _train(model: nn.Module, rank: int, steps: int, slow: list[tuple[int, float] | None]) -> None:
+def _train(model: nn.Module, rank: int, steps: int, slow: list[tuple[int, float] | None], idle_s: float = 0.0) -> None:
     global _slow
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         for step in range(steps):
+            time.sleep(idle_s if step else 0.0)
             _slow = slow[step]
             model(torch.full((2, 4), float(rank + step))).sum().backward()
             optimizer.step()
@@ -54,13 +55,15 @@ def _train(model: nn.Module, rank: int, steps: int, slow: list[tuple[int, float]
         _slow = None
 
 
-def _slow_ranks(rank: int, world_size: int, slow: list[tuple[int, float] | None]) -> tuple[list, dict, dict]:
-    """Train 3 steps where ``slow`` says which rank 's blocks sleep in their forward; the parameters and the watch's
-    counts before and after."""
-    pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=60))
+def _slow_ranks(
+    rank: int, world_size: int, slow: list[tuple[int, float] | None], timeout_s: float = 60, idle_s: float = 0.0
+) -> tuple[list, dict, dict]:
+    """Train a step per item of ``slow`` (which rank's blocks sleep in their forward, and how long), every rank
+    idle ``idle_s`` between steps; the parameters and the watch's counts before and after."""
+    pg = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s))
     model = _model(pg)
     before = check_watch.stats()
-    _train(model, rank, 3, slow)
+    _train(model, rank, len(slow), slow, idle_s)
     after = check_watch.stats()
     with FullyShardedDataParallel.summon_full_params(model):
         params = [p.detach().clone() for p in model.parameters()]
@@ -80,6 +83,19 @@ def test_a_slow_rank_is_waited_for_and_the_training_is_unchanged(pool2: WorkerPo
         assert after["queries"] > before["queries"], (rank, before, after)  # the wait did last: it asked
         assert after["mismatches"] == before["mismatches"] and after["releases"] == before["releases"]
         assert len(params) == len(want) == 4
+        for got, expected in zip(params, want):
+            assert torch.equal(got, expected)
+
+
+def test_the_watch_outlives_the_groups_timeout(pool2: WorkerPool) -> None:
+    # A gloo wait with no timeout of its own expires at the group's and then closes the group's connections: the
+    # watch's listener and its unread question, idle for longer than that (4.5 s against a 3 s group timeout,
+    # twice), must leave the group working.
+    slow = [None, (1, 1.0), None, (0, 1.0), None]
+    idle = pool2.run(_slow_ranks, slow, 3.0, 4.5)
+    prompt = pool2.run(_slow_ranks, [None] * 5)
+    for (params, before, after), (want, _, _) in zip(idle, prompt):
+        assert after["queries"] > before["queries"] and after["mismatches"] == before["mismatches"]
         for got, expected in zip(params, want):
             assert torch.equal(got, expected)
 

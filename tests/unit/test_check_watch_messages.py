@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fullshard.engine import check_watch, collective_check, p2p
 
 
@@ -39,3 +41,13 @@ def test_the_out_of_step_message_names_what_each_known_rank_runs() -> None:
     assert "ranks are out of step: this rank is about to run all_gather of unit 'layers.0' (collective #9" in text
     assert ", rank 3 reduce_scatter of unit 'layers.1' (collective #9 of its group) in its forward #2." in text
     assert "rank 1: not known here" in text and "rank 2: not known here" in text
+
+
+def test_blocking_headers_at_other_counts_are_out_of_step() -> None:
+    # Headers pair first-in first-out on one tag: the same collective at another place in the group's sequence
+    # would pass a comparison of kind and unit alone, and shift every later payload's tag.
+    collective_check._label_of_crc[5] = "clip_grad_norm_"
+    mine, theirs = [5, 5, 12, 4], [5, 5, 13, 4]  # all_reduce compared before it is posted, #12 against #13
+    collective_check._raise_if_out_of_step([mine, mine], ranks=[0, 1], me=0)  # equal: nothing raised
+    with pytest.raises(collective_check.DesyncError, match=r"rank 1 all_reduce .*\(collective #13 of its group\)"):
+        collective_check._raise_if_out_of_step([mine, theirs], ranks=[0, 1], me=0)

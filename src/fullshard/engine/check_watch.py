@@ -29,7 +29,9 @@ nothing until a wait lasts:
 What it cannot name: a rank that never waits in the engine (it waits in the script's own collective, or it
 stopped) never starts its listener; the asker's query waits unread and the group's timeout ends the wait, as it
 would have without the check. A rank merely slower than the others answers nothing (its records, at the counts it
-has reached, agree) and the asker goes on waiting.
+has reached, agree) and the asker goes on waiting. A wait for more than :data:`_MAX_SIZES` messages per rank (a
+unit with that many directly gathered parameters) is released only in part: it raises the noted mismatch when
+the group's timeout ends it.
 
 Invariants: only the diagnostic tag (:data:`DIAG_TAG`) carries the watch's messages, so they never meet a
 payload or a collective. What the watch leaves posted is bounded: a group's questions go out from one thread at a
@@ -48,6 +50,7 @@ import threading
 import time
 import weakref
 import zlib
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -76,6 +79,10 @@ FIRST_QUERY_S = 0.5  # a wait this long asks the other ranks where they are; the
 DIAG_TAG = 0x5EA4  # the watch's own messages (below gloo's collective slots, apart from p2p.py's and the header's)
 _PAYLOAD_TAG_BASE = 0x40000000
 _QUERY, _DIFFERS, _RELEASE = 1, 2, 3
+# The watch's own waits may last the life of the job. A gloo wait with no timeout of its own takes the group's,
+# and one that expires closes the group's connections for good: a listener idle for that long would break a
+# healthy group. So they name a timeout of their own.
+_FOREVER = timedelta(days=3650)
 _MESSAGE_LEN = 1024  # int64 slots of one diagnostic message (a fixed size: gloo's receive needs one)
 _SHOWN_RECORDS = 16  # records a query carries: the waited one's neighbours, up to the newest
 _MAX_SIZES = _MESSAGE_LEN - 4 * _SHOWN_RECORDS - 8
@@ -208,7 +215,7 @@ def _query(wait: Wait) -> None:
 def _wait_sends(sends: list[Any]) -> None:
     with contextlib.suppress(RuntimeError):  # the group broke: nobody is left to ask
         for _, _, work in sends:
-            work.wait()
+            work.wait(_FOREVER)
 
 
 def _listen(pg: dist.ProcessGroup) -> None:
@@ -225,7 +232,7 @@ def _serve(pg: dist.ProcessGroup) -> None:
     with contextlib.suppress(RuntimeError):
         while True:
             buffer = torch.zeros(_MESSAGE_LEN, dtype=torch.int64)
-            pg.recv_anysource([buffer], DIAG_TAG).wait()
+            pg.recv_anysource([buffer], DIAG_TAG).wait(_FOREVER)
             _handle(pg, buffer.tolist())
 
 

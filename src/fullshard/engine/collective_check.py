@@ -364,8 +364,8 @@ def issue(kind: str, label: str, pg: dist.ProcessGroup | None, post: Callable[[i
 
 def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> None:
     """Exchange this rank's header over ``pg`` and compare it; raise on every rank if any rank is about to run
-    another kind of collective or another unit's. The counts are only reported: a forward without collectives
-    (NO_SHARD) is no desync."""
+    another kind of collective or another unit's, or at another count in the group. The forward counts are only
+    reported: a forward without collectives (NO_SHARD) is no desync."""
     if pg is None:
         return
     failed = _stopped(pg)
@@ -375,8 +375,10 @@ def _compare_headers(kind: str, label: str, pg: dist.ProcessGroup | None) -> Non
 
 
 def _raise_if_out_of_step(headers: list[list[int]], ranks: list[int], me: int) -> None:
-    """Raise :class:`DesyncError` naming each rank's collective if any rank's kind or unit differs from this one's."""
-    if any(h[:2] != headers[me][:2] for h in headers):
+    """Raise :class:`DesyncError` naming each rank's collective if any rank's kind, unit or count in the group
+    differs from this one's (headers pair first-in first-out on one tag, so they could pair across counts; the
+    counts must agree anyway: the payloads' tags carry them)."""
+    if any(h[:3] != headers[me][:3] for h in headers):
         raise _out_of_step(dict(enumerate(headers)), ranks, me)
 
 
@@ -385,7 +387,7 @@ def _out_of_step(headers: dict[int, Any], ranks: list[int], me: int) -> DesyncEr
     n = len(ranks)
     mine = headers[me]
     others = [(r, h) for i, (r, h) in enumerate(zip(ranks, [headers.get(i) for i in range(n)]))
-              if h is not None and i != me and tuple(h[:2]) != tuple(mine[:2])]  # fmt: skip
+              if h is not None and i != me and tuple(h[:3]) != tuple(mine[:3])]  # fmt: skip
     rank, other = others[0]
     listing = "; ".join(f"rank {r}: {_describe(headers.get(i))}" for i, r in enumerate(ranks))
     return DesyncError(
