@@ -98,9 +98,16 @@ def note_forward() -> None:
     _forwards += 1
 
 
-def _where(kind: str, label: str, pg: dist.ProcessGroup | None) -> str:
-    count = _issued.get(pg, 0) if pg is not None else 0
+def _where(kind: str, label: str, pg: dist.ProcessGroup | None, count: int | None = None) -> str:
+    """The collective numbered ``count`` (by default the last one counted over ``pg``) in words."""
+    if count is None:
+        count = _issued.get(pg, 0) if pg is not None else 0
     return f"{kind} of unit {label!r} (collective #{count} of its group)"
+
+
+def _check_where(kind: str, label: str, count: int, forwards: int) -> str:
+    """Where a rank waits under the check, as its errors name it (the launch summary quotes the words)."""
+    return f"check before the {_where(kind, label, None, count)}, in forward #{forwards} of this process"
 
 
 def _size(pg: dist.ProcessGroup | None) -> int:
@@ -211,25 +218,30 @@ _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 # own (REDUCE_SCATTER_TAG, ALL_GATHER_TAG), the watch's (check_watch.DIAG_TAG) and from small tags a script uses.
 HEADER_TAG = 0x5EA3
 _label_of_crc: dict[int, str] = {}  # every unit name seen here: the other ranks' CRCs are named back with it
-_kind_crcs: dict[tuple[str, str], int] = {}
+_crcs: dict[tuple[str, str], tuple[int, int]] = {}  # (kind, unit) -> (the unit's CRC, the kind and unit's CRC)
+
+
+def _crcs_of(kind: str, label: str) -> tuple[int, int]:
+    """The CRC-32 of unit ``label`` (records, headers) and of ``kind`` with it (payload tags): computed once."""
+    crcs = _crcs.get((kind, label))
+    if crcs is None:
+        crc = zlib.crc32(label.encode())
+        _label_of_crc.setdefault(crc, label)
+        crcs = _crcs[(kind, label)] = (crc, zlib.crc32(f"{kind}:{label}".encode()))
+    return crcs
 
 
 def _record(kind: str, label: str, pg: dist.ProcessGroup, blocking: bool) -> check_watch.Record:
     """This rank's record of the collective just counted over ``pg``, kept for the watch: kind (offset by
     ``len(_KINDS)`` for a collective compared before it is posted), unit CRC, group count, forward count."""
-    crc = zlib.crc32(label.encode())
-    _label_of_crc.setdefault(crc, label)
-    record = (_KINDS.index(kind) + (len(_KINDS) if blocking else 0), crc, _issued[pg], _forwards)
+    record = (_KINDS.index(kind) + (len(_KINDS) if blocking else 0), _crcs_of(kind, label)[0], _issued[pg], _forwards)
     check_watch.note(pg, record)
     return record
 
 
 def payload_tag(kind: str, label: str, count: int) -> int:
     """The point-to-point tag of unit ``label``'s ``kind`` collective numbered ``count`` in its group."""
-    kind_crc = _kind_crcs.get((kind, label))
-    if kind_crc is None:
-        kind_crc = _kind_crcs[(kind, label)] = zlib.crc32(f"{kind}:{label}".encode())
-    return check_watch.payload_tag(kind_crc, count)
+    return check_watch.payload_tag(_crcs_of(kind, label)[1], count)
 
 
 def _describe(header: list[int] | tuple[int, ...] | None) -> str:
@@ -290,7 +302,7 @@ class _Exchange:
     them dispatches no ATen op. They live here until :meth:`compare` has waited for every transfer."""
 
     def __init__(self, kind: str, label: str, pg: dist.ProcessGroup) -> None:
-        self.where = f"check before the {_where(kind, label, pg)}, in forward #{_forwards} of this process"
+        self.where = _check_where(kind, label, _issued[pg], _forwards)
         self.ranks, self.me, self.pg = dist.get_process_group_ranks(pg), dist.get_rank(pg), pg
         n = len(self.ranks)
         mine = array.array("q", _record(kind, label, pg, blocking=True))
@@ -323,10 +335,7 @@ class _CheckedWork:
 
     def _where(self) -> str:
         kind, label, forwards = self._what
-        return (
-            f"check before the {kind} of unit {label!r} (collective #{self._wait.count} of its group), in forward "
-            f"#{forwards} of this process"
-        )
+        return _check_where(kind, label, self._wait.count, forwards)
 
     def wait(self, timeout: Any = None) -> bool:
         if self._works is not None:
