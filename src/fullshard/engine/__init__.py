@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the table of what is imported from where, read by lazy_surf
     )
     from fullshard.engine.coerce import coerce_enum
     from fullshard.engine.collectives import all_reduce_flat, predivide_factor, reduce_scatter_flat
+    from fullshard.engine.cpu_memory import allocator_set_by_user, keep_freed_memory
     from fullshard.engine.fully_shard import (
         FSDPModule,
         UnshardHandle,
@@ -178,6 +179,9 @@ __all__ = [
     "all_reduce_flat",
     "predivide_factor",
     "reduce_scatter_flat",
+    # the C allocator's setting on CPU (testing/bench.py gives every benchmarked system the same)
+    "allocator_set_by_user",
+    "keep_freed_memory",
 ]
 
 __getattr__, __dir__ = lazy_surface(__name__, __file__)

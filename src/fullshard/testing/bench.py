@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import FSDP, apply_activation_checkpointing
-from fullshard.engine import p2p
+from fullshard.engine import allocator_set_by_user, keep_freed_memory, p2p
 from fullshard.testing.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from fullshard.testing.models import Block, GPTConfig, TinyGPT, make_batch
 from fullshard.testing.pool import WorkerPool
@@ -111,7 +111,8 @@ def describe_machine() -> str:
     m = machine()
     return (
         f"{m['cpu']}, {m['cores']} of {m['cpus']} CPUs, flags {m['flags'] or '-'}, bf16 {m['bf16']}, "
-        f"torch {m['torch']}, load average {m['load']}"
+        f"torch {m['torch']}, load average {m['load']}, "
+        f"malloc {'as the environment sets it' if allocator_set_by_user() else 'keeps freed memory (every system)'}"
     )
 
 
@@ -258,12 +259,22 @@ def on_fresh_ranks(
 
     The ranks are stopped afterwards, so each call starts from a fresh allocator and interpreter. The long
     default timeouts are for a loaded shared machine, where a medium model's steps take minutes.
+
+    Every system a rank runs shares its C allocator's settings, and the engine changes them at its first CPU
+    unit (``engine/cpu_memory.py``: freed memory kept for reuse); so that a peer measured before or after a
+    fullshard system in the same rank is not measured under other settings, each rank applies them first
+    (``FULLSHARD_CPU_KEEP_FREED_MEMORY=0`` or the user's own ``MALLOC_*`` settings: glibc's defaults for all).
     """
     pool = WorkerPool(world, timeout_s=timeout_s, grace_s=grace_s, backend=backend, start_method="spawn")
     try:
-        return pool.run(fn, *args)
+        return pool.run(_under_one_allocator_setting, fn, *args)
     finally:
         pool.close()
+
+
+def _under_one_allocator_setting(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    keep_freed_memory()
+    return fn(rank, world, *args)
 
 
 # --- peak memory of a training run -------------------------------------------------------------------------
