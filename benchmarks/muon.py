@@ -256,7 +256,6 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # the ranks inherit it: freed tensors leave RSS
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     rows = list(MATRIX_OPTIMIZER_ROWS)
     rows.insert(2, (rows[1][0], "muon-serial"))  # fullshard + Muon without the pipeline, in the same run
@@ -280,6 +279,10 @@ def main() -> None:
     result = summarise(per_rank, rows, min(args.warm, args.steps - 1))
     peaks: dict[str, list[int]] = {}
     if not args.no_peak:
+        # Only the peak ranks (spawned after this) run with it: freed tensors leave RSS. The timed ranks run with the
+        # allocator every benchmark gives every system (testing/bench.py), or a step would pay a page fault for
+        # every buffer above 128 KiB it allocates.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
         for row in rows:
             ranks = on_fresh_ranks(_peak, row, cfg, args.batch, args.peak_steps, world=args.world, timeout_s=3600)
             peaks[label(row)] = [r["peak"] for r in ranks]
