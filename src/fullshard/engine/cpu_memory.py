@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Mapping
 
 __all__ = ["ENV", "MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "keep_freed_memory", "allocator_set_by_user"]
 
@@ -44,7 +45,7 @@ _USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TO
 _applied: bool | None = None  # None: not decided yet in this process
 
 
-def allocator_set_by_user(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+def allocator_set_by_user(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the user set the allocator up themselves (or turned this off): their choice is left alone."""
     return (
         environ.get(ENV, "1").strip() == "0"
