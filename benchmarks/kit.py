@@ -31,6 +31,7 @@ from fullshard import MixedPrecision
 from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.engine.collective_check import CHECK_VAR
 from fullshard.engine.p2p import ENV_VAR as P2P_ENV_VAR
+from fullshard.engine.shm import ENV_VAR as SHM_ENV_VAR
 from fullshard.testing.models import Block
 from fullshard.testing.parity import fully_shard_blocks, without_sync
 from fullshard.wrap import ModuleWrapPolicy
@@ -287,6 +288,10 @@ _GLOO = {P2P_ENV_VAR: "0"}
 UNCHECKED = ", unchecked"
 _UNCHECKED = {CHECK_VAR: "0"}
 
+# ... and with this suffix through gloo's loopback sockets where the ranks share a host (see engine/shm.py).
+SOCKETS = ", sockets"
+_SOCKETS = {SHM_ENV_VAR: "0"}
+
 # Entry points (``System.entry_point``).
 FSDP_CLASS, FULLY_SHARD = "FullyShardedDataParallel", "fully_shard"
 OUR_ENTRY_POINTS = (FSDP_CLASS, FULLY_SHARD)
@@ -331,6 +336,8 @@ SYSTEMS: dict[str, System] = {
         System(f"{OURS_FULLY_SHARD}{GLOO_NATIVE}", ours_fully_shard, env=_GLOO, **_ours_fs),
         System(f"{OURS_FSDP}{UNCHECKED}", ours_fsdp, env=_UNCHECKED, **_ours),
         System(f"{OURS_FULLY_SHARD}{UNCHECKED}", ours_fully_shard, env=_UNCHECKED, **_ours_fs),
+        System(f"{OURS_FSDP}{SOCKETS}", ours_fsdp, env=_SOCKETS, **_ours),
+        System(f"{OURS_FULLY_SHARD}{SOCKETS}", ours_fully_shard, env=_SOCKETS, **_ours_fs),
         System(
             OURS_FSDP_BF16_ON_DEMAND,
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="none"),

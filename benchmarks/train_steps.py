@@ -26,7 +26,7 @@ from kit import (
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullshard.engine import trace
+from fullshard.engine import shm, trace
 from fullshard.engine.collectives import COMM_STATS
 from fullshard.testing.bench import (
     on_fresh_ranks,
@@ -47,6 +47,14 @@ class CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.world = world
         self.bytes = 0.0
+
+    def __enter__(self) -> CollectiveBytes:
+        self._shared_before = shm.TRAFFIC.sent  # what goes through shared memory between ranks of one host
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.bytes += shm.TRAFFIC.sent - self._shared_before
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.__name__ if hasattr(func, "__name__") else str(func)

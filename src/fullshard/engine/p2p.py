@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fullshard.engine import shm
 from fullshard.engine.mesh import is_gloo
 
 __all__ = ["ENV_VAR", "P2P_MIN_BYTES", "P2PWork", "pairwise_all_gather", "pairwise_reduce_scatter", "use_p2p"]
@@ -96,6 +97,11 @@ def pairwise_reduce_scatter(
     ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
+    ch = shm.channel(pg) if full.device.type == "cpu" else None
+    if ch is not None:  # ranks on one host: through shared memory, a header each way on gloo (shm.py)
+        if recorded_sizes is not None:
+            recorded_sizes.append(shm.HEADER_BYTES)
+        return P2PWork(*shm.reduce_scatter(ch, output, full, pg, tag))
     if recorded_sizes is not None:
         recorded_sizes.append(output.numel() * output.element_size())
     if n == 2:  # the peer's chunk lands in output and ours is added: one addition, which commutes; no buffer
@@ -124,6 +130,11 @@ def pairwise_all_gather(
     """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place, sent on ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = output.view(n, _chunk_numel(shard, output, n, "pairwise_all_gather"))
+    ch = shm.channel(pg) if output.device.type == "cpu" else None
+    if ch is not None:
+        if recorded_sizes is not None:
+            recorded_sizes.append(shm.HEADER_BYTES)
+        return P2PWork(*shm.all_gather(ch, output, shard, pg, tag))
     if recorded_sizes is not None:
         recorded_sizes.append(shard.numel() * shard.element_size())
     works = [pg.send([shard], peer, tag) for peer in range(n) if peer != rank]

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fullshard.engine import collective_check, cpu_memory, invariant, trace
+from fullshard.engine import collective_check, cpu_memory, invariant, shm, trace
 from fullshard.engine.agreement import check_same_order_on_all_ranks, check_same_units_on_all_ranks
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.frozen_backward import FrozenBackward
@@ -236,6 +236,8 @@ class UnitState:
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if any(s.group is not None and s.group.device.type == "cpu" for s in states):
             cpu_memory.keep_freed_memory()  # freed unit-sized buffers reused, not faulted in again (cpu_memory.py)
+            if not simulating():
+                shm.connect()  # which ranks share this host: their gathers and reductions skip the sockets (shm.py)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
         invariant.check_one_mode(states)

@@ -1,0 +1,355 @@
+"""Gathers and reductions between ranks of one host through shared memory, instead of gloo's loopback sockets.
+
+[Note: the same-host transport]
+``p2p.py``'s pairwise all-gather and reduce-scatter move every payload through a TCP socket when the ranks share a
+host: the sender's bytes are copied into the kernel and out again on the receiving side, with the protocol's work
+around them. On the medium GPT of ``benchmarks/train.py steps`` that kernel time, 0.56-0.68 ms per MB (DDP's
+bucketed all-reduce: 0.32-0.47), was most of what a FULL_SHARD step spent beyond DDP's (notes 17 and 18). Here
+the payload goes through memory both processes map instead, and only a 64-byte header goes through gloo:
+
+- A sender copies its payload (a gather's shard, or the chunks a reduction sends to each peer) into a *region*: a
+  ``memfd`` of its own, mapped shared, taken from its pool for that size. It posts one header to each peer on the
+  collective's tag: which region (its fd, a serial number), where in it, how many bytes, and its sequence number.
+- A receiver posts the header receives at once, as it posted the payload receives before, and in ``wait()`` reads
+  the peer's region where the header says (mapped once through ``/proc/<pid>/fd/<fd>``, then kept): a gather
+  copies it into place, a reduction adds it straight from there, in the order ``p2p.py`` documents. It then
+  acknowledges the message in the sender's *control* page, and the sender reuses the region once every reader
+  has. Per rank and 12 MiB collective on 2 ranks, that is one copy on each side instead of two through TCP.
+
+Nothing here waits on another rank beyond the headers' gloo messages: a region still being read is never reused
+(a new one is made), so a peer that dies or falls out of step leaves gloo's receive waiting as before, and the
+group's timeout, ``PeerLostError`` and the collective check (``collective_check.py``: the headers travel on the
+collective's tag and are the sizes its watch mirrors) behave as on the socket path. A header that is not one (the
+watch's mirrored message after a mismatch) reads nothing.
+
+When it runs: on Linux x86-64 (the acknowledgement relies on its ordering of a receiver's reads before its later
+write) for a gloo group whose ranks all share this host, this user and this PID namespace, as found once per
+process by :func:`connect` (a collective at the first root unit's lazy init). ``FULLSHARD_CPU_SHM=0`` keeps the
+sockets, read at each collective (a benchmark row can run with it while another runs without); like
+``FULLSHARD_GLOO_P2P``, it must be the same on every rank.
+
+Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the same order.
+
+Memory: a sender's pool holds its messages in flight (not yet read by every peer), a few unit shards at most; a
+reader maps its peers' regions, which its resident size counts too. Regions stay for the next step's messages of
+the same size; idle ones are dropped once a pool holds more than :data:`POOL_BYTES_KEPT`.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import platform
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ENV_VAR",
+    "HEADER_BYTES",
+    "POOL_BYTES_KEPT",
+    "TRAFFIC",
+    "Channel",
+    "Traffic",
+    "channel",
+    "connect",
+    "disconnect",
+]
+
+ENV_VAR = "FULLSHARD_CPU_SHM"
+
+POOL_BYTES_KEPT = 512 * 2**20
+"""Above this many bytes in one sender's pool, idle regions of other sizes are dropped when a new one is made."""
+
+HEADER_BYTES = 64
+_MAGIC = 0x46534853484D0001  # the first word of a header: anything else (a released wait's filler) reads nothing
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class Traffic:
+    """Payload bytes this process has put in its regions for peers to read, counted once per reading peer (what
+    the socket path would have sent; benchmarks count that path's bytes in c10d's send ops)."""
+
+    sent: int = 0
+
+
+TRAFFIC = Traffic()
+
+# By global rank, once connect() ran: (host key or None where off, pid). None before.
+_endpoints: list[tuple[object, int]] | None = None
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel | None] = weakref.WeakKeyDictionary()
+
+
+def _wanted() -> bool:
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if value not in ("0", "1", "", "auto"):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 (gloo's sockets), 1 or auto (shared memory on one host)")
+    return value != "0"
+
+
+def _host_key() -> object | None:
+    """What two processes must share to map each other's memfds: the boot, the PID namespace and the user."""
+    if not (sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and hasattr(os, "memfd_create")):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return (boot, os.stat("/proc/self/ns/pid").st_ino, os.getuid())
+    except OSError:
+        return None
+
+
+def connect() -> None:
+    """Find which ranks share this host (a collective over the default group, once per process; every rank
+    calls it at the same point: the first root unit's lazy init). Raises on a bad ``FULLSHARD_CPU_SHM``."""
+    global _endpoints
+    _wanted()
+    if _endpoints is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from fullshard.ranks import gather_from_ranks  # ranks imports the engine's modules
+
+    _endpoints = gather_from_ranks((_host_key(), os.getpid()))
+
+
+def disconnect() -> None:
+    """Forget the peers and drop every channel (its regions are unmapped once no work holds them)."""
+    global _endpoints
+    _endpoints = None
+    _channels.clear()
+
+
+def channel(pg: dist.ProcessGroup) -> Channel | None:
+    """This rank's channel over ``pg``, or ``None`` where ``pg``'s ranks do not all share this host (or before
+    :func:`connect`), or while ``FULLSHARD_CPU_SHM=0``. The same answer on every rank of ``pg`` (given the same
+    setting on each, as for ``FULLSHARD_GLOO_P2P``)."""
+    if not _wanted():
+        return None
+    try:
+        return _channels[pg]
+    except KeyError:
+        pass
+    found = None
+    if _endpoints is not None:
+        ranks = dist.get_process_group_ranks(pg)
+        keys = {_endpoints[r][0] for r in ranks}
+        if len(keys) == 1 and None not in keys and len(ranks) > 1:
+            found = Channel(pg.rank(), [_endpoints[r][1] for r in ranks])
+    _channels[pg] = found
+    return found
+
+
+def _map(fd: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of the file ``fd``, mapped shared, as a uint8 tensor (the mapping lives as long as the tensor)."""
+    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+
+
+def _open_peer(pid: int, fd: int, nbytes: int) -> torch.Tensor:
+    peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        return _map(peer_fd, nbytes)
+    finally:
+        os.close(peer_fd)
+
+
+@dataclass
+class _Region:
+    """One memfd of a sender's pool. ``readers``: for each peer reading it, the sequence number of the message
+    it reads there; free again once each peer acknowledged that many messages."""
+
+    fd: int
+    serial: int
+    nbytes: int
+    memory: torch.Tensor
+    readers: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, os.close, self.fd)  # the fd lives as long as the region (the mapping as the tensor)
+
+
+class Channel:
+    """One rank's end of the same-host transport over a group of ``len(pids)`` ranks (``rank`` is this one).
+
+    Invariants: messages to each peer are numbered 1, 2, ... in the order they are posted; a peer acknowledges
+    them by writing, in this rank's control page at its own index, the highest number up to which it has read
+    every message (reads may finish out of order: :meth:`_acknowledge` keeps the ones ahead); a region is reused
+    only when every reader's acknowledgement has reached its message."""
+
+    def __init__(self, rank: int, pids: list[int]) -> None:
+        self.rank, self.pids, self.size = rank, pids, len(pids)
+        self._control_fd = os.memfd_create("fullshard-shm-control", os.MFD_CLOEXEC)
+        os.ftruncate(self._control_fd, _PAGE)
+        self._control_map = mmap.mmap(self._control_fd, _PAGE)
+        self._acks = memoryview(self._control_map).cast("q")  # [peer]: our messages it has read, in order
+        self._sent = [0] * self.size
+        self._read = [0] * self.size
+        self._read_ahead: list[set[int]] = [set() for _ in range(self.size)]
+        self._pools: dict[int, list[_Region]] = {}
+        self._serial = 0
+        self._peer_regions: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        self._peer_acks: dict[int, memoryview] = {}
+
+    # --- sending -------------------------------------------------------------------------------------
+
+    def stage(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
+        """A region of ``nbytes`` no peer still reads, numbered for ``readers``: ``(region, seq by reader)``."""
+        pool = self._pools.setdefault(nbytes, [])
+        region = next((r for r in pool if self._idle(r)), None)
+        if region is None:
+            region = self._new_region(nbytes)
+            pool.append(region)
+        seqs = {}
+        for peer in readers:
+            self._sent[peer] += 1
+            seqs[peer] = self._sent[peer]
+        region.readers = dict(seqs)
+        return region, seqs
+
+    def header(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
+        return array.array("q", [_MAGIC, seq, region.fd, region.serial, offset, nbytes, self._control_fd,
+                                 region.nbytes])  # fmt: skip
+
+    def _idle(self, region: _Region) -> bool:
+        return all(self._acks[peer] >= seq for peer, seq in region.readers.items())
+
+    def _new_region(self, nbytes: int) -> _Region:
+        held = sum(r.nbytes for pool in self._pools.values() for r in pool)
+        if held + nbytes > POOL_BYTES_KEPT:  # idle regions of other sizes go first
+            for size, pool in self._pools.items():
+                if size != nbytes:
+                    pool[:] = [r for r in pool if not self._idle(r)]
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        fd = os.memfd_create("fullshard-shm", os.MFD_CLOEXEC)
+        try:
+            os.posix_fallocate(fd, 0, size)  # out of memory is an error here, not a SIGBUS at the first write
+            memory = _map(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            raise RuntimeError(
+                f"fullshard's same-host transport could not allocate {size} bytes of shared memory ({exc}); "
+                f"free memory, or set {ENV_VAR}=0 on every rank to send through gloo's sockets"
+            ) from exc
+        self._serial += 1
+        return _Region(fd, self._serial, size, memory)
+
+    # --- receiving -----------------------------------------------------------------------------------
+
+    def read(self, peer: int, header: array.array, nbytes: int) -> torch.Tensor | None:
+        """The ``nbytes`` bytes ``peer``'s ``header`` points at (uint8, in its region), or ``None`` where the header
+        is not one of this transport's for that many bytes (nothing is read then)."""
+        magic, _, fd, serial, offset, size, _, region_bytes = header
+        if magic != _MAGIC or size != nbytes or offset < 0 or offset + nbytes > region_bytes:
+            return None
+        cached = self._peer_regions.get((peer, fd))
+        if cached is None or cached[0] != serial:  # a new region (the fd number may be a closed region's)
+            cached = (serial, _open_peer(self.pids[peer], fd, region_bytes))
+            self._peer_regions[(peer, fd)] = cached
+        return cached[1].narrow(0, offset, nbytes)
+
+    def done_reading(self, peer: int, header: array.array) -> None:
+        """Acknowledge ``peer``'s message (call after the last read of it): its region may be reused."""
+        seq, control_fd = header[1], header[6]
+        acks = self._peer_acks.get(peer)
+        if acks is None:
+            peer_fd = os.open(f"/proc/{self.pids[peer]}/fd/{control_fd}", os.O_RDWR)
+            try:
+                acks = memoryview(mmap.mmap(peer_fd, _PAGE)).cast("q")
+            finally:
+                os.close(peer_fd)
+            self._peer_acks[peer] = acks
+        ahead = self._read_ahead[peer]
+        ahead.add(seq)
+        read = self._read[peer]
+        while read + 1 in ahead:
+            read += 1
+            ahead.discard(read)
+        self._read[peer] = read
+        acks[self.rank] = read  # x86-64: the reads above are ordered before this write (see the module's note)
+
+
+# --- the collectives ---------------------------------------------------------------------------------------
+
+
+def _typed(memory: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    return memory.narrow(0, 0, numel * dtype.itemsize).view(dtype)
+
+
+def all_gather(
+    ch: Channel, output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, tag: int
+) -> tuple[list[dist.Work], Callable[[], None]]:
+    """Post ``p2p.pairwise_all_gather`` through ``ch``: the works and what ``wait()`` runs after them."""
+    n, rank = ch.size, ch.rank
+    chunks = output.view(n, shard.numel())
+    nbytes = shard.numel() * shard.element_size()
+    peers = [p for p in range(n) if p != rank]
+    region, seqs = ch.stage(nbytes, peers)
+    _typed(region.memory, shard.dtype, shard.numel()).copy_(shard)
+    TRAFFIC.sent += nbytes * len(peers)
+    sent = {p: ch.header(region, seqs[p], 0, nbytes) for p in peers}
+    received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
+    works = [pg.send([_view(sent[p])], p, tag) for p in peers]
+    works += [pg.recv([_view(received[p])], p, tag) for p in peers]
+    chunks[rank].copy_(shard)
+
+    def finish() -> None:
+        # As a receive into ``output`` would: no autograd, no version bump (it may be a view of a gathered buffer
+        # that autograd saved, see collectives.copy_out).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
+            for p in peers:
+                theirs = ch.read(p, received[p], nbytes)
+                if theirs is None:
+                    return  # not a real message (the check released this wait): nothing read
+                chunks[p].copy_(theirs.view(shard.dtype))
+                ch.done_reading(p, received[p])
+        sent.clear()
+
+    return works, finish
+
+
+def reduce_scatter(
+    ch: Channel, output: torch.Tensor, full: torch.Tensor, pg: dist.ProcessGroup, tag: int
+) -> tuple[list[dist.Work], Callable[[], None]]:
+    """Post ``p2p.pairwise_reduce_scatter`` through ``ch``: the works and what ``wait()`` runs after them (the sum
+    in ``p2p.py``'s order)."""
+    n, rank = ch.size, ch.rank
+    numel = output.numel()
+    chunks = full.view(n, numel)
+    nbytes = numel * full.element_size()
+    peers = [p for p in range(n) if p != rank]
+    region, seqs = ch.stage(nbytes * (n - 1), peers)
+    staged = _typed(region.memory, full.dtype, numel * (n - 1)).view(n - 1, numel)
+    TRAFFIC.sent += nbytes * len(peers)
+    if rank > 0:  # the peers' chunks in peer order: those before this rank's, then those after
+        staged[:rank].copy_(chunks[:rank])
+    if rank < n - 1:
+        staged[rank:].copy_(chunks[rank + 1 :])
+    sent = {p: ch.header(region, seqs[p], i * nbytes, nbytes) for i, p in enumerate(peers)}
+    received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
+    works = [pg.send([_view(sent[p])], p, tag) for p in peers]
+    works += [pg.recv([_view(received[p])], p, tag) for p in peers]
+
+    def finish() -> None:
+        rows = []
+        for p in range(n):
+            theirs = chunks[rank] if p == rank else ch.read(p, received[p], nbytes)
+            if theirs is None:
+                return  # not a real message (the check released this wait): nothing read
+            rows.append(theirs if p == rank else theirs.view(full.dtype))
+        with torch.no_grad():
+            torch.add(rows[0], rows[1], out=output)
+            for row in rows[2:]:
+                output.add_(row)
+        for p in peers:
+            ch.done_reading(p, received[p])
+        sent.clear()
+
+    return works, finish
+
+
+def _view(header: array.array) -> torch.Tensor:
+    return torch.frombuffer(header, dtype=torch.int64)

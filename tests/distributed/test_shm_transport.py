@@ -1,0 +1,167 @@
+"""The same-host transport (engine/shm.py): p2p's gathers and reductions through shared memory.
+
+Set up: 2 and 4 gloo ranks of one host, after ``shm.connect()`` (what the first root unit's lazy init runs).
+Check: every collective is bitwise the socket path's (the gathers gloo's own, the sums in rank order), with
+several in flight and waited in any order; regions are reused once read, so a long run keeps a fixed pool; a
+header that is not one reads nothing; ranks not all on one host, or ``FULLSHARD_CPU_SHM=0``, keep the sockets;
+a bad setting is refused by name; training FULL_SHARD through it is bitwise training through the sockets.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.engine import p2p, shm
+from fullshard.testing import WorkerPool
+from fullshard.testing.parity import RunResult
+from tests.distributed.test_p2p_collectives import FULL_SHARD, SPEC, _check_collectives, _in_flight_together, _run_with
+
+
+def _connected(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` with this worker's channel over the world group (sockets elsewhere are unaffected)."""
+    shm.connect()
+    assert shm.channel(dist.group.WORLD) is not None, "ranks of one host found no channel"
+    return fn(rank, world, *args)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_bitwise_through_shared_memory(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
+    pool = pool2 if world == 2 else pool4
+    assert pool.run(_connected, _check_collectives) == [[]] * world
+    for checks in pool.run(_connected, _in_flight_together):
+        assert all(checks), checks
+
+
+def _pool_after_many(rank: int, world: int) -> dict[str, object]:
+    """200 rounds of a gather and a reduction posted together (waited in reverse every other round): the pools
+    stay at a few regions per size, a descriptor is opened only for a new region, and every result is right."""
+    shm.connect()
+    pg = dist.group.WORLD
+    ch = shm.channel(pg)
+    assert ch is not None
+    wrong, warm = 0, (0, 0)
+    for i in range(200):
+        if i == 20:
+            warm = (len(os.listdir("/proc/self/fd")), sum(len(pool) for pool in ch._pools.values()))
+        full = torch.full((world * 1000,), float(rank + i))
+        out = torch.empty(1000)
+        gathered = torch.empty(world * 300)
+        works = [p2p.pairwise_reduce_scatter(out, full, pg), p2p.pairwise_all_gather(gathered, full[:300], pg)]
+        for work in works if i % 2 else reversed(works):
+            work.wait()
+        want = sum(float(r + i) for r in range(world))
+        wrong += int(not torch.equal(out, torch.full((1000,), want)))
+        wrong += int(not torch.equal(gathered.view(world, 300)[:, 0], torch.arange(world).float() + i))
+    return {
+        "wrong": wrong,
+        "regions": max(len(pool) for pool in ch._pools.values()),
+        "new fds": len(os.listdir("/proc/self/fd")) - warm[0],
+        "new regions": sum(len(pool) for pool in ch._pools.values()) - warm[1],
+    }
+
+
+def test_regions_reused_once_read(pool2: WorkerPool) -> None:
+    for seen in pool2.run(_pool_after_many):
+        assert seen["wrong"] == 0
+        assert seen["regions"] <= 3, seen  # messages in flight, plus acknowledgements not yet seen
+        # a region made late (a peer slow to read) holds one descriptor; nothing else is opened, or leaked
+        assert seen["new fds"] == seen["new regions"] <= 2, seen
+
+
+def _not_one_host(rank: int, world: int) -> list[object]:
+    """Channels are decided from the ranks' host keys: any differing key (or none) keeps the sockets."""
+    shm.connect()
+    saved = shm._endpoints
+    assert saved is not None
+    seen: list[object] = []
+    try:
+        shm._endpoints = [(("another host", r) if r == world - 1 else key, pid) for r, (key, pid) in enumerate(saved)]
+        seen.append(shm.channel(dist.new_group(list(range(world)))))
+        rest = dist.new_group(list(range(world - 1)))  # every rank creates every group
+        seen.append(shm.channel(rest) is not None if rank < world - 1 else True)  # the others share one host
+        shm._endpoints = [(None, pid) for _, pid in saved]
+        seen.append(shm.channel(dist.new_group(list(range(world)))))
+    finally:
+        shm._endpoints = saved
+    with mock.patch.dict(os.environ, {shm.ENV_VAR: "0"}):
+        seen.append(shm.channel(dist.group.WORLD))
+    with mock.patch.dict(os.environ, {shm.ENV_VAR: "shared"}):
+        try:
+            shm.channel(dist.group.WORLD)
+        except ValueError as err:
+            seen.append(str(err))
+    return seen
+
+
+def test_sockets_where_not_one_host_or_turned_off(pool4: WorkerPool) -> None:
+    for seen in pool4.run(_not_one_host):
+        assert seen[:4] == [None, True, None, None], seen
+        assert "FULLSHARD_CPU_SHM='shared'" in seen[4] and "auto" in seen[4], seen[4]
+
+
+def test_a_header_that_is_not_one_reads_nothing() -> None:
+    """What the collective check's watch mirrors to release a wait (zeros), or a header for another size, is not
+    read: no mapping is opened, and the receiver's buffers stay as they were."""
+    ch = shm.Channel(0, [os.getpid(), os.getpid()])
+    region, seqs = ch.stage(4096, [1])
+    header = ch.header(region, seqs[1], 0, 4096)
+    assert ch.read(1, array.array("q", bytes(shm.HEADER_BYTES)), 4096) is None
+    assert ch.read(1, header, 2048) is None  # another size than the receiver expects
+    beyond = array.array("q", header)
+    beyond[4] = region.nbytes  # offset past the region
+    assert ch.read(1, beyond, 4096) is None
+    assert ch._peer_regions == {}
+    region.memory[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    read = ch.read(1, header, 4096)  # this process as its own peer: the region, through /proc
+    assert read is not None and read[:4].tolist() == [1, 2, 3, 4]
+
+
+def test_region_reused_only_after_every_reader_acknowledged() -> None:
+    ch = shm.Channel(0, [os.getpid()] * 3)
+    first, seqs = ch.stage(8192, [1, 2])
+    assert ch.stage(8192, [1, 2])[0] is not first  # nobody read the first message yet
+    ch._acks[1] = seqs[1]
+    assert ch.stage(8192, [1, 2])[0] is not first  # rank 2 has not read it
+    ch._acks[2] = seqs[2]
+    assert ch.stage(8192, [1, 2])[0] is first
+
+
+def test_reads_finishing_out_of_order_acknowledge_in_order() -> None:
+    """A receiver acknowledges up to the first message it has not read: its sender's region for a later message
+    may still be read when an earlier one is."""
+    sender = shm.Channel(0, [os.getpid()] * 2)
+    receiver = shm.Channel(1, [os.getpid()] * 2)
+    headers = []
+    for _ in range(3):
+        region, seqs = sender.stage(4096, [1])
+        headers.append(sender.header(region, seqs[1], 0, 4096))
+    receiver.done_reading(0, headers[1])
+    receiver.done_reading(0, headers[2])
+    assert sender._acks[1] == 0
+    receiver.done_reading(0, headers[0])
+    assert sender._acks[1] == 3
+
+
+def test_training_bitwise_the_sockets(pool2: WorkerPool) -> None:
+    """FULL_SHARD through shared memory (the default on one host) against the same run with it off."""
+    sockets = pool2.run(_run_with_shm, "0")
+    shared = pool2.run(_run_with_shm, "1")
+    for got, want in zip(shared, sockets, strict=True):
+        assert got.losses == want.losses
+        for name, param in want.params.items():
+            assert torch.equal(got.params[name], param), name
+
+
+def _run_with_shm(rank: int, world: int, setting: str) -> RunResult:
+    with mock.patch.dict(os.environ, {shm.ENV_VAR: setting}):
+        shm.connect()
+        assert (shm.channel(dist.group.WORLD) is not None) == (setting == "1")
+        return _run_with(rank, world, "1", SPEC, FULL_SHARD)
