@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard.engine import p2p
+from fullshard.engine import p2p, shm
 from fullshard.engine.collectives import COMM_STATS, all_gather_flat, reduce_scatter_flat
 from fullshard.testing import WorkerPool
 from fullshard.testing.bench import ring_reduce_scatter
@@ -131,6 +131,7 @@ def _policy(rank: int, world: int) -> dict[str, object]:
             os.environ[p2p.ENV_VAR] = value
             seen[value] = p2p.use_p2p("reduce_scatter", pg, full)
         seen["meta"] = p2p.use_p2p("reduce_scatter", pg, torch.zeros(world * 4, device="meta"))
+        seen["shared memory"] = shm.channel(pg, 16 // world, full.device) is not None  # every size goes p2p there
         os.environ[p2p.ENV_VAR] = "yes"
         try:
             reduce_scatter_flat(torch.empty(4), full, pg, async_op=False)
@@ -142,7 +143,7 @@ def _policy(rank: int, world: int) -> dict[str, object]:
 def test_policy_switch(pool2: WorkerPool) -> None:
     for seen in pool2.run(_policy):
         assert seen["0"] is False and seen["1"] is True and seen["meta"] is False
-        assert seen["auto"] is (p2p.P2P_MIN_BYTES[("reduce_scatter", 2)] <= 16)
+        assert seen["auto"] is (seen["shared memory"] or p2p.P2P_MIN_BYTES[("reduce_scatter", 2)] <= 16)
         assert "FULLSHARD_GLOO_P2P='yes'" in str(seen["bad"]) and "auto" in str(seen["bad"])
 
 

@@ -10,8 +10,9 @@ received into the output and this rank's added). The all-gather receives in plac
 
 Which one runs: :func:`use_p2p`, asked by ``engine/collectives.py`` before each collective; only gloo groups on
 CPU tensors come here (NCCL and the rest keep their own), from the crossovers in :data:`P2P_MIN_BYTES` measured
-by ``benchmarks/collectives.py``. ``FULLSHARD_GLOO_P2P=0`` forces gloo's collectives, ``1`` the
-point-to-point ones, ``auto`` (or unset) the measured choice; other values are refused by name.
+by ``benchmarks/collectives.py``, or at every size where the payloads go through shared memory (``shm.py``: ranks
+of one host). ``FULLSHARD_GLOO_P2P=0`` forces gloo's collectives, ``1`` the point-to-point ones, ``auto`` (or
+unset) the measured choice; other values are refused by name.
 
 Numerics: on 2 ranks the sum is one addition, which commutes, so results are bitwise gloo's. On 3 or more,
 gloo adds in its own order (measured on 4 ranks, where its segments line up with the chunks: rank ``r``'s
@@ -97,7 +98,7 @@ def pairwise_reduce_scatter(
     ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = full.view(n, _chunk_numel(output, full, n, "pairwise_reduce_scatter"))
-    ch = shm.channel(pg) if full.device.type == "cpu" else None
+    ch = shm.channel(pg, output.numel() * output.element_size(), full.device)
     if ch is not None:  # ranks on one host: through shared memory, a header each way on gloo (shm.py)
         if recorded_sizes is not None:
             recorded_sizes.append(shm.HEADER_BYTES)
@@ -130,7 +131,7 @@ def pairwise_all_gather(
     """``output`` (``n`` chunks) receives every rank's ``shard`` in rank order, straight into place, sent on ``tag``."""
     n, rank = pg.size(), pg.rank()
     chunks = output.view(n, _chunk_numel(shard, output, n, "pairwise_all_gather"))
-    ch = shm.channel(pg) if output.device.type == "cpu" else None
+    ch = shm.channel(pg, shard.numel() * shard.element_size(), shard.device)
     if ch is not None:
         if recorded_sizes is not None:
             recorded_sizes.append(shm.HEADER_BYTES)
@@ -159,5 +160,7 @@ def use_p2p(kind: str, pg: dist.ProcessGroup | None, full: torch.Tensor) -> bool
     forced = _forced()
     if forced is not None:
         return forced
+    if shm.channel(pg, full.numel() * full.element_size() // pg.size(), full.device) is not None:
+        return True  # through shared memory, faster than gloo's collectives at every size
     measured = [size for k, size in P2P_MIN_BYTES if k == kind and size <= pg.size()]
     return bool(measured) and full.numel() * full.element_size() >= P2P_MIN_BYTES[(kind, max(measured))]

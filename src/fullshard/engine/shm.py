@@ -32,7 +32,8 @@ Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the 
 
 Memory: a sender's pool holds its messages in flight (not yet read by every peer), a few unit shards at most; a
 reader maps its peers' regions, which its resident size counts too. Regions stay for the next step's messages of
-the same size; idle ones are dropped once a pool holds more than :data:`POOL_BYTES_KEPT`.
+the same size; idle ones are dropped once a pool holds more than :data:`POOL_BYTES_KEPT`. Payloads above
+:data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import torch.distributed as dist
 __all__ = [
     "ENV_VAR",
     "HEADER_BYTES",
+    "LARGEST_MESSAGE_BYTES",
     "POOL_BYTES_KEPT",
     "TRAFFIC",
     "Channel",
@@ -65,6 +67,10 @@ ENV_VAR = "FULLSHARD_CPU_SHM"
 
 POOL_BYTES_KEPT = 512 * 2**20
 """Above this many bytes in one sender's pool, idle regions of other sizes are dropped when a new one is made."""
+
+LARGEST_MESSAGE_BYTES = 32 * 2**20
+"""A payload per peer above this goes through the sockets: a region costs its size in each process that maps
+it, for as long as it is kept, where the sockets hold nothing; above it the copies are a smaller part of a step."""
 
 HEADER_BYTES = 64
 _MAGIC = 0x46534853484D0001  # the first word of a header: anything else (a released wait's filler) reads nothing
@@ -124,22 +130,26 @@ def disconnect() -> None:
     _channels.clear()
 
 
-def channel(pg: dist.ProcessGroup) -> Channel | None:
-    """This rank's channel over ``pg``, or ``None`` where ``pg``'s ranks do not all share this host (or before
-    :func:`connect`), or while ``FULLSHARD_CPU_SHM=0``. The same answer on every rank of ``pg`` (given the same
-    setting on each, as for ``FULLSHARD_GLOO_P2P``)."""
+def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> Channel | None:
+    """This rank's channel over ``pg`` for a payload of ``payload_bytes`` per peer on ``device``, or ``None`` where
+    ``pg``'s ranks do not all share this host (or before :func:`connect`), for a payload not on CPU or above
+    :data:`LARGEST_MESSAGE_BYTES`, or while ``FULLSHARD_CPU_SHM=0``. The same answer on every rank of ``pg``
+    (given the same setting on each, as for ``FULLSHARD_GLOO_P2P``)."""
+    if device.type != "cpu" or payload_bytes > LARGEST_MESSAGE_BYTES:
+        return None
     if not _wanted():
         return None
     try:
         return _channels[pg]
     except KeyError:
         pass
+    if _endpoints is None:
+        return None  # not decided (and not kept): connect() has not run in this process yet
     found = None
-    if _endpoints is not None:
-        ranks = dist.get_process_group_ranks(pg)
-        keys = {_endpoints[r][0] for r in ranks}
-        if len(keys) == 1 and None not in keys and len(ranks) > 1:
-            found = Channel(pg.rank(), [_endpoints[r][1] for r in ranks])
+    ranks = dist.get_process_group_ranks(pg)
+    keys = {_endpoints[r][0] for r in ranks}
+    if len(keys) == 1 and None not in keys and len(ranks) > 1:
+        found = Channel(pg.rank(), [_endpoints[r][1] for r in ranks])
     _channels[pg] = found
     return found
 
@@ -167,9 +177,38 @@ class _Region:
     nbytes: int
     memory: torch.Tensor
     readers: dict[int, int] = field(default_factory=dict)
+    views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         weakref.finalize(self, os.close, self.fd)  # the fd lives as long as the region (the mapping as the tensor)
+
+    def typed(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` from byte ``offset``: made once, then kept (a step's collectives repeat,
+        and a view made per call would be ops dispatched per call)."""
+        return _typed(self.views, self.memory, dtype, offset, numel)
+
+
+def _typed(
+    views: dict[tuple[torch.dtype, int, int], torch.Tensor],
+    memory: torch.Tensor,
+    dtype: torch.dtype,
+    offset: int,
+    numel: int,
+) -> torch.Tensor:
+    key = (dtype, offset, numel)
+    view = views.get(key)
+    if view is None:
+        view = views[key] = memory.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+    return view
+
+
+@dataclass
+class _PeerRegion:
+    """A peer's region as this rank maps it, with the typed views read from it."""
+
+    serial: int
+    memory: torch.Tensor
+    views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class Channel:
@@ -191,7 +230,7 @@ class Channel:
         self._read_ahead: list[set[int]] = [set() for _ in range(self.size)]
         self._pools: dict[int, list[_Region]] = {}
         self._serial = 0
-        self._peer_regions: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        self._peer_regions: dict[tuple[int, int], _PeerRegion] = {}
         self._peer_acks: dict[int, memoryview] = {}
 
     # --- sending -------------------------------------------------------------------------------------
@@ -239,17 +278,18 @@ class Channel:
 
     # --- receiving -----------------------------------------------------------------------------------
 
-    def read(self, peer: int, header: array.array, nbytes: int) -> torch.Tensor | None:
-        """The ``nbytes`` bytes ``peer``'s ``header`` points at (uint8, in its region), or ``None`` where the header
-        is not one of this transport's for that many bytes (nothing is read then)."""
+    def read(self, peer: int, header: array.array, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        """The ``numel`` elements of ``dtype`` that ``peer``'s ``header`` points at (a view of its region), or
+        ``None`` where the header is not one of this transport's for that many bytes (nothing is read then)."""
         magic, _, fd, serial, offset, size, _, region_bytes = header
+        nbytes = numel * dtype.itemsize
         if magic != _MAGIC or size != nbytes or offset < 0 or offset + nbytes > region_bytes:
             return None
-        cached = self._peer_regions.get((peer, fd))
-        if cached is None or cached[0] != serial:  # a new region (the fd number may be a closed region's)
-            cached = (serial, _open_peer(self.pids[peer], fd, region_bytes))
-            self._peer_regions[(peer, fd)] = cached
-        return cached[1].narrow(0, offset, nbytes)
+        region = self._peer_regions.get((peer, fd))
+        if region is None or region.serial != serial:  # a new region (the fd number may be a closed region's)
+            region = _PeerRegion(serial, _open_peer(self.pids[peer], fd, region_bytes))
+            self._peer_regions[(peer, fd)] = region
+        return _typed(region.views, region.memory, dtype, offset, numel)
 
     def done_reading(self, peer: int, header: array.array) -> None:
         """Acknowledge ``peer``'s message (call after the last read of it): its region may be reused."""
@@ -275,10 +315,6 @@ class Channel:
 # --- the collectives ---------------------------------------------------------------------------------------
 
 
-def _typed(memory: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    return memory.narrow(0, 0, numel * dtype.itemsize).view(dtype)
-
-
 def all_gather(
     ch: Channel, output: torch.Tensor, shard: torch.Tensor, pg: dist.ProcessGroup, tag: int
 ) -> tuple[list[dist.Work], Callable[[], None]]:
@@ -288,7 +324,7 @@ def all_gather(
     nbytes = shard.numel() * shard.element_size()
     peers = [p for p in range(n) if p != rank]
     region, seqs = ch.stage(nbytes, peers)
-    _typed(region.memory, shard.dtype, shard.numel()).copy_(shard)
+    region.typed(shard.dtype, 0, shard.numel()).copy_(shard)
     TRAFFIC.sent += nbytes * len(peers)
     sent = {p: ch.header(region, seqs[p], 0, nbytes) for p in peers}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
@@ -301,10 +337,10 @@ def all_gather(
         # that autograd saved, see collectives.copy_out).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
             for p in peers:
-                theirs = ch.read(p, received[p], nbytes)
+                theirs = ch.read(p, received[p], shard.dtype, shard.numel())
                 if theirs is None:
                     return  # not a real message (the check released this wait): nothing read
-                chunks[p].copy_(theirs.view(shard.dtype))
+                chunks[p].copy_(theirs)
                 ch.done_reading(p, received[p])
         sent.clear()
 
@@ -322,12 +358,9 @@ def reduce_scatter(
     nbytes = numel * full.element_size()
     peers = [p for p in range(n) if p != rank]
     region, seqs = ch.stage(nbytes * (n - 1), peers)
-    staged = _typed(region.memory, full.dtype, numel * (n - 1)).view(n - 1, numel)
     TRAFFIC.sent += nbytes * len(peers)
-    if rank > 0:  # the peers' chunks in peer order: those before this rank's, then those after
-        staged[:rank].copy_(chunks[:rank])
-    if rank < n - 1:
-        staged[rank:].copy_(chunks[rank + 1 :])
+    for i, p in enumerate(peers):  # each peer's chunk, in peer order
+        region.typed(full.dtype, i * nbytes, numel).copy_(chunks[p])
     sent = {p: ch.header(region, seqs[p], i * nbytes, nbytes) for i, p in enumerate(peers)}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
     works = [pg.send([_view(sent[p])], p, tag) for p in peers]
@@ -336,10 +369,10 @@ def reduce_scatter(
     def finish() -> None:
         rows = []
         for p in range(n):
-            theirs = chunks[rank] if p == rank else ch.read(p, received[p], nbytes)
+            theirs = chunks[rank] if p == rank else ch.read(p, received[p], full.dtype, numel)
             if theirs is None:
                 return  # not a real message (the check released this wait): nothing read
-            rows.append(theirs if p == rank else theirs.view(full.dtype))
+            rows.append(theirs)
         with torch.no_grad():
             torch.add(rows[0], rows[1], out=output)
             for row in rows[2:]:
