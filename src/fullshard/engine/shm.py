@@ -60,7 +60,6 @@ __all__ = [
     "Traffic",
     "channel",
     "connect",
-    "disconnect",
 ]
 
 ENV_VAR = "FULLSHARD_CPU_SHM"
@@ -87,7 +86,7 @@ class Traffic:
 
 TRAFFIC = Traffic()
 
-# By global rank, once connect() ran: (host key or None where off, pid). None before.
+# By global rank, once connect() ran: (host key, or None where this transport cannot run there; pid). None before.
 _endpoints: list[tuple[object, int]] | None = None
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel | None] = weakref.WeakKeyDictionary()
 
@@ -123,13 +122,6 @@ def connect() -> None:
     _endpoints = gather_from_ranks((_host_key(), os.getpid()))
 
 
-def disconnect() -> None:
-    """Forget the peers and drop every channel (its regions are unmapped once no work holds them)."""
-    global _endpoints
-    _endpoints = None
-    _channels.clear()
-
-
 def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> Channel | None:
     """This rank's channel over ``pg`` for a payload of ``payload_bytes`` per peer on ``device``, or ``None`` where
     ``pg``'s ranks do not all share this host (or before :func:`connect`), for a payload not on CPU or above
@@ -159,10 +151,17 @@ def _map(fd: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
 
 
-def _open_peer(pid: int, fd: int, nbytes: int) -> torch.Tensor:
-    peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+def _open_peer(pid: int, fd: int, nbytes: int) -> mmap.mmap:
+    """``nbytes`` of another process's memfd ``fd``, mapped shared."""
     try:
-        return _map(peer_fd, nbytes)
+        peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError as exc:
+        raise RuntimeError(
+            f"fullshard's same-host transport could not open process {pid}'s shared memory ({exc}); a security "
+            f"policy may forbid it: set {ENV_VAR}=0 on every rank to send through gloo's sockets"
+        ) from exc
+    try:
+        return mmap.mmap(peer_fd, nbytes)
     finally:
         os.close(peer_fd)
 
@@ -287,7 +286,8 @@ class Channel:
             return None
         region = self._peer_regions.get((peer, fd))
         if region is None or region.serial != serial:  # a new region (the fd number may be a closed region's)
-            region = _PeerRegion(serial, _open_peer(self.pids[peer], fd, region_bytes))
+            memory = torch.frombuffer(_open_peer(self.pids[peer], fd, region_bytes), dtype=torch.uint8)
+            region = _PeerRegion(serial, memory)
             self._peer_regions[(peer, fd)] = region
         return _typed(region.views, region.memory, dtype, offset, numel)
 
@@ -296,12 +296,7 @@ class Channel:
         seq, control_fd = header[1], header[6]
         acks = self._peer_acks.get(peer)
         if acks is None:
-            peer_fd = os.open(f"/proc/{self.pids[peer]}/fd/{control_fd}", os.O_RDWR)
-            try:
-                acks = memoryview(mmap.mmap(peer_fd, _PAGE)).cast("q")
-            finally:
-                os.close(peer_fd)
-            self._peer_acks[peer] = acks
+            acks = self._peer_acks[peer] = memoryview(_open_peer(self.pids[peer], control_fd, _PAGE)).cast("q")
         ahead = self._read_ahead[peer]
         ahead.add(seq)
         read = self._read[peer]

@@ -8,9 +8,11 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fullshard import FullyShardedDataParallel
+from fullshard.engine import shm
 from fullshard.engine.wrap import ModuleWrapPolicy
 from fullshard.frontend.processes import runtime
 
@@ -31,6 +33,9 @@ def step() -> None:
 
 
 step()
+# The gathers and reductions of ranks on one host go through shared memory (engine/shm.py): the test checks that
+# the faults above are caught there.
+sys.stdout.write(f"SHARED MEMORY {shm.channel(dist.group.WORLD, 4, torch.device('cpu')) is not None}\n")
 if state.process_index == 1:
     sys.stdout.write(f"DIVERGING at={time.time():.3f}\n")
     sys.stdout.flush()
