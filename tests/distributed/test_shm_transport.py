@@ -63,7 +63,9 @@ def _pool_after_many(rank: int, world: int) -> dict[str, object]:
         want = sum(float(r + i) for r in range(world))
         wrong += int(not torch.equal(out, torch.full((1000,), want)))
         wrong += int(not torch.equal(gathered.view(world, 300)[:, 0], torch.arange(world).float() + i))
+    memfds = [f for f in os.listdir("/proc/self/fd") if "fullshard-shm" in _link(f)]
     return {
+        "memfds": len(memfds),
         "wrong": wrong,
         "regions": max(len(pool) for pool in ch._pools.values()),
         "new fds": len(os.listdir("/proc/self/fd")) - warm[0],
@@ -71,8 +73,18 @@ def _pool_after_many(rank: int, world: int) -> dict[str, object]:
     }
 
 
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def test_regions_reused_once_read(pool2: WorkerPool) -> None:
     for seen in pool2.run(_pool_after_many):
+        # descriptors close once the peers have mapped what they point at: a few at most in this whole worker
+        # (channels of the tests before this one included), not one per region or per group
+        assert seen["memfds"] <= 6, seen
         assert seen["wrong"] == 0
         # messages in flight, plus a peer slow to read: a few regions for 200 rounds (a region per message
         # would be 200, and as many descriptors)
@@ -118,27 +130,30 @@ def test_a_header_that_is_not_one_reads_nothing() -> None:
     """What the collective check's watch mirrors to release a wait (zeros), or a header for another size, is not
     read: no mapping is opened, and the receiver's buffers stay as they were."""
     ch = shm.Channel(0, [os.getpid(), os.getpid()])
-    region, seqs = ch.stage(4096, [1])
-    header = ch.header(region, seqs[1], 0, 4096)
-    assert ch.read(1, array.array("q", bytes(shm.HEADER_BYTES)), torch.uint8, 4096) is None
-    assert ch.read(1, header, torch.uint8, 2048) is None  # another size than the receiver expects
+    region, seqs = ch.take_region(4096, [1])
+    header = ch.header_for(region, seqs[1], 0, 4096)
+    assert ch.message_view(1, array.array("q", bytes(shm.HEADER_BYTES)), torch.uint8, 4096) is None
+    assert ch.message_view(1, header, torch.uint8, 2048) is None  # another size than the receiver expects
     beyond = array.array("q", header)
     beyond[4] = region.nbytes  # offset past the region
-    assert ch.read(1, beyond, torch.uint8, 4096) is None
+    assert ch.message_view(1, beyond, torch.uint8, 4096) is None
     assert ch._peer_regions == {}
     region.memory[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    read = ch.read(1, header, torch.uint8, 4096)  # this process as its own peer: the region, through /proc
+    read = ch.message_view(1, header, torch.uint8, 4096)  # this process as its own peer: the region, through /proc
     assert read is not None and read[:4].tolist() == [1, 2, 3, 4]
 
 
 def test_region_reused_only_after_every_reader_acknowledged() -> None:
     ch = shm.Channel(0, [os.getpid()] * 3)
-    first, seqs = ch.stage(8192, [1, 2])
-    assert ch.stage(8192, [1, 2])[0] is not first  # nobody read the first message yet
+    first, seqs = ch.take_region(8192, [1, 2])
+    assert ch.take_region(8192, [1, 2])[0] is not first  # nobody read the first message yet
     ch._acks[1] = seqs[1]
-    assert ch.stage(8192, [1, 2])[0] is not first  # rank 2 has not read it
+    assert ch.take_region(8192, [1, 2])[0] is not first  # rank 2 has not read it
     ch._acks[2] = seqs[2]
-    assert ch.stage(8192, [1, 2])[0] is first
+    assert first.fd >= 0  # nobody has mapped it yet: its descriptor stays open
+    assert ch.take_region(8192, [1, 2])[0] is first
+    assert first.fd == -1  # both readers read a message there (so mapped it): the descriptor is closed
+    assert ch._control_fd == -1  # and both acknowledged: the control page's too
 
 
 def test_reads_finishing_out_of_order_acknowledge_in_order() -> None:
@@ -148,12 +163,12 @@ def test_reads_finishing_out_of_order_acknowledge_in_order() -> None:
     receiver = shm.Channel(1, [os.getpid()] * 2)
     headers = []
     for _ in range(3):
-        region, seqs = sender.stage(4096, [1])
-        headers.append(sender.header(region, seqs[1], 0, 4096))
-    receiver.done_reading(0, headers[1])
-    receiver.done_reading(0, headers[2])
+        region, seqs = sender.take_region(4096, [1])
+        headers.append(sender.header_for(region, seqs[1], 0, 4096))
+    receiver.acknowledge(0, headers[1])
+    receiver.acknowledge(0, headers[2])
     assert sender._acks[1] == 0
-    receiver.done_reading(0, headers[0])
+    receiver.acknowledge(0, headers[0])
     assert sender._acks[1] == 3
 
 

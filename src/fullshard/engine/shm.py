@@ -32,20 +32,23 @@ Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the 
 
 Memory: a sender's pool holds its messages in flight (not yet read by every peer), a few unit shards at most; a
 reader maps its peers' regions, which its resident size counts too. Regions stay for the next step's messages of
-the same size; idle ones are dropped once a pool holds more than :data:`POOL_BYTES_KEPT`. Payloads above
+the same size (a model's collectives repeat a few sizes); a pool keeps no descriptor open once its peers have
+mapped its regions. Payloads above
 :data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
 """
 
 from __future__ import annotations
 
 import array
+import ctypes
+import functools
 import mmap
 import os
 import platform
 import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +57,6 @@ __all__ = [
     "ENV_VAR",
     "HEADER_BYTES",
     "LARGEST_MESSAGE_BYTES",
-    "POOL_BYTES_KEPT",
     "TRAFFIC",
     "Channel",
     "Traffic",
@@ -63,9 +65,6 @@ __all__ = [
 ]
 
 ENV_VAR = "FULLSHARD_CPU_SHM"
-
-POOL_BYTES_KEPT = 512 * 2**20
-"""Above this many bytes in one sender's pool, idle regions of other sizes are dropped when a new one is made."""
 
 LARGEST_MESSAGE_BYTES = 32 * 2**20
 """A payload per peer above this goes through the sockets: a region costs its size in each process that maps
@@ -88,7 +87,8 @@ TRAFFIC = Traffic()
 
 # By global rank, once connect() ran: (host key, or None where this transport cannot run there; pid). None before.
 _endpoints: list[tuple[object, int]] | None = None
-_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel | None] = weakref.WeakKeyDictionary()
+# By the group's name: torch may hand out a new Python object for the same group (the channel must not change).
+_channels: dict[str, Channel | None] = {}
 
 
 def _wanted() -> bool:
@@ -132,7 +132,7 @@ def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> 
     if not _wanted():
         return None
     try:
-        return _channels[pg]
+        return _channels[pg.group_name]
     except KeyError:
         pass
     if _endpoints is None:
@@ -142,34 +142,53 @@ def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> 
     keys = {_endpoints[r][0] for r in ranks}
     if len(keys) == 1 and None not in keys and len(ranks) > 1:
         found = Channel(pg.rank(), [_endpoints[r][1] for r in ranks])
-    _channels[pg] = found
+    _channels[pg.group_name] = found
     return found
 
 
-def _map(fd: int, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of the file ``fd``, mapped shared, as a uint8 tensor (the mapping lives as long as the tensor)."""
-    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+def _map_bytes(path: str, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of the file at ``path``, mapped shared, as a uint8 tensor: unmapped when the tensor is freed, and
+    no descriptor kept open (Python's ``mmap`` keeps one per mapping)."""
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _open_peer(pid: int, fd: int, nbytes: int) -> mmap.mmap:
-    """``nbytes`` of another process's memfd ``fd``, mapped shared."""
+def _map_words(path: str) -> memoryview:
+    """One page of the file at ``path``, mapped shared for the process's life, as int64 words that Python reads and
+    writes without dispatching an op (a control page: what peers acknowledge)."""
+    fd = os.open(path, os.O_RDWR)
     try:
-        peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-    except OSError as exc:
+        address = _libc_mmap()(None, _PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+    return memoryview((ctypes.c_char * _PAGE).from_address(address)).cast("B").cast("q")
+
+
+@functools.cache
+def _libc_mmap() -> Any:
+    mmap_fn = ctypes.CDLL(None, use_errno=True).mmap
+    mmap_fn.restype = ctypes.c_void_p
+    mmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return mmap_fn
+
+
+def _open_peer(what: Callable[[str], object], pid: int, fd: int) -> object:
+    """``what`` of another process's memfd ``fd`` (see :func:`_map_bytes`, :func:`_map_words`)."""
+    try:
+        return what(f"/proc/{pid}/fd/{fd}")
+    except (OSError, RuntimeError) as exc:
         raise RuntimeError(
-            f"fullshard's same-host transport could not open process {pid}'s shared memory ({exc}); a security "
+            f"fullshard's same-host transport could not map process {pid}'s shared memory ({exc}); a security "
             f"policy may forbid it: set {ENV_VAR}=0 on every rank to send through gloo's sockets"
         ) from exc
-    try:
-        return mmap.mmap(peer_fd, nbytes)
-    finally:
-        os.close(peer_fd)
 
 
 @dataclass
 class _Region:
     """One memfd of a sender's pool. ``readers``: for each peer reading it, the sequence number of the message
-    it reads there; free again once each peer acknowledged that many messages."""
+    it reads there; free again once each peer acknowledged that many messages. ``fd`` is closed (``-1``) once
+    every peer has read a message there, so has mapped it: a pool holds no descriptor in steady state."""
 
     fd: int
     serial: int
@@ -178,10 +197,7 @@ class _Region:
     readers: dict[int, int] = field(default_factory=dict)
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        weakref.finalize(self, os.close, self.fd)  # the fd lives as long as the region (the mapping as the tensor)
-
-    def typed(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
+    def typed_view(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
         """``numel`` elements of ``dtype`` from byte ``offset``: made once, then kept (a step's collectives repeat,
         and a view made per call would be ops dispatched per call)."""
         return _typed(self.views, self.memory, dtype, offset, numel)
@@ -205,7 +221,6 @@ def _typed(
 class _PeerRegion:
     """A peer's region as this rank maps it, with the typed views read from it."""
 
-    serial: int
     memory: torch.Tensor
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -215,32 +230,35 @@ class Channel:
 
     Invariants: messages to each peer are numbered 1, 2, ... in the order they are posted; a peer acknowledges
     them by writing, in this rank's control page at its own index, the highest number up to which it has read
-    every message (reads may finish out of order: :meth:`_acknowledge` keeps the ones ahead); a region is reused
-    only when every reader's acknowledgement has reached its message."""
+    every message (reads may finish out of order: :meth:`acknowledge` keeps the ones ahead); a region is reused
+    only when every reader's acknowledgement has reached its message. Regions are kept for the channel's life
+    (a model's collectives repeat a few sizes) and known to readers by serial number, never by descriptor."""
 
     def __init__(self, rank: int, pids: list[int]) -> None:
         self.rank, self.pids, self.size = rank, pids, len(pids)
         self._control_fd = os.memfd_create("fullshard-shm-control", os.MFD_CLOEXEC)
         os.ftruncate(self._control_fd, _PAGE)
-        self._control_map = mmap.mmap(self._control_fd, _PAGE)
-        self._acks = memoryview(self._control_map).cast("q")  # [peer]: our messages it has read, in order
+        self._acks = _map_words(f"/proc/self/fd/{self._control_fd}")  # [peer]: how many of ours it has read
         self._sent = [0] * self.size
         self._read = [0] * self.size
         self._read_ahead: list[set[int]] = [set() for _ in range(self.size)]
         self._pools: dict[int, list[_Region]] = {}
+        self._open: list[_Region] = []  # regions whose descriptor some peer may still need to map them
         self._serial = 0
-        self._peer_regions: dict[tuple[int, int], _PeerRegion] = {}
+        self._peer_regions: dict[tuple[int, int], _PeerRegion] = {}  # by (peer, serial)
         self._peer_acks: dict[int, memoryview] = {}
 
     # --- sending -------------------------------------------------------------------------------------
 
-    def stage(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
+    def take_region(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
         """A region of ``nbytes`` no peer still reads, numbered for ``readers``: ``(region, seq by reader)``."""
+        self._close_mapped()
         pool = self._pools.setdefault(nbytes, [])
         region = next((r for r in pool if self._idle(r)), None)
         if region is None:
             region = self._new_region(nbytes)
             pool.append(region)
+            self._open.append(region)
         seqs = {}
         for peer in readers:
             self._sent[peer] += 1
@@ -248,24 +266,35 @@ class Channel:
         region.readers = dict(seqs)
         return region, seqs
 
-    def header(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
+    def header_for(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
         return array.array("q", [_MAGIC, seq, region.fd, region.serial, offset, nbytes, self._control_fd,
                                  region.nbytes])  # fmt: skip
 
     def _idle(self, region: _Region) -> bool:
         return all(self._acks[peer] >= seq for peer, seq in region.readers.items())
 
+    def _close_mapped(self) -> None:
+        """Close the descriptors every peer has mapped by now: those of regions whose first message they all
+        acknowledged, and the control page's once each acknowledged anything."""
+        if self._open:
+            still_open = []
+            for region in self._open:
+                if self._idle(region):
+                    os.close(region.fd)
+                    region.fd = -1
+                else:
+                    still_open.append(region)
+            self._open = still_open
+        if self._control_fd >= 0 and all(self._acks[p] > 0 for p in range(self.size) if p != self.rank):
+            os.close(self._control_fd)
+            self._control_fd = -1
+
     def _new_region(self, nbytes: int) -> _Region:
-        held = sum(r.nbytes for pool in self._pools.values() for r in pool)
-        if held + nbytes > POOL_BYTES_KEPT:  # idle regions of other sizes go first
-            for size, pool in self._pools.items():
-                if size != nbytes:
-                    pool[:] = [r for r in pool if not self._idle(r)]
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         fd = os.memfd_create("fullshard-shm", os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(fd, 0, size)  # out of memory is an error here, not a SIGBUS at the first write
-            memory = _map(fd, size)
+            memory = _map_bytes(f"/proc/self/fd/{fd}", size)
         except OSError as exc:
             os.close(fd)
             raise RuntimeError(
@@ -277,26 +306,25 @@ class Channel:
 
     # --- receiving -----------------------------------------------------------------------------------
 
-    def read(self, peer: int, header: array.array, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+    def message_view(self, peer: int, header: array.array, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         """The ``numel`` elements of ``dtype`` that ``peer``'s ``header`` points at (a view of its region), or
         ``None`` where the header is not one of this transport's for that many bytes (nothing is read then)."""
         magic, _, fd, serial, offset, size, _, region_bytes = header
         nbytes = numel * dtype.itemsize
         if magic != _MAGIC or size != nbytes or offset < 0 or offset + nbytes > region_bytes:
             return None
-        region = self._peer_regions.get((peer, fd))
-        if region is None or region.serial != serial:  # a new region (the fd number may be a closed region's)
-            memory = torch.frombuffer(_open_peer(self.pids[peer], fd, region_bytes), dtype=torch.uint8)
-            region = _PeerRegion(serial, memory)
-            self._peer_regions[(peer, fd)] = region
+        region = self._peer_regions.get((peer, serial))
+        if region is None:  # its first message: the peer keeps the descriptor open until this rank acknowledges
+            memory = _open_peer(functools.partial(_map_bytes, nbytes=region_bytes), self.pids[peer], fd)
+            region = self._peer_regions[(peer, serial)] = _PeerRegion(memory)
         return _typed(region.views, region.memory, dtype, offset, numel)
 
-    def done_reading(self, peer: int, header: array.array) -> None:
+    def acknowledge(self, peer: int, header: array.array) -> None:
         """Acknowledge ``peer``'s message (call after the last read of it): its region may be reused."""
         seq, control_fd = header[1], header[6]
         acks = self._peer_acks.get(peer)
-        if acks is None:
-            acks = self._peer_acks[peer] = memoryview(_open_peer(self.pids[peer], control_fd, _PAGE)).cast("q")
+        if acks is None:  # the peer keeps the control page's descriptor open until every peer acknowledged once
+            acks = self._peer_acks[peer] = _open_peer(_map_words, self.pids[peer], control_fd)
         ahead = self._read_ahead[peer]
         ahead.add(seq)
         read = self._read[peer]
@@ -318,10 +346,10 @@ def all_gather(
     chunks = output.view(n, shard.numel())
     nbytes = shard.numel() * shard.element_size()
     peers = [p for p in range(n) if p != rank]
-    region, seqs = ch.stage(nbytes, peers)
-    region.typed(shard.dtype, 0, shard.numel()).copy_(shard)
+    region, seqs = ch.take_region(nbytes, peers)
+    region.typed_view(shard.dtype, 0, shard.numel()).copy_(shard)
     TRAFFIC.sent += nbytes * len(peers)
-    sent = {p: ch.header(region, seqs[p], 0, nbytes) for p in peers}
+    sent = {p: ch.header_for(region, seqs[p], 0, nbytes) for p in peers}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
     works = [pg.send([_view(sent[p])], p, tag) for p in peers]
     works += [pg.recv([_view(received[p])], p, tag) for p in peers]
@@ -332,11 +360,11 @@ def all_gather(
         # that autograd saved, see collectives.copy_out).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
             for p in peers:
-                theirs = ch.read(p, received[p], shard.dtype, shard.numel())
+                theirs = ch.message_view(p, received[p], shard.dtype, shard.numel())
                 if theirs is None:
                     return  # not a real message (the check released this wait): nothing read
                 chunks[p].copy_(theirs)
-                ch.done_reading(p, received[p])
+                ch.acknowledge(p, received[p])
         sent.clear()
 
     return works, finish
@@ -352,11 +380,11 @@ def reduce_scatter(
     chunks = full.view(n, numel)
     nbytes = numel * full.element_size()
     peers = [p for p in range(n) if p != rank]
-    region, seqs = ch.stage(nbytes * (n - 1), peers)
+    region, seqs = ch.take_region(nbytes * (n - 1), peers)
     TRAFFIC.sent += nbytes * len(peers)
     for i, p in enumerate(peers):  # each peer's chunk, in peer order
-        region.typed(full.dtype, i * nbytes, numel).copy_(chunks[p])
-    sent = {p: ch.header(region, seqs[p], i * nbytes, nbytes) for i, p in enumerate(peers)}
+        region.typed_view(full.dtype, i * nbytes, numel).copy_(chunks[p])
+    sent = {p: ch.header_for(region, seqs[p], i * nbytes, nbytes) for i, p in enumerate(peers)}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
     works = [pg.send([_view(sent[p])], p, tag) for p in peers]
     works += [pg.recv([_view(received[p])], p, tag) for p in peers]
@@ -364,7 +392,7 @@ def reduce_scatter(
     def finish() -> None:
         rows = []
         for p in range(n):
-            theirs = chunks[rank] if p == rank else ch.read(p, received[p], full.dtype, numel)
+            theirs = chunks[rank] if p == rank else ch.message_view(p, received[p], full.dtype, numel)
             if theirs is None:
                 return  # not a real message (the check released this wait): nothing read
             rows.append(theirs)
@@ -373,7 +401,7 @@ def reduce_scatter(
             for row in rows[2:]:
                 output.add_(row)
         for p in peers:
-            ch.done_reading(p, received[p])
+            ch.acknowledge(p, received[p])
         sent.clear()
 
     return works, finish
