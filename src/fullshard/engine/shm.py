@@ -89,6 +89,9 @@ TRAFFIC = Traffic()
 _endpoints: list[tuple[object, int]] | None = None
 # By the group's name: torch may hand out a new Python object for the same group (the channel must not change).
 _channels: dict[str, Channel | None] = {}
+# Channels with a descriptor open that a peer may still need (swept whenever any channel sends): a process that
+# creates many groups (a test suite) must not run out of descriptors.
+_holding_descriptors: list[Channel] = []
 
 
 def _wanted() -> bool:
@@ -146,23 +149,23 @@ def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> 
     return found
 
 
-def _map_bytes(path: str, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of the file at ``path``, mapped shared, as a uint8 tensor: unmapped when the tensor is freed, and
-    no descriptor kept open (Python's ``mmap`` keeps one per mapping)."""
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-def _map_words(path: str) -> memoryview:
-    """One page of the file at ``path``, mapped shared for the process's life, as int64 words that Python reads and
-    writes without dispatching an op (a control page: what peers acknowledge)."""
+def _map(path: str, nbytes: int = _PAGE) -> ctypes.Array:
+    """``nbytes`` of the file at ``path``, mapped shared for the process's life, as a ctypes byte array: no
+    descriptor kept (Python's ``mmap`` keeps one per mapping), and tensors over it made by ``torch.frombuffer``,
+    which dispatches no op (a view per call would be ops dispatched per collective)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        address = _libc_mmap()(None, _PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        address = _libc_mmap()(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     finally:
         os.close(fd)
     if address in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-    return memoryview((ctypes.c_char * _PAGE).from_address(address)).cast("B").cast("q")
+        raise OSError(ctypes.get_errno(), f"mmap of {nbytes} bytes of {path} failed")
+    return (ctypes.c_char * nbytes).from_address(address)
+
+
+def _words(page: ctypes.Array) -> memoryview:
+    """A control page as int64 words that Python reads and writes without dispatching an op."""
+    return memoryview(page).cast("B").cast("q")
 
 
 @functools.cache
@@ -174,7 +177,7 @@ def _libc_mmap() -> Any:
 
 
 def _open_peer(what: Callable[[str], object], pid: int, fd: int) -> object:
-    """``what`` of another process's memfd ``fd`` (see :func:`_map_bytes`, :func:`_map_words`)."""
+    """``what`` of another process's memfd ``fd`` (:func:`_map`)."""
     try:
         return what(f"/proc/{pid}/fd/{fd}")
     except (OSError, RuntimeError) as exc:
@@ -193,7 +196,7 @@ class _Region:
     fd: int
     serial: int
     nbytes: int
-    memory: torch.Tensor
+    memory: ctypes.Array
     readers: dict[int, int] = field(default_factory=dict)
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -205,7 +208,7 @@ class _Region:
 
 def _typed(
     views: dict[tuple[torch.dtype, int, int], torch.Tensor],
-    memory: torch.Tensor,
+    memory: ctypes.Array,
     dtype: torch.dtype,
     offset: int,
     numel: int,
@@ -213,7 +216,7 @@ def _typed(
     key = (dtype, offset, numel)
     view = views.get(key)
     if view is None:
-        view = views[key] = memory.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+        view = views[key] = torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset)
     return view
 
 
@@ -221,7 +224,7 @@ def _typed(
 class _PeerRegion:
     """A peer's region as this rank maps it, with the typed views read from it."""
 
-    memory: torch.Tensor
+    memory: ctypes.Array
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
 
@@ -236,9 +239,8 @@ class Channel:
 
     def __init__(self, rank: int, pids: list[int]) -> None:
         self.rank, self.pids, self.size = rank, pids, len(pids)
-        self._control_fd = os.memfd_create("fullshard-shm-control", os.MFD_CLOEXEC)
-        os.ftruncate(self._control_fd, _PAGE)
-        self._acks = _map_words(f"/proc/self/fd/{self._control_fd}")  # [peer]: how many of ours it has read
+        self._control_fd = -1  # made with the first message: a group that sends none holds nothing
+        self._acks = memoryview(b"")  # [peer]: how many of our messages it has read, in order (the control page)
         self._sent = [0] * self.size
         self._read = [0] * self.size
         self._read_ahead: list[set[int]] = [set() for _ in range(self.size)]
@@ -252,7 +254,12 @@ class Channel:
 
     def take_region(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
         """A region of ``nbytes`` no peer still reads, numbered for ``readers``: ``(region, seq by reader)``."""
+        if not self._acks:
+            self._control_fd = os.memfd_create("fullshard-shm-control", os.MFD_CLOEXEC)
+            os.ftruncate(self._control_fd, _PAGE)
+            self._acks = _words(_map(f"/proc/self/fd/{self._control_fd}"))
         self._close_mapped()
+        _holding_descriptors[:] = [ch for ch in _holding_descriptors if ch is not self and ch._close_mapped()]
         pool = self._pools.setdefault(nbytes, [])
         region = next((r for r in pool if self._idle(r)), None)
         if region is None:
@@ -264,6 +271,8 @@ class Channel:
             self._sent[peer] += 1
             seqs[peer] = self._sent[peer]
         region.readers = dict(seqs)
+        if self._close_mapped():  # kept in the sweep until its peers have mapped what it holds open
+            _holding_descriptors.append(self)
         return region, seqs
 
     def header_for(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
@@ -273,9 +282,9 @@ class Channel:
     def _idle(self, region: _Region) -> bool:
         return all(self._acks[peer] >= seq for peer, seq in region.readers.items())
 
-    def _close_mapped(self) -> None:
+    def _close_mapped(self) -> bool:
         """Close the descriptors every peer has mapped by now: those of regions whose first message they all
-        acknowledged, and the control page's once each acknowledged anything."""
+        acknowledged, and the control page's once each acknowledged anything. Whether any is left open."""
         if self._open:
             still_open = []
             for region in self._open:
@@ -288,13 +297,14 @@ class Channel:
         if self._control_fd >= 0 and all(self._acks[p] > 0 for p in range(self.size) if p != self.rank):
             os.close(self._control_fd)
             self._control_fd = -1
+        return bool(self._open) or self._control_fd >= 0
 
     def _new_region(self, nbytes: int) -> _Region:
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         fd = os.memfd_create("fullshard-shm", os.MFD_CLOEXEC)
         try:
             os.posix_fallocate(fd, 0, size)  # out of memory is an error here, not a SIGBUS at the first write
-            memory = _map_bytes(f"/proc/self/fd/{fd}", size)
+            memory = _map(f"/proc/self/fd/{fd}", size)
         except OSError as exc:
             os.close(fd)
             raise RuntimeError(
@@ -315,7 +325,7 @@ class Channel:
             return None
         region = self._peer_regions.get((peer, serial))
         if region is None:  # its first message: the peer keeps the descriptor open until this rank acknowledges
-            memory = _open_peer(functools.partial(_map_bytes, nbytes=region_bytes), self.pids[peer], fd)
+            memory = _open_peer(functools.partial(_map, nbytes=region_bytes), self.pids[peer], fd)
             region = self._peer_regions[(peer, serial)] = _PeerRegion(memory)
         return _typed(region.views, region.memory, dtype, offset, numel)
 
@@ -324,7 +334,7 @@ class Channel:
         seq, control_fd = header[1], header[6]
         acks = self._peer_acks.get(peer)
         if acks is None:  # the peer keeps the control page's descriptor open until every peer acknowledged once
-            acks = self._peer_acks[peer] = _open_peer(_map_words, self.pids[peer], control_fd)
+            acks = self._peer_acks[peer] = _words(_open_peer(_map, self.pids[peer], control_fd))
         ahead = self._read_ahead[peer]
         ahead.add(seq)
         read = self._read[peer]
