@@ -31,10 +31,14 @@ sockets, read at each collective (a benchmark row can run with it while another 
 Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the same order.
 
 Memory: a sender's pool holds its messages in flight (not yet read by every peer), a few unit shards at most; a
-reader maps its peers' regions, which its resident size counts too. Regions stay for the next step's messages of
-the same size (a model's collectives repeat a few sizes); a pool keeps no descriptor open once its peers have
-mapped its regions. Payloads above
+reader maps its peers' regions, which its resident size counts too. Regions stay mapped for the process's life,
+for the next step's messages of the same size (a model's collectives repeat a few sizes). Payloads above
 :data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
+
+Descriptors: a region's memfd stays open only until every peer has read a message there (and so mapped it), the
+control page's until every peer has acknowledged one; mappings keep none, and a group that never sends makes
+none. A process that creates thousands of groups (a test suite's workers) holds a handful. Channels are found by
+the group's name, not its Python object: torch may hand out a new object for the same group.
 """
 
 from __future__ import annotations
@@ -215,8 +219,12 @@ def _typed(
 ) -> torch.Tensor:
     key = (dtype, offset, numel)
     view = views.get(key)
-    if view is None:
-        view = views[key] = torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset)
+    if view is None:  # frombuffer refuses a count of 0 (a rank's empty shard of a tiny parameter)
+        if numel == 0:
+            view = torch.empty(0, dtype=dtype)
+        else:
+            view = torch.frombuffer(memory, dtype=dtype, count=numel, offset=offset)
+        views[key] = view
     return view
 
 
