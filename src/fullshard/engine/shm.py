@@ -13,8 +13,9 @@ the payload goes through memory both processes map instead, and only a 64-byte h
 - A receiver posts the header receives at once, as it posted the payload receives before, and in ``wait()`` reads
   the peer's region where the header says (mapped once through ``/proc/<pid>/fd/<fd>``, then kept): a gather
   copies it into place, a reduction adds it straight from there, in the order ``p2p.py`` documents. It then
-  acknowledges the message in the sender's *control* page, and the sender reuses the region once every reader
-  has. Per rank and 12 MiB collective on 2 ranks, that is one copy on each side instead of two through TCP.
+  acknowledges the message in the region's own acknowledgement word for its rank, and the sender reuses the
+  region once every reader has (a message never read keeps only its own region busy). Per rank and 12 MiB
+  collective on 2 ranks, that is one copy on each side instead of two through TCP.
 
 Nothing here waits on another rank beyond the headers' gloo messages: a region still being read is never reused
 (a new one is made), so a peer that dies or falls out of step leaves gloo's receive waiting as before, and the
@@ -24,9 +25,10 @@ watch's mirrored message after a mismatch) reads nothing.
 
 When it runs: on Linux x86-64 (the acknowledgement relies on its ordering of a receiver's reads before its later
 write) for a gloo group whose ranks all share this host, this user and this PID namespace, as found once per
-process by :func:`connect` (a collective at the first root unit's lazy init). ``FULLSHARD_CPU_SHM=0`` keeps the
-sockets, read at each collective (a benchmark row can run with it while another runs without); like
-``FULLSHARD_GLOO_P2P``, it must be the same on every rank.
+process by :func:`connect` (a collective at the first root unit's lazy init), and only with ``FULLSHARD_CPU_SHM=1``
+(off by default until it has run the whole test suite on by default; see docs/design.md). The setting is read at
+each collective (a benchmark row can run with it while another runs without); like ``FULLSHARD_GLOO_P2P``, it
+must be the same on every rank.
 
 Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the same order.
 
@@ -35,10 +37,10 @@ reader maps its peers' regions, which its resident size counts too. Regions stay
 for the next step's messages of the same size (a model's collectives repeat a few sizes). Payloads above
 :data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
 
-Descriptors: a region's memfd stays open only until every peer has read a message there (and so mapped it), the
-control page's until every peer has acknowledged one; mappings keep none, and a group that never sends makes
-none. A process that creates thousands of groups (a test suite's workers) holds a handful. Channels are found by
-the group's name, not its Python object: torch may hand out a new object for the same group.
+Descriptors: a region's memfd stays open only until every peer has read a message there (and so mapped it);
+mappings keep none, and a group that never sends makes none. A process that creates thousands of groups (a
+test suite's workers) holds a handful. Channels are found by the group's name, not its Python object: torch may
+hand out a new object for the same group.
 """
 
 from __future__ import annotations
@@ -99,10 +101,11 @@ _holding_descriptors: list[Channel] = []
 
 
 def _wanted() -> bool:
-    value = os.environ.get(ENV_VAR, "auto").strip().lower()
-    if value not in ("0", "1", "", "auto"):
-        raise ValueError(f"{ENV_VAR}={value!r}: expected 0 (gloo's sockets), 1 or auto (shared memory on one host)")
-    return value != "0"
+    value = os.environ.get(ENV_VAR, "0").strip().lower()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 1 (shared memory between ranks of one host) or 0 (gloo's "
+                         "sockets, the default)")  # fmt: skip
+    return value == "1"
 
 
 def _host_key() -> object | None:
@@ -167,11 +170,6 @@ def _map(path: str, nbytes: int = _PAGE) -> ctypes.Array:
     return (ctypes.c_char * nbytes).from_address(address)
 
 
-def _words(page: ctypes.Array) -> memoryview:
-    """A control page as int64 words that Python reads and writes without dispatching an op."""
-    return memoryview(page).cast("B").cast("q")
-
-
 @functools.cache
 def _libc_mmap() -> Any:
     mmap_fn = ctypes.CDLL(None, use_errno=True).mmap
@@ -193,14 +191,16 @@ def _open_peer(what: Callable[[str], object], pid: int, fd: int) -> object:
 
 @dataclass
 class _Region:
-    """One memfd of a sender's pool. ``readers``: for each peer reading it, the sequence number of the message
-    it reads there; free again once each peer acknowledged that many messages. ``fd`` is closed (``-1``) once
-    every peer has read a message there, so has mapped it: a pool holds no descriptor in steady state."""
+    """One memfd of a sender's pool: the readers' acknowledgement words (one int64 per rank of the group, written
+    by each reader: the number of the last message of ours it read here), then the payload. ``readers``: for each
+    peer reading it, the number of the message it reads there; the region is free again once each peer's word has
+    reached it. ``fd`` is closed (``-1``) once every peer has read a message there, so has mapped it."""
 
     fd: int
     serial: int
     nbytes: int
     memory: ctypes.Array
+    acks: memoryview
     readers: dict[int, int] = field(default_factory=dict)
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
@@ -208,6 +208,9 @@ class _Region:
         """``numel`` elements of ``dtype`` from byte ``offset``: made once, then kept (a step's collectives repeat,
         and a view made per call would be ops dispatched per call)."""
         return _typed(self.views, self.memory, dtype, offset, numel)
+
+    def idle(self) -> bool:
+        return all(self.acks[peer] >= seq for peer, seq in self.readers.items())
 
 
 def _typed(
@@ -230,48 +233,52 @@ def _typed(
 
 @dataclass
 class _PeerRegion:
-    """A peer's region as this rank maps it, with the typed views read from it."""
+    """A peer's region as this rank maps it, with the typed views read from it and its acknowledgement words."""
 
     memory: ctypes.Array
+    acks: memoryview
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
+
+
+def _ack_words(memory: ctypes.Array, size: int) -> memoryview:
+    """A region's first ``size`` int64 words (its readers' acknowledgements), read and written without an op."""
+    return memoryview(memory).cast("B")[: 8 * size].cast("q")
 
 
 class Channel:
     """One rank's end of the same-host transport over a group of ``len(pids)`` ranks (``rank`` is this one).
 
-    Invariants: messages to each peer are numbered 1, 2, ... in the order they are posted; a peer acknowledges
-    them by writing, in this rank's control page at its own index, the highest number up to which it has read
-    every message (reads may finish out of order: :meth:`acknowledge` keeps the ones ahead); a region is reused
-    only when every reader's acknowledgement has reached its message. Regions are kept for the channel's life
-    (a model's collectives repeat a few sizes) and known to readers by serial number, never by descriptor."""
+    Invariants: messages to each peer are numbered 1, 2, ... in the order they are posted; a reader acknowledges a
+    message by writing its number in the region it read, at its own rank's word, after its last read there; a
+    region is reused only when every reader's word has reached the message it reads there. A message never read
+    (its work dropped unwaited) keeps only its own region busy. Regions are kept for the channel's life (a model's
+    collectives repeat a few sizes) and known to readers by serial number, never by descriptor."""
 
     def __init__(self, rank: int, pids: list[int]) -> None:
         self.rank, self.pids, self.size = rank, pids, len(pids)
-        self._control_fd = -1  # made with the first message: a group that sends none holds nothing
-        self._acks = memoryview(b"")  # [peer]: how many of our messages it has read, in order (the control page)
+        self._payload_at = -(-8 * self.size // 64) * 64  # the acknowledgement words, a cache line apart from data
         self._sent = [0] * self.size
-        self._read = [0] * self.size
-        self._read_ahead: list[set[int]] = [set() for _ in range(self.size)]
         self._pools: dict[int, list[_Region]] = {}
         self._open: list[_Region] = []  # regions whose descriptor some peer may still need to map them
         self._serial = 0
         self._peer_regions: dict[tuple[int, int], _PeerRegion] = {}  # by (peer, serial)
-        self._peer_acks: dict[int, memoryview] = {}
+
+    @property
+    def payload_offset(self) -> int:
+        """Where a region's payload starts (its acknowledgement words come first)."""
+        return self._payload_at
 
     # --- sending -------------------------------------------------------------------------------------
 
     def take_region(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
-        """A region of ``nbytes`` no peer still reads, numbered for ``readers``: ``(region, seq by reader)``."""
-        if not self._acks:
-            self._control_fd = os.memfd_create("fullshard-shm-control", os.MFD_CLOEXEC)
-            os.ftruncate(self._control_fd, _PAGE)
-            self._acks = _words(_map(f"/proc/self/fd/{self._control_fd}"))
+        """A region with ``nbytes`` of payload no peer still reads, numbered for ``readers``: ``(region, seq by
+        reader)``."""
         self._close_mapped()
         _holding_descriptors[:] = [ch for ch in _holding_descriptors if ch is not self and ch._close_mapped()]
         pool = self._pools.setdefault(nbytes, [])
-        region = next((r for r in pool if self._idle(r)), None)
+        region = next((r for r in pool if r.idle()), None)
         if region is None:
-            region = self._new_region(nbytes)
+            region = self._new_region(self._payload_at + nbytes)
             pool.append(region)
             self._open.append(region)
         seqs = {}
@@ -284,28 +291,23 @@ class Channel:
         return region, seqs
 
     def header_for(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
-        return array.array("q", [_MAGIC, seq, region.fd, region.serial, offset, nbytes, self._control_fd,
-                                 region.nbytes])  # fmt: skip
-
-    def _idle(self, region: _Region) -> bool:
-        return all(self._acks[peer] >= seq for peer, seq in region.readers.items())
+        """``offset``: from the payload's start."""
+        return array.array("q", [_MAGIC, seq, region.fd, region.serial, self._payload_at + offset, nbytes,
+                                 self.size, region.nbytes])  # fmt: skip
 
     def _close_mapped(self) -> bool:
-        """Close the descriptors every peer has mapped by now: those of regions whose first message they all
-        acknowledged, and the control page's once each acknowledged anything. Whether any is left open."""
+        """Close the descriptors of the regions every peer has mapped by now (it read a message there, and
+        acknowledged it). Whether any is left open."""
         if self._open:
             still_open = []
             for region in self._open:
-                if self._idle(region):
+                if region.idle():
                     os.close(region.fd)
                     region.fd = -1
                 else:
                     still_open.append(region)
             self._open = still_open
-        if self._control_fd >= 0 and all(self._acks[p] > 0 for p in range(self.size) if p != self.rank):
-            os.close(self._control_fd)
-            self._control_fd = -1
-        return bool(self._open) or self._control_fd >= 0
+        return bool(self._open)
 
     def _new_region(self, nbytes: int) -> _Region:
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
@@ -320,37 +322,34 @@ class Channel:
                 f"free memory, or set {ENV_VAR}=0 on every rank to send through gloo's sockets"
             ) from exc
         self._serial += 1
-        return _Region(fd, self._serial, size, memory)
+        return _Region(fd, self._serial, size, memory, _ack_words(memory, self.size))
 
     # --- receiving -----------------------------------------------------------------------------------
 
     def message_view(self, peer: int, header: array.array, dtype: torch.dtype, numel: int) -> torch.Tensor | None:
         """The ``numel`` elements of ``dtype`` that ``peer``'s ``header`` points at (a view of its region), or
         ``None`` where the header is not one of this transport's for that many bytes (nothing is read then)."""
-        magic, _, fd, serial, offset, size, _, region_bytes = header
+        magic, _, fd, serial, offset, size, group_size, region_bytes = header
         nbytes = numel * dtype.itemsize
-        if magic != _MAGIC or size != nbytes or offset < 0 or offset + nbytes > region_bytes:
+        if (
+            magic != _MAGIC
+            or size != nbytes
+            or group_size != self.size
+            or offset < self._payload_at
+            or offset + nbytes > region_bytes
+        ):
             return None
         region = self._peer_regions.get((peer, serial))
         if region is None:  # its first message: the peer keeps the descriptor open until this rank acknowledges
             memory = _open_peer(functools.partial(_map, nbytes=region_bytes), self.pids[peer], fd)
-            region = self._peer_regions[(peer, serial)] = _PeerRegion(memory)
+            region = self._peer_regions[(peer, serial)] = _PeerRegion(memory, _ack_words(memory, self.size))
         return _typed(region.views, region.memory, dtype, offset, numel)
 
     def acknowledge(self, peer: int, header: array.array) -> None:
-        """Acknowledge ``peer``'s message (call after the last read of it): its region may be reused."""
-        seq, control_fd = header[1], header[6]
-        acks = self._peer_acks.get(peer)
-        if acks is None:  # the peer keeps the control page's descriptor open until every peer acknowledged once
-            acks = self._peer_acks[peer] = _words(_open_peer(_map, self.pids[peer], control_fd))
-        ahead = self._read_ahead[peer]
-        ahead.add(seq)
-        read = self._read[peer]
-        while read + 1 in ahead:
-            read += 1
-            ahead.discard(read)
-        self._read[peer] = read
-        acks[self.rank] = read  # x86-64: the reads above are ordered before this write (see the module's note)
+        """Acknowledge ``peer``'s message (after the last read of it, which :meth:`message_view` mapped): its
+        region may be reused."""
+        # x86-64: the reads before are ordered before this write (see the module's note)
+        self._peer_regions[(peer, header[3])].acks[self.rank] = header[1]
 
 
 # --- the collectives ---------------------------------------------------------------------------------------
@@ -365,7 +364,7 @@ def all_gather(
     nbytes = shard.numel() * shard.element_size()
     peers = [p for p in range(n) if p != rank]
     region, seqs = ch.take_region(nbytes, peers)
-    region.typed_view(shard.dtype, 0, shard.numel()).copy_(shard)
+    region.typed_view(shard.dtype, ch.payload_offset, shard.numel()).copy_(shard)
     TRAFFIC.sent += nbytes * len(peers)
     sent = {p: ch.header_for(region, seqs[p], 0, nbytes) for p in peers}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
@@ -401,7 +400,7 @@ def reduce_scatter(
     region, seqs = ch.take_region(nbytes * (n - 1), peers)
     TRAFFIC.sent += nbytes * len(peers)
     for i, p in enumerate(peers):  # each peer's chunk, in peer order
-        region.typed_view(full.dtype, i * nbytes, numel).copy_(chunks[p])
+        region.typed_view(full.dtype, ch.payload_offset + i * nbytes, numel).copy_(chunks[p])
     sent = {p: ch.header_for(region, seqs[p], i * nbytes, nbytes) for i, p in enumerate(peers)}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
     works = [pg.send([_view(sent[p])], p, tag) for p in peers]
