@@ -135,7 +135,7 @@ def connect() -> None:
 def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> Channel | None:
     """This rank's channel over ``pg`` for a payload of ``payload_bytes`` per peer on ``device``, or ``None`` where
     ``pg``'s ranks do not all share this host (or before :func:`connect`), for a payload not on CPU or above
-    :data:`LARGEST_MESSAGE_BYTES`, or while ``FULLSHARD_CPU_SHM=0``. The same answer on every rank of ``pg``
+    :data:`LARGEST_MESSAGE_BYTES`, or unless ``FULLSHARD_CPU_SHM=1``. The same answer on every rank of ``pg``
     (given the same setting on each, as for ``FULLSHARD_GLOO_P2P``)."""
     if device.type != "cpu" or payload_bytes > LARGEST_MESSAGE_BYTES:
         return None
