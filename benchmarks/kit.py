@@ -288,9 +288,10 @@ _GLOO = {P2P_ENV_VAR: "0"}
 UNCHECKED = ", unchecked"
 _UNCHECKED = {CHECK_VAR: "0"}
 
-# ... and with this suffix through shared memory where the ranks share a host (FULLSHARD_CPU_SHM=1, engine/shm.py).
-SHARED_MEMORY = ", shared memory"
-_SHARED_MEMORY = {SHM_ENV_VAR: "1"}
+# ... and with this suffix through gloo's sockets even where the ranks share a host (FULLSHARD_CPU_SHM=0; the
+# others go through shared memory there, engine/shm.py).
+SOCKETS = ", sockets"
+_SOCKETS = {SHM_ENV_VAR: "0"}
 
 # Entry points (``System.entry_point``).
 FSDP_CLASS, FULLY_SHARD = "FullyShardedDataParallel", "fully_shard"
@@ -336,8 +337,8 @@ SYSTEMS: dict[str, System] = {
         System(f"{OURS_FULLY_SHARD}{GLOO_NATIVE}", ours_fully_shard, env=_GLOO, **_ours_fs),
         System(f"{OURS_FSDP}{UNCHECKED}", ours_fsdp, env=_UNCHECKED, **_ours),
         System(f"{OURS_FULLY_SHARD}{UNCHECKED}", ours_fully_shard, env=_UNCHECKED, **_ours_fs),
-        System(f"{OURS_FSDP}{SHARED_MEMORY}", ours_fsdp, env=_SHARED_MEMORY, **_ours),
-        System(f"{OURS_FULLY_SHARD}{SHARED_MEMORY}", ours_fully_shard, env=_SHARED_MEMORY, **_ours_fs),
+        System(f"{OURS_FSDP}{SOCKETS}", ours_fsdp, env=_SOCKETS, **_ours),
+        System(f"{OURS_FULLY_SHARD}{SOCKETS}", ours_fully_shard, env=_SOCKETS, **_ours_fs),
         System(
             OURS_FSDP_BF16_ON_DEMAND,
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="none"),

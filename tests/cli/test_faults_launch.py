@@ -161,7 +161,7 @@ def test_a_half_written_error_file_is_a_failure_without_a_message(child_env: dic
 def test_an_extra_forward_on_one_rank_is_named_not_aborted(child_env: dict[str, str]) -> None:
     # Rank 1 runs one forward more: its gathers meet rank 0's backward gathers of other sizes, which made gloo
     # abort the process (SIGABRT, "Received data size doesn't match expected size") naming nothing.
-    shared = {**child_env, "FULLSHARD_CPU_SHM": "1"}  # the payloads in shared memory (engine/shm.py)
+    shared = {**child_env, "FULLSHARD_CPU_SHM": "1"}  # payloads in shared memory (the default; engine/shm.py)
     result = _launch([str(SCRIPTS / "ranks_out_of_step.py"), "extra_forward"], shared, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     if platform.machine() == "x86_64":  # caught on the collective's tag, with the payloads in shared memory
@@ -197,7 +197,7 @@ def test_a_stopped_rank_is_named_and_shutdown_timeout_holds(child_env: dict[str,
 
 
 def test_a_killed_peer_is_called_a_lost_peer(child_env: dict[str, str]) -> None:
-    shared = {**child_env, "FULLSHARD_CPU_SHM": "1"}  # the payloads in shared memory (engine/shm.py)
+    shared = {**child_env, "FULLSHARD_CPU_SHM": "1"}  # payloads in shared memory (the default; engine/shm.py)
     result = _launch([str(SCRIPTS / "ranks_out_of_step.py"), "kill"], shared, timeout=120)
     assert result.returncode == 128 + signal.SIGKILL, result.stdout + result.stderr
     if platform.machine() == "x86_64":  # the peer was lost while the collectives went through shared memory

@@ -11,6 +11,7 @@ a bad setting is refused by name; training FULL_SHARD through it is bitwise trai
 from __future__ import annotations
 
 import array
+import ctypes
 import os
 from collections.abc import Callable
 from typing import Any
@@ -197,3 +198,65 @@ def _empty_payloads(rank: int, world: int) -> list[bool]:
 def test_empty_payloads(pool2: WorkerPool) -> None:
     for checks in pool2.run(_connected, _empty_payloads):
         assert all(checks), checks
+
+
+def test_nearby_sizes_share_a_pool_and_waste_at_most_a_sixteenth() -> None:
+    """A model's units differ by a norm or a bias: their messages share regions (one pool per size class)."""
+    for nbytes in [0, 1, 4095, 4096, 4097, 65_537, 2_098_176, 2_107_396, 8 * 2**20, shm.LARGEST_MESSAGE_BYTES]:
+        room = shm._size_class(nbytes)
+        assert room >= nbytes and room % 4096 == 0, (nbytes, room)
+        assert room - nbytes <= max(4096, nbytes // 16), (nbytes, room)
+    ch = shm.Channel(0, [os.getpid()] * 2)
+    regions = []
+    for nbytes in (2_098_176, 2_099_200, 2_107_396):  # three block sizes of benchmarks/train.py's medium GPT
+        region, seqs = ch.take_region(nbytes, [1])
+        region.acks[1] = seqs[1]  # read
+        regions.append(region)
+    assert regions[0] is regions[1] is regions[2]
+    assert ch.take_region(4 * 2**20, [1])[0] is not regions[0]  # another class
+
+
+def _resident_kib(address: int) -> int:
+    """The resident size of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split(" ", 1)[0].split("-")[0] == f"{address:x}":
+            return next(int(entry.split()[1]) for entry in lines[i + 1 :] if entry.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:x}")
+
+
+def test_a_read_message_is_counted_once_in_its_senders_memory() -> None:
+    """After acknowledging, a reader drops the pages it read from its own mapping (they stay in the sender's
+    region): a rank's resident size counts its own regions, not its peers' as well; the next read maps them
+    again and reads what the sender wrote since."""
+    sender, receiver = shm.Channel(0, [os.getpid()] * 2), shm.Channel(1, [os.getpid()] * 2)
+    nbytes = 64 * 4096
+    for value in (3, 7):
+        region, seqs = sender.take_region(nbytes, [1])
+        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
+        header = sender.header_for(region, seqs[1], 0, nbytes)
+        read = receiver.message_view(0, header, torch.uint8, nbytes)
+        assert read is not None and int(read.sum()) == value * nbytes
+        mapping = receiver._peer_regions[(0, header[3])].memory
+        assert _resident_kib(ctypes.addressof(mapping)) >= nbytes // 1024
+        receiver.acknowledge(0, header)
+        assert _resident_kib(ctypes.addressof(mapping)) == 0
+        assert _resident_kib(ctypes.addressof(region.memory)) >= nbytes // 1024  # the sender's pages stay
+    assert sum(len(pool) for pool in sender._pools.values()) == 1  # the region was reused for the second
+
+
+def test_turned_off_the_start_exchanges_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FULLSHARD_CPU_SHM=0``: the first root's lazy init makes no collective for the transport; turned on, one
+    gather of every rank's host and pid."""
+    gathered: list[object] = []
+    monkeypatch.setattr(shm, "_endpoints", None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr("fullshard.ranks.gather_from_ranks", lambda mine: gathered.append(mine) or [mine, mine])
+    monkeypatch.setenv(shm.ENV_VAR, "0")
+    shm.connect()
+    assert gathered == [] and shm._endpoints is None
+    monkeypatch.setenv(shm.ENV_VAR, "1")
+    shm.connect()
+    assert gathered == [(shm._host_key(), os.getpid())]

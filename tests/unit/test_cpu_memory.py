@@ -70,15 +70,19 @@ def test_a_cpu_root_keeps_freed_memory_so_later_rounds_fault_nothing(tmp_path) -
     assert max(later) < first // 50, result  # reused, not faulted in again
 
 
-def test_turned_off_glibc_trims_and_every_round_faults_again(tmp_path) -> None:
-    # the control: the same step and rounds without the setting fault every round, so the test above can fail
+def test_turned_off_leaves_glibc_as_it_is(tmp_path) -> None:
+    # Only that nothing is applied: with glibc's own moving threshold, whether later rounds fault again varies
+    # from run to run (in 3 of 20 runs on one host a small block left above the chunks kept the heap's top from
+    # being trimmed, and rounds 2-4 faulted nothing). The control that every round faults without the setting,
+    # so that the test above can fail, is the next one: a threshold the user fixed leaves nothing to chance.
     result = _probe(tmp_path, "train", **{ENV: "0"})
-    first, *later = result["rounds"]
     assert result["applied"] is False
-    assert min(later) > first // 2, result
+    assert result["rounds"][0] > 30_000, result
 
 
-def test_the_users_own_glibc_tunables_win(tmp_path) -> None:
+def test_the_users_own_glibc_tunables_win_and_every_round_faults_again(tmp_path) -> None:
+    # A tunable of the user's fixes glibc's thresholds (no moving mapping threshold: 1 MiB chunks are mapped and
+    # unmapped every round), so each round faults its pages in again: the control of the first test.
     result = _probe(tmp_path, "call", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
     assert result["applied"] is False
     assert min(result["rounds"][1:]) > result["rounds"][0] // 2, result

@@ -25,8 +25,8 @@ watch's mirrored message after a mismatch) reads nothing.
 
 When it runs: on Linux x86-64 (the acknowledgement relies on its ordering of a receiver's reads before its later
 write) for a gloo group whose ranks all share this host, this user and this PID namespace, as found once per
-process by :func:`connect` (a collective at the first root unit's lazy init), and only with ``FULLSHARD_CPU_SHM=1``
-(off by default until it has run the whole test suite on by default; see docs/design.md). The setting is read at
+process by :func:`connect` (a collective at the first root unit's lazy init), unless ``FULLSHARD_CPU_SHM=0`` (on
+by default; ``0`` sends every payload through the sockets, as before). The setting is read at
 each collective (a benchmark row can run with it while another runs without); like ``FULLSHARD_GLOO_P2P``, it
 must be the same on every rank.
 
@@ -101,11 +101,11 @@ _holding_descriptors: list[Channel] = []
 
 
 def _wanted() -> bool:
-    value = os.environ.get(ENV_VAR, "0").strip().lower()
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
     if value not in ("0", "1", ""):
-        raise ValueError(f"{ENV_VAR}={value!r}: expected 1 (shared memory between ranks of one host) or 0 (gloo's "
-                         "sockets, the default)")  # fmt: skip
-    return value == "1"
+        raise ValueError(f"{ENV_VAR}={value!r}: expected 1 (shared memory between ranks of one host, the default) "
+                         "or 0 (gloo's sockets, for every payload)")  # fmt: skip
+    return value != "0"
 
 
 def _host_key() -> object | None:
@@ -124,9 +124,8 @@ def connect() -> None:
     """Find which ranks share this host (a collective over the default group, once per process; every rank
     calls it at the same point: the first root unit's lazy init). Raises on a bad ``FULLSHARD_CPU_SHM``."""
     global _endpoints
-    _wanted()
-    if _endpoints is not None or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+    if not _wanted() or _endpoints is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return  # turned off: no gather (a later root's lazy init with it on still connects)
     from fullshard.ranks import gather_from_ranks  # ranks imports the engine's modules
 
     _endpoints = gather_from_ranks((_host_key(), os.getpid()))
@@ -135,7 +134,7 @@ def connect() -> None:
 def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> Channel | None:
     """This rank's channel over ``pg`` for a payload of ``payload_bytes`` per peer on ``device``, or ``None`` where
     ``pg``'s ranks do not all share this host (or before :func:`connect`), for a payload not on CPU or above
-    :data:`LARGEST_MESSAGE_BYTES`, or unless ``FULLSHARD_CPU_SHM=1``. The same answer on every rank of ``pg``
+    :data:`LARGEST_MESSAGE_BYTES`, or with ``FULLSHARD_CPU_SHM=0``. The same answer on every rank of ``pg``
     (given the same setting on each, as for ``FULLSHARD_GLOO_P2P``)."""
     if device.type != "cpu" or payload_bytes > LARGEST_MESSAGE_BYTES:
         return None
@@ -176,6 +175,21 @@ def _libc_mmap() -> Any:
     mmap_fn.restype = ctypes.c_void_p
     mmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     return mmap_fn
+
+
+def _drop_pages(memory: ctypes.Array) -> None:
+    """Unmap ``memory``'s pages from this process (``MADV_DONTNEED``: the shared pages themselves are untouched,
+    and the next access maps them again, a minor fault per few pages with the kernel's fault-around)."""
+    if _libc_madvise()(ctypes.addressof(memory), ctypes.sizeof(memory), mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a peer's region failed")
+
+
+@functools.cache
+def _libc_madvise() -> Any:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.restype = ctypes.c_int
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _open_peer(what: Callable[[str], object], pid: int, fd: int) -> object:
@@ -240,6 +254,13 @@ class _PeerRegion:
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
 
+def _size_class(nbytes: int) -> int:
+    """The payload room of the regions that carry ``nbytes``: rounded up to a sixteenth to a thirty-second of
+    its size (a page at least), so sizes within a few percent of each other share a pool, at most 1/16 unused."""
+    step = max(_PAGE, 1 << max(nbytes.bit_length() - 5, 0))
+    return max(step, -(-nbytes // step) * step)
+
+
 def _ack_words(memory: ctypes.Array, size: int) -> memoryview:
     """A region's first ``size`` int64 words (its readers' acknowledgements), read and written without an op."""
     return memoryview(memory).cast("B")[: 8 * size].cast("q")
@@ -271,14 +292,16 @@ class Channel:
     # --- sending -------------------------------------------------------------------------------------
 
     def take_region(self, nbytes: int, readers: list[int]) -> tuple[_Region, dict[int, int]]:
-        """A region with ``nbytes`` of payload no peer still reads, numbered for ``readers``: ``(region, seq by
-        reader)``."""
+        """A region with room for ``nbytes`` of payload that no peer still reads, numbered for ``readers``:
+        ``(region, seq by reader)``. Pools are per size class (:func:`_size_class`), so that messages of nearly
+        the same size (a model's units differ by a norm or a bias) share their regions."""
         self._close_mapped()
         _holding_descriptors[:] = [ch for ch in _holding_descriptors if ch is not self and ch._close_mapped()]
-        pool = self._pools.setdefault(nbytes, [])
+        capacity = _size_class(nbytes)
+        pool = self._pools.setdefault(capacity, [])
         region = next((r for r in pool if r.idle()), None)
         if region is None:
-            region = self._new_region(self._payload_at + nbytes)
+            region = self._new_region(self._payload_at + capacity)
             pool.append(region)
             self._open.append(region)
         seqs = {}
@@ -347,9 +370,13 @@ class Channel:
 
     def acknowledge(self, peer: int, header: array.array) -> None:
         """Acknowledge ``peer``'s message (after the last read of it, which :meth:`message_view` mapped): its
-        region may be reused."""
+        region may be reused. The pages read are then dropped from this process's mapping (they stay in the
+        peer's region, which its own resident size counts): a page is counted once, in its owner, and mapped
+        again here at the next read."""
+        region = self._peer_regions[(peer, header[3])]
         # x86-64: the reads before are ordered before this write (see the module's note)
-        self._peer_regions[(peer, header[3])].acks[self.rank] = header[1]
+        region.acks[self.rank] = header[1]
+        _drop_pages(region.memory)
 
 
 # --- the collectives ---------------------------------------------------------------------------------------
