@@ -11,6 +11,7 @@ a bad setting is refused by name; training FULL_SHARD through it is bitwise trai
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import os
 from collections.abc import Callable
@@ -259,4 +260,34 @@ def test_turned_off_the_start_exchanges_nothing(monkeypatch: pytest.MonkeyPatch)
     assert gathered == [] and shm._endpoints is None
     monkeypatch.setenv(shm.ENV_VAR, "1")
     shm.connect()
-    assert gathered == [(shm._host_key(), os.getpid())]
+    (key, pid, probe), refused = gathered  # the host and a probe to open, then whether this rank could
+    assert (key, pid, refused) == (shm._host_key(), os.getpid(), False) and probe >= 0
+    assert "/memfd:fullshard-shm-probe (deleted)" not in _open_files()  # closed once every rank tried
+
+
+def _open_files() -> list[str]:
+    files = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            files.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return files
+
+
+def _one_rank_may_not_open(rank: int, world: int) -> list[bool]:
+    """Rank 1 may not open its peers' descriptors (a security policy): every rank of that host keeps the
+    sockets, decided alike on each; without the refusal the same ranks find a channel."""
+    saved = shm._endpoints
+    seen = []
+    try:
+        for refuse in (True, False):
+            shm._endpoints = None
+            with mock.patch.object(shm, "_can_open", lambda pid, fd, refuse=refuse: not (refuse and rank == 1)):
+                shm.connect()
+            seen.append(shm.channel(dist.new_group(list(range(world))), *_ONE) is None)
+    finally:
+        shm._endpoints = saved
+    return seen
+
+
+def test_ranks_that_may_not_open_each_others_memory_keep_the_sockets(pool2: WorkerPool) -> None:
+    assert pool2.run(_connected, _one_rank_may_not_open) == [[True, False]] * 2

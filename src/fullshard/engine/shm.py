@@ -24,8 +24,9 @@ collective's tag and are the sizes its watch mirrors) behave as on the socket pa
 watch's mirrored message after a mismatch) reads nothing.
 
 When it runs: on Linux x86-64 (the acknowledgement relies on its ordering of a receiver's reads before its later
-write) for a gloo group whose ranks all share this host, this user and this PID namespace, as found once per
-process by :func:`connect` (a collective at the first root unit's lazy init), unless ``FULLSHARD_CPU_SHM=0`` (on
+write) for a gloo group whose ranks all share this host, this user and this PID namespace and may open each
+other's descriptors, as found once per process by :func:`connect` (collectives at the first root unit's lazy
+init), unless ``FULLSHARD_CPU_SHM=0`` (on
 by default; ``0`` sends every payload through the sockets, as before). The setting is read at
 each collective (a benchmark row can run with it while another runs without); like ``FULLSHARD_GLOO_P2P``, it
 must be the same on every rank.
@@ -121,14 +122,40 @@ def _host_key() -> object | None:
 
 
 def connect() -> None:
-    """Find which ranks share this host (a collective over the default group, once per process; every rank
-    calls it at the same point: the first root unit's lazy init). Raises on a bad ``FULLSHARD_CPU_SHM``."""
+    """Find which ranks share this host and can map each other's memory (two gathers over the default group,
+    once per process; every rank calls it at the same point: the first root unit's lazy init). Raises on a bad
+    ``FULLSHARD_CPU_SHM``.
+
+    Sharing the boot, the PID namespace and the user is not always enough: a security policy (a hardened
+    container, ``hidepid``, an LSM) may refuse to open another process's descriptors. So each rank offers a
+    one-page probe and tries its host's peers' probes; where any rank of a host could not, that host's ranks
+    keep the sockets (decided alike on every rank, from the second gather)."""
     global _endpoints
     if not _wanted() or _endpoints is not None or not dist.is_initialized() or dist.get_world_size() == 1:
         return  # turned off: no gather (a later root's lazy init with it on still connects)
     from fullshard.ranks import gather_from_ranks  # ranks imports the engine's modules
 
-    _endpoints = gather_from_ranks((_host_key(), os.getpid()))
+    key = _host_key()
+    probe = os.memfd_create("fullshard-shm-probe", os.MFD_CLOEXEC) if key is not None else -1
+    try:
+        offered = gather_from_ranks((key, os.getpid(), probe))
+        failed = key is not None and not all(_can_open(pid, fd) for k, pid, fd in offered if k == key)
+        refused = gather_from_ranks(failed)  # every rank's probe stays open until every rank has tried
+    finally:
+        if probe >= 0:
+            os.close(probe)
+    unusable = {k for (k, _, _), bad in zip(offered, refused, strict=True) if bad}
+    _endpoints = [(None if k in unusable else k, pid) for k, pid, _ in offered]
+
+
+def _can_open(pid: int, fd: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.close(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR))
+    except OSError:
+        return False
+    return True
 
 
 def channel(pg: dist.ProcessGroup, payload_bytes: int, device: torch.device) -> Channel | None:
