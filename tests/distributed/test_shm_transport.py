@@ -170,20 +170,29 @@ def test_a_message_never_read_keeps_only_its_own_region() -> None:
 
 
 def test_training_bitwise_the_sockets(pool2: WorkerPool) -> None:
-    """FULL_SHARD through shared memory (``FULLSHARD_CPU_SHM=1``) against the same run through the sockets."""
+    """FULL_SHARD through shared memory (``FULLSHARD_CPU_SHM=1``; regions kept between messages, and returned
+    to the kernel between them) against the same run through the sockets."""
     sockets = pool2.run(_run_with_shm, "0")
-    shared = pool2.run(_run_with_shm, "1")
-    for got, want in zip(shared, sockets, strict=True):
-        assert got.losses == want.losses
-        for name, param in want.params.items():
-            assert torch.equal(got.params[name], param), name
+    for keep in (True, False):
+        shared = pool2.run(_run_with_shm, "1", keep)
+        for got, want in zip(shared, sockets, strict=True):
+            assert got.losses == want.losses
+            for name, param in want.params.items():
+                assert torch.equal(got.params[name], param), name
 
 
-def _run_with_shm(rank: int, world: int, setting: str) -> RunResult:
-    with mock.patch.dict(os.environ, {shm.ENV_VAR: setting}):
-        shm.connect()
-        assert (shm.channel(dist.group.WORLD, *_ONE) is not None) == (setting == "1")
-        return _run_with(rank, world, "1", SPEC, FULL_SHARD)
+def _run_with_shm(rank: int, world: int, setting: str, keep: bool = True) -> RunResult:
+    connect = shm.connect
+    with (
+        mock.patch.dict(os.environ, {shm.ENV_VAR: setting}),
+        mock.patch.object(shm, "connect", lambda **_: connect(keep_idle_regions=keep)),  # the engine's call too
+    ):
+        try:
+            shm.connect()
+            assert (shm.channel(dist.group.WORLD, *_ONE) is not None) == (setting == "1")
+            return _run_with(rank, world, "1", SPEC, FULL_SHARD)
+        finally:
+            connect()  # the default again: regions kept
 
 
 def _empty_payloads(rank: int, world: int) -> list[bool]:
@@ -291,3 +300,26 @@ def _one_rank_may_not_open(rank: int, world: int) -> list[bool]:
 
 def test_ranks_that_may_not_open_each_others_memory_keep_the_sockets(pool2: WorkerPool) -> None:
     assert pool2.run(_connected, _one_rank_may_not_open) == [[True, False]] * 2
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_idle_regions_return_their_pages_where_freed_memory_is_returned(
+    monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """Where the process returns its freed memory to the kernel (the engine did not ask glibc to keep it: a
+    user's own allocator settings), a region no message uses returns its payload pages too, and the next
+    message there faults them in again; by default it keeps them."""
+    monkeypatch.setattr(shm, "_keep_idle", keep)
+    ch = shm.Channel(0, [os.getpid()] * 2)
+    nbytes = 64 * 4096
+    region, seqs = ch.take_region(nbytes, [1])
+    region.typed_view(torch.uint8, ch.payload_offset, nbytes).fill_(5)
+    region.acks[1] = seqs[1]  # read
+    assert _resident_kib(ctypes.addressof(region.memory)) >= nbytes // 1024
+    ch.take_region(4096, [1])  # another size class: the first region is idle meanwhile
+    resident = _resident_kib(ctypes.addressof(region.memory))
+    assert resident >= nbytes // 1024 if keep else resident <= 4, resident
+    again, _ = ch.take_region(nbytes, [1])
+    assert again is region
+    payload = region.typed_view(torch.uint8, ch.payload_offset, nbytes)
+    assert int(payload.sum()) == (5 * nbytes if keep else 5 * (4096 - ch.payload_offset))  # the first page stays

@@ -96,6 +96,8 @@ TRAFFIC = Traffic()
 _endpoints: list[tuple[object, int]] | None = None
 # By the group's name: torch may hand out a new Python object for the same group (the channel must not change).
 _channels: dict[str, Channel | None] = {}
+# Whether idle regions keep their pages (connect's keep_idle_regions).
+_keep_idle = True
 # Channels with a descriptor open that a peer may still need (swept whenever any channel sends): a process that
 # creates many groups (a test suite) must not run out of descriptors.
 _holding_descriptors: list[Channel] = []
@@ -121,7 +123,7 @@ def _host_key() -> object | None:
         return None
 
 
-def connect() -> None:
+def connect(*, keep_idle_regions: bool = True) -> None:
     """Find which ranks share this host and can map each other's memory (two gathers over the default group,
     once per process; every rank calls it at the same point: the first root unit's lazy init). Raises on a bad
     ``FULLSHARD_CPU_SHM``.
@@ -129,8 +131,13 @@ def connect() -> None:
     Sharing the boot, the PID namespace and the user is not always enough: a security policy (a hardened
     container, ``hidepid``, an LSM) may refuse to open another process's descriptors. So each rank offers a
     one-page probe and tries its host's peers' probes; where any rank of a host could not, that host's ranks
-    keep the sockets (decided alike on every rank, from the second gather)."""
-    global _endpoints
+    keep the sockets (decided alike on every rank, from the second gather).
+
+    ``keep_idle_regions``: whether a region no message is using keeps its pages for the next (the default, as
+    the engine asks glibc to keep freed memory: ``cpu_memory.py``), or returns them to the kernel until then
+    (where the process returns its freed memory too: the next message there faults its pages in again)."""
+    global _endpoints, _keep_idle
+    _keep_idle = keep_idle_regions
     if not _wanted() or _endpoints is not None or not dist.is_initialized() or dist.get_world_size() == 1:
         return  # turned off: no gather (a later root's lazy init with it on still connects)
     from fullshard.ranks import gather_from_ranks  # ranks imports the engine's modules
@@ -207,8 +214,12 @@ def _libc_mmap() -> Any:
 def _drop_pages(memory: ctypes.Array) -> None:
     """Unmap ``memory``'s pages from this process (``MADV_DONTNEED``: the shared pages themselves are untouched,
     and the next access maps them again, a minor fault per few pages with the kernel's fault-around)."""
-    if _libc_madvise()(ctypes.addressof(memory), ctypes.sizeof(memory), mmap.MADV_DONTNEED) != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a peer's region failed")
+    _madvise(ctypes.addressof(memory), ctypes.sizeof(memory), mmap.MADV_DONTNEED)
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> None:
+    if _libc_madvise()(address, nbytes, advice) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise({advice}) of {nbytes} bytes of shared memory failed")
 
 
 @functools.cache
@@ -244,6 +255,7 @@ class _Region:
     acks: memoryview
     readers: dict[int, int] = field(default_factory=dict)
     views: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
+    resident: bool = True  # False once its payload pages were returned to the kernel (Channel._release_idle)
 
     def typed_view(self, dtype: torch.dtype, offset: int, numel: int) -> torch.Tensor:
         """``numel`` elements of ``dtype`` from byte ``offset``: made once, then kept (a step's collectives repeat,
@@ -331,6 +343,8 @@ class Channel:
             region = self._new_region(self._payload_at + capacity)
             pool.append(region)
             self._open.append(region)
+        if not _keep_idle:
+            self._release_idle(region)
         seqs = {}
         for peer in readers:
             self._sent[peer] += 1
@@ -339,6 +353,17 @@ class Channel:
         if self._close_mapped():  # kept in the sweep until its peers have mapped what it holds open
             _holding_descriptors.append(self)
         return region, seqs
+
+    def _release_idle(self, taken: _Region) -> None:
+        """Return the payload pages of every idle region but ``taken`` to the kernel (``MADV_REMOVE``: freed,
+        not just unmapped; the first page, with the acknowledgement words, stays)."""
+        taken.resident = True
+        for pool in self._pools.values():
+            for region in pool:
+                if region.resident and region is not taken and region.idle():
+                    if region.nbytes > _PAGE:
+                        _madvise(ctypes.addressof(region.memory) + _PAGE, region.nbytes - _PAGE, mmap.MADV_REMOVE)
+                    region.resident = False
 
     def header_for(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
         """``offset``: from the payload's start."""

@@ -235,9 +235,10 @@ class UnitState:
                 adopt_replaced_params(state.group)  # parameters assigned after sharding (reassign.py)
         ctx.gathered = sum(1 for s in states if s is not self and s.group and s.group.state is not ShardState.SHARDED)
         if any(s.group is not None and s.group.device.type == "cpu" for s in states):
-            cpu_memory.keep_freed_memory()  # freed unit-sized buffers reused, not faulted in again (cpu_memory.py)
+            # freed unit-sized buffers reused, not faulted in again (cpu_memory.py); the shared regions alike
+            kept = cpu_memory.keep_freed_memory()
             if not simulating():
-                shm.connect()  # which ranks share this host: their gathers and reductions skip the sockets (shm.py)
+                shm.connect(keep_idle_regions=kept)  # ranks of one host skip the sockets (shm.py)
         if not simulating():  # a planning run steps meta units on purpose (see mesh.simulating)
             _refuse_meta(states)
         invariant.check_one_mode(states)
