@@ -283,14 +283,24 @@ def _open_files() -> list[str]:
 
 
 def _one_rank_may_not_open(rank: int, world: int) -> list[bool]:
-    """Rank 1 may not open its peers' descriptors (a security policy): every rank of that host keeps the
-    sockets, decided alike on each; without the refusal the same ranks find a channel."""
-    saved = shm._endpoints
+    """Rank 1 may not open its peers' descriptors (a security policy), or may not make one to offer (a
+    sandbox): every rank of that host keeps the sockets, decided alike on each, and nobody waits on a rank that
+    raised; without either the same ranks find a channel."""
+    saved, memfd_create = shm._endpoints, os.memfd_create
     seen = []
+
+    def no_memfd(*args: Any) -> int:
+        if rank == 1:
+            raise OSError(38, "memfd_create: function not implemented")
+        return memfd_create(*args)
+
     try:
-        for refuse in (True, False):
+        for case in ("refused", "no probe", "fine"):
             shm._endpoints = None
-            with mock.patch.object(shm, "_can_open", lambda pid, fd, refuse=refuse: not (refuse and rank == 1)):
+            with (
+                mock.patch.object(shm, "_can_open", lambda pid, fd, case=case: not (case == "refused" and rank == 1)),
+                mock.patch.object(shm.os, "memfd_create", no_memfd if case == "no probe" else memfd_create),
+            ):
                 shm.connect()
             seen.append(shm.channel(dist.new_group(list(range(world))), *_ONE) is None)
     finally:
@@ -299,7 +309,7 @@ def _one_rank_may_not_open(rank: int, world: int) -> list[bool]:
 
 
 def test_ranks_that_may_not_open_each_others_memory_keep_the_sockets(pool2: WorkerPool) -> None:
-    assert pool2.run(_connected, _one_rank_may_not_open) == [[True, False]] * 2
+    assert pool2.run(_connected, _one_rank_may_not_open) == [[True, True, False]] * 2
 
 
 @pytest.mark.parametrize("keep", [True, False])

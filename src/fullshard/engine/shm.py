@@ -47,6 +47,7 @@ hand out a new object for the same group.
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -142,11 +143,13 @@ def connect(*, keep_idle_regions: bool = True) -> None:
         return  # turned off: no gather (a later root's lazy init with it on still connects)
     from fullshard.ranks import gather_from_ranks  # ranks imports the engine's modules
 
-    key = _host_key()
-    probe = os.memfd_create("fullshard-shm-probe", os.MFD_CLOEXEC) if key is not None else -1
+    key, probe = _host_key(), -1
+    if key is not None:
+        with contextlib.suppress(OSError):  # none to offer (a sandbox): this host keeps the sockets, below
+            probe = os.memfd_create("fullshard-shm-probe", os.MFD_CLOEXEC)
     try:
         offered = gather_from_ranks((key, os.getpid(), probe))
-        failed = key is not None and not all(_can_open(pid, fd) for k, pid, fd in offered if k == key)
+        failed = key is not None and not all(fd >= 0 and _can_open(pid, fd) for k, pid, fd in offered if k == key)
         refused = gather_from_ranks(failed)  # every rank's probe stays open until every rank has tried
     finally:
         if probe >= 0:
