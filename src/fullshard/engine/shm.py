@@ -427,8 +427,15 @@ class Channel:
         """Acknowledge ``peer``'s message (after the last read of it, which :meth:`message_view` mapped): its
         region may be reused. The pages read are then dropped from this process's mapping (they stay in the
         peer's region, which its own resident size counts): a page is counted once, in its owner, and mapped
-        again here at the next read."""
+        again here at the next read. Where idle regions return their pages (``connect``), the message's own
+        whole pages (no other reader's chunk shares them) are freed here, before the acknowledgement lets the
+        sender write there again: a staged payload lives from the sender's copy to this read, no longer."""
         region = self._peer_regions[(peer, header[3])]
+        if not _keep_idle:
+            start = -(-header[4] // _PAGE) * _PAGE
+            end = (header[4] + header[5]) // _PAGE * _PAGE
+            if end > start:
+                _madvise(ctypes.addressof(region.memory) + start, end - start, mmap.MADV_REMOVE)
         # x86-64: the reads before are ordered before this write (see the module's note)
         region.acks[self.rank] = header[1]
         _drop_pages(region.memory)
