@@ -39,12 +39,21 @@ def _connected(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any
         return fn(rank, world, *args)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["regions kept", "pages freed"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_bitwise_through_shared_memory(pool2: WorkerPool, pool4: WorkerPool, world: int) -> None:
+def test_collectives_bitwise_through_shared_memory(
+    pool2: WorkerPool, pool4: WorkerPool, world: int, keep: bool
+) -> None:
     pool = pool2 if world == 2 else pool4
-    assert pool.run(_connected, _check_collectives) == [[]] * world
-    for checks in pool.run(_connected, _in_flight_together):
+    assert pool.run(_connected, _with_idle_policy, keep, _check_collectives) == [[]] * world
+    for checks in pool.run(_connected, _with_idle_policy, keep, _in_flight_together):
         assert all(checks), checks
+
+
+def _with_idle_policy(rank: int, world: int, keep: bool, fn: Callable[..., Any]) -> Any:
+    """``fn`` with idle regions kept, or returned (and read messages freed by their reader)."""
+    with mock.patch.object(shm, "_keep_idle", keep):
+        return fn(rank, world)
 
 
 def _pool_after_many(rank: int, world: int) -> dict[str, object]:
@@ -337,3 +346,19 @@ def test_idle_regions_return_their_pages_where_freed_memory_is_returned(
     assert again is region
     payload = region.typed_view(torch.uint8, ch.payload_offset, nbytes)
     assert int(payload.sum()) == (5 * nbytes if keep else 5 * (4096 - ch.payload_offset))  # the first page stays
+
+
+def test_bytes_that_other_readers_read_too_are_not_freed_by_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather over more than 2 ranks sends every peer the same bytes: where read messages are freed, the
+    first reader to acknowledge must not free what the others have yet to read."""
+    monkeypatch.setattr(shm, "_keep_idle", False)
+    pids = [os.getpid()] * 3
+    sender, first, second = shm.Channel(0, pids), shm.Channel(1, pids), shm.Channel(2, pids)
+    nbytes = 16 * 4096
+    region, seqs = sender.take_region(nbytes, [1, 2])
+    region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(9)
+    headers = {p: sender.header_for(region, seqs[p], 0, nbytes, shared=True) for p in (1, 2)}
+    for reader, rank in ((first, 1), (second, 2)):
+        read = reader.message_view(0, headers[rank], torch.uint8, nbytes)
+        assert read is not None and int(read.sum()) == 9 * nbytes, rank
+        reader.acknowledge(0, headers[rank])

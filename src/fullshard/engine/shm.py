@@ -79,7 +79,10 @@ LARGEST_MESSAGE_BYTES = 32 * 2**20
 it, for as long as it is kept, where the sockets hold nothing; above it the copies are a smaller part of a step."""
 
 HEADER_BYTES = 64
-_MAGIC = 0x46534853484D0001  # the first word of a header: anything else (a released wait's filler) reads nothing
+# The first word of a header: anything else (a released wait's filler) reads nothing. _MAGIC: no other reader reads
+# these bytes (a reduction's chunk, or a gather between 2 ranks); _MAGIC_SHARED: other readers read them too.
+_MAGIC = 0x46534853484D0001
+_MAGIC_SHARED = 0x46534853484D0002
 _PAGE = mmap.PAGESIZE
 
 
@@ -368,10 +371,12 @@ class Channel:
                         _madvise(ctypes.addressof(region.memory) + _PAGE, region.nbytes - _PAGE, mmap.MADV_REMOVE)
                     region.resident = False
 
-    def header_for(self, region: _Region, seq: int, offset: int, nbytes: int) -> array.array:
-        """``offset``: from the payload's start."""
-        return array.array("q", [_MAGIC, seq, region.fd, region.serial, self._payload_at + offset, nbytes,
-                                 self.size, region.nbytes])  # fmt: skip
+    def header_for(self, region: _Region, seq: int, offset: int, nbytes: int, shared: bool = False) -> array.array:
+        """``offset``: from the payload's start; ``shared``: other readers read the same bytes (a gather over
+        more than 2 ranks), so no reader may free them."""
+        magic = _MAGIC_SHARED if shared else _MAGIC
+        return array.array("q", [magic, seq, region.fd, region.serial, self._payload_at + offset, nbytes, self.size,
+                                 region.nbytes])  # fmt: skip
 
     def _close_mapped(self) -> bool:
         """Close the descriptors of the regions every peer has mapped by now (it read a message there, and
@@ -410,7 +415,7 @@ class Channel:
         magic, _, fd, serial, offset, size, group_size, region_bytes = header
         nbytes = numel * dtype.itemsize
         if (
-            magic != _MAGIC
+            magic not in (_MAGIC, _MAGIC_SHARED)
             or size != nbytes
             or group_size != self.size
             or offset < self._payload_at
@@ -428,10 +433,10 @@ class Channel:
         region may be reused. The pages read are then dropped from this process's mapping (they stay in the
         peer's region, which its own resident size counts): a page is counted once, in its owner, and mapped
         again here at the next read. Where idle regions return their pages (``connect``), the message's own
-        whole pages (no other reader's chunk shares them) are freed here, before the acknowledgement lets the
-        sender write there again: a staged payload lives from the sender's copy to this read, no longer."""
+        whole pages are freed here (unless its header says other readers read them too), before the
+        acknowledgement lets the sender write there again: a staged payload lives from the copy to this read."""
         region = self._peer_regions[(peer, header[3])]
-        if not _keep_idle:
+        if not _keep_idle and header[0] == _MAGIC:
             start = -(-header[4] // _PAGE) * _PAGE
             end = (header[4] + header[5]) // _PAGE * _PAGE
             if end > start:
@@ -455,7 +460,7 @@ def all_gather(
     region, seqs = ch.take_region(nbytes, peers)
     region.typed_view(shard.dtype, ch.payload_offset, shard.numel()).copy_(shard)
     TRAFFIC.sent += nbytes * len(peers)
-    sent = {p: ch.header_for(region, seqs[p], 0, nbytes) for p in peers}
+    sent = {p: ch.header_for(region, seqs[p], 0, nbytes, shared=len(peers) > 1) for p in peers}
     received = {p: array.array("q", bytes(HEADER_BYTES)) for p in peers}
     works = [pg.send([_view(sent[p])], p, tag) for p in peers]
     works += [pg.recv([_view(received[p])], p, tag) for p in peers]
