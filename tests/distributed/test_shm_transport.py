@@ -145,7 +145,7 @@ def test_a_header_that_is_not_one_reads_nothing() -> None:
     beyond = array.array("q", header)
     beyond[4] = region.nbytes  # offset past the region
     assert ch.message_view(1, beyond, torch.uint8, 4096) is None
-    assert ch._peer_regions == {}
+    assert (os.getpid(), region.serial) not in shm._mapped
     start = ch.payload_offset
     region.memory[start : start + 4] = bytes([1, 2, 3, 4])
     read = ch.message_view(1, header, torch.uint8, 4096)  # this process as its own peer: the region, through /proc
@@ -260,7 +260,7 @@ def test_a_read_message_is_counted_once_in_its_senders_memory(monkeypatch: pytes
         header = sender.header_for(region, seqs[1], 0, nbytes)
         read = receiver.message_view(0, header, torch.uint8, nbytes)
         assert read is not None and int(read.sum()) == value * nbytes
-        mapping = receiver._peer_regions[(0, header[3])].memory
+        mapping = shm._mapped[(os.getpid(), header[3])].memory
         assert _resident_kib(ctypes.addressof(mapping)) >= nbytes // 1024
         receiver.acknowledge(0, header)
         assert _resident_kib(ctypes.addressof(mapping)) == 0
@@ -362,3 +362,31 @@ def test_bytes_that_other_readers_read_too_are_not_freed_by_the_first(monkeypatc
         read = reader.message_view(0, headers[rank], torch.uint8, nbytes)
         assert read is not None and int(read.sum()) == 9 * nbytes, rank
         reader.acknowledge(0, headers[rank])
+
+
+def test_one_channel_read_through_two_and_two_read_through_one() -> None:
+    """A rank may serve two groups with one channel while its peer reads them through two (torch may give two
+    groups one name on one rank only: names hash the ranks and the number of live groups), and the other way
+    round. The CI run that found it: a region's descriptor, closed once the peer had mapped it through its first
+    channel, then opened again through its second (``/proc/<pid>/fd/9: No such file``). Regions are found by
+    (process, serial) across channels: both read right."""
+    pids = [os.getpid()] * 2
+    sender, through_a, through_b = shm.Channel(0, pids), shm.Channel(1, pids), shm.Channel(1, pids)
+    nbytes = 4096
+    for value, reader in ((3, through_a), (4, through_b)):
+        region, seqs = sender.take_region(nbytes, [1])
+        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
+        header = sender.header_for(region, seqs[1], 0, nbytes)
+        read = reader.message_view(0, header, torch.uint8, nbytes)
+        assert read is not None and int(read[0]) == value
+        reader.acknowledge(0, header)
+        sender.take_region(2 * 2**20, [1])  # another class: the first region, idle now, has its descriptor closed
+        assert region.fd == -1 or value == 4
+    one, two, reader = shm.Channel(0, pids), shm.Channel(0, pids), shm.Channel(1, pids)
+    for value, sender in ((5, one), (6, two)):  # each channel's first region: their serials must not collide
+        region, seqs = sender.take_region(nbytes, [1])
+        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
+        header = sender.header_for(region, seqs[1], 0, nbytes)
+        read = reader.message_view(0, header, torch.uint8, nbytes)
+        assert read is not None and int(read[0]) == value
+        reader.acknowledge(0, header)

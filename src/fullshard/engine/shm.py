@@ -50,6 +50,7 @@ import array
 import contextlib
 import ctypes
 import functools
+import itertools
 import mmap
 import os
 import platform
@@ -102,6 +103,12 @@ _endpoints: list[tuple[object, int]] | None = None
 _channels: dict[str, Channel | None] = {}
 # Whether idle regions keep their pages (connect's keep_idle_regions).
 _keep_idle = True
+# Regions are numbered across the process, and peers' regions mapped here are found by (their pid, that number),
+# not per channel: group names are not an identity a rank can rely on (torch names a subgroup by a hash of its
+# ranks and of how many groups are alive, so two groups may share a name on one rank and not on another, and one
+# rank's channel then serves two groups whose messages another rank reads through two channels).
+_region_serials = itertools.count(1)
+_mapped: dict[tuple[int, int], _PeerRegion] = {}
 # Channels with a descriptor open that a peer may still need (swept whenever any channel sends): a process that
 # creates many groups (a test suite) must not run out of descriptors.
 _holding_descriptors: list[Channel] = []
@@ -318,7 +325,8 @@ class Channel:
     message by writing its number in the region it read, at its own rank's word, after its last read there; a
     region is reused only when every reader's word has reached the message it reads there. A message never read
     (its work dropped unwaited) keeps only its own region busy. Regions are kept for the channel's life (a model's
-    collectives repeat a few sizes) and known to readers by serial number, never by descriptor."""
+    collectives repeat a few sizes) and known to readers by their process's serial number, never by descriptor
+    (nor by channel: a reader may read one channel's messages through two, see ``_mapped``)."""
 
     def __init__(self, rank: int, pids: list[int]) -> None:
         self.rank, self.pids, self.size = rank, pids, len(pids)
@@ -326,8 +334,6 @@ class Channel:
         self._sent = [0] * self.size
         self._pools: dict[int, list[_Region]] = {}
         self._open: list[_Region] = []  # regions whose descriptor some peer may still need to map them
-        self._serial = 0
-        self._peer_regions: dict[tuple[int, int], _PeerRegion] = {}  # by (peer, serial)
 
     @property
     def payload_offset(self) -> int:
@@ -404,8 +410,7 @@ class Channel:
                 f"fullshard's same-host transport could not allocate {size} bytes of shared memory ({exc}); "
                 f"free memory, or set {ENV_VAR}=0 on every rank to send through gloo's sockets"
             ) from exc
-        self._serial += 1
-        return _Region(fd, self._serial, size, memory, _ack_words(memory, self.size))
+        return _Region(fd, next(_region_serials), size, memory, _ack_words(memory, self.size))
 
     # --- receiving -----------------------------------------------------------------------------------
 
@@ -422,10 +427,11 @@ class Channel:
             or offset + nbytes > region_bytes
         ):
             return None
-        region = self._peer_regions.get((peer, serial))
+        key = (self.pids[peer], serial)
+        region = _mapped.get(key)
         if region is None:  # its first message: the peer keeps the descriptor open until this rank acknowledges
             memory = _open_peer(functools.partial(_map, nbytes=region_bytes), self.pids[peer], fd)
-            region = self._peer_regions[(peer, serial)] = _PeerRegion(memory, _ack_words(memory, self.size))
+            region = _mapped[key] = _PeerRegion(memory, _ack_words(memory, self.size))
         return _typed(region.views, region.memory, dtype, offset, numel)
 
     def acknowledge(self, peer: int, header: array.array) -> None:
@@ -435,7 +441,7 @@ class Channel:
         again here at the next read. Where idle regions return their pages (``connect``), the message's own
         whole pages are freed here (unless its header says other readers read them too), before the
         acknowledgement lets the sender write there again: a staged payload lives from the copy to this read."""
-        region = self._peer_regions[(peer, header[3])]
+        region = _mapped[(self.pids[peer], header[3])]
         if not _keep_idle and header[0] == _MAGIC:
             start = -(-header[4] // _PAGE) * _PAGE
             end = (header[4] + header[5]) // _PAGE * _PAGE
