@@ -255,9 +255,7 @@ def test_a_read_message_is_counted_once_in_its_senders_memory(monkeypatch: pytes
     sender, receiver = shm.Channel(0, [os.getpid()] * 2), shm.Channel(1, [os.getpid()] * 2)
     nbytes = 64 * 4096
     for value in (3, 7):
-        region, seqs = sender.take_region(nbytes, [1])
-        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
-        header = sender.header_for(region, seqs[1], 0, nbytes)
+        region, header = _post(sender, nbytes, value)
         read = receiver.message_view(0, header, torch.uint8, nbytes)
         assert read is not None and int(read.sum()) == value * nbytes
         mapping = shm._mapped[(os.getpid(), header[3])].memory
@@ -374,19 +372,27 @@ def test_one_channel_read_through_two_and_two_read_through_one() -> None:
     sender, through_a, through_b = shm.Channel(0, pids), shm.Channel(1, pids), shm.Channel(1, pids)
     nbytes = 4096
     for value, reader in ((3, through_a), (4, through_b)):
-        region, seqs = sender.take_region(nbytes, [1])
-        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
-        header = sender.header_for(region, seqs[1], 0, nbytes)
-        read = reader.message_view(0, header, torch.uint8, nbytes)
-        assert read is not None and int(read[0]) == value
-        reader.acknowledge(0, header)
+        region, header = _post(sender, nbytes, value)
+        assert _read_and_acknowledge(reader, header, nbytes) == value
         sender.take_region(2 * 2**20, [1])  # another class: the first region, idle now, has its descriptor closed
         assert region.fd == -1 or value == 4
     one, two, reader = shm.Channel(0, pids), shm.Channel(0, pids), shm.Channel(1, pids)
     for value, sender in ((5, one), (6, two)):  # each channel's first region: their serials must not collide
-        region, seqs = sender.take_region(nbytes, [1])
-        region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
-        header = sender.header_for(region, seqs[1], 0, nbytes)
-        read = reader.message_view(0, header, torch.uint8, nbytes)
-        assert read is not None and int(read[0]) == value
-        reader.acknowledge(0, header)
+        _, header = _post(sender, nbytes, value)
+        assert _read_and_acknowledge(reader, header, nbytes) == value
+
+
+def _post(sender: shm.Channel, nbytes: int, value: int) -> tuple[Any, array.array]:
+    """A message of ``nbytes`` bytes equal to ``value`` from ``sender`` to rank 1: its region and header."""
+    region, seqs = sender.take_region(nbytes, [1])
+    region.typed_view(torch.uint8, sender.payload_offset, nbytes).fill_(value)
+    return region, sender.header_for(region, seqs[1], 0, nbytes)
+
+
+def _read_and_acknowledge(reader: shm.Channel, header: array.array, nbytes: int) -> int:
+    """Rank 0's message read by ``reader`` (its first byte), then acknowledged."""
+    read = reader.message_view(0, header, torch.uint8, nbytes)
+    assert read is not None
+    first = int(read[0])
+    reader.acknowledge(0, header)
+    return first

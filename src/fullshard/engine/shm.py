@@ -26,16 +26,17 @@ watch's mirrored message after a mismatch) reads nothing.
 When it runs: on Linux x86-64 (the acknowledgement relies on its ordering of a receiver's reads before its later
 write) for a gloo group whose ranks all share this host, this user and this PID namespace and may open each
 other's descriptors, as found once per process by :func:`connect` (collectives at the first root unit's lazy
-init), unless ``FULLSHARD_CPU_SHM=0`` (on
-by default; ``0`` sends every payload through the sockets, as before). The setting is read at
-each collective (a benchmark row can run with it while another runs without); like ``FULLSHARD_GLOO_P2P``, it
-must be the same on every rank.
+init), unless ``FULLSHARD_CPU_SHM=0`` (on by default; ``0`` sends every payload through the sockets, as
+before). The setting is read at each collective (a benchmark row can run with it while another runs without);
+like ``FULLSHARD_GLOO_P2P``, it must be the same on every rank.
 
 Numerics: bitwise the socket path's: the same bytes arrive, and sums add in the same order.
 
 Memory: a sender's pool holds its messages in flight (not yet read by every peer), a few unit shards at most; a
-reader maps its peers' regions, which its resident size counts too. Regions stay mapped for the process's life,
-for the next step's messages of the same size (a model's collectives repeat a few sizes). Payloads above
+reader maps its peers' regions and drops the pages it read once it acknowledged them, so a page is resident in
+its owner only. Regions stay mapped for the process's life, for the next step's messages of a similar size (a
+model's collectives repeat a few sizes); where the process returns freed memory to the kernel, their pages are
+freed between messages too (``connect``'s ``keep_idle_regions``). Payloads above
 :data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
 
 Descriptors: a region's memfd stays open only until every peer has read a message there (and so mapped it);
@@ -230,6 +231,14 @@ def _drop_pages(memory: ctypes.Array) -> None:
     _madvise(ctypes.addressof(memory), ctypes.sizeof(memory), mmap.MADV_DONTNEED)
 
 
+def _free_pages(memory: ctypes.Array, start: int, end: int) -> None:
+    """Free the whole pages of ``memory`` between byte ``start`` and ``end`` (``MADV_REMOVE``: returned to the
+    kernel in every process that maps them, not just unmapped here); the partial pages at either end stay."""
+    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if last > first:
+        _madvise(ctypes.addressof(memory) + first, last - first, mmap.MADV_REMOVE)
+
+
 def _madvise(address: int, nbytes: int, advice: int) -> None:
     if _libc_madvise()(address, nbytes, advice) != 0:
         raise OSError(ctypes.get_errno(), f"madvise({advice}) of {nbytes} bytes of shared memory failed")
@@ -367,14 +376,13 @@ class Channel:
         return region, seqs
 
     def _release_idle(self, taken: _Region) -> None:
-        """Return the payload pages of every idle region but ``taken`` to the kernel (``MADV_REMOVE``: freed,
-        not just unmapped; the first page, with the acknowledgement words, stays)."""
+        """Return the payload pages of every idle region but ``taken`` to the kernel (the page that holds the
+        acknowledgement words stays)."""
         taken.resident = True
         for pool in self._pools.values():
             for region in pool:
                 if region.resident and region is not taken and region.idle():
-                    if region.nbytes > _PAGE:
-                        _madvise(ctypes.addressof(region.memory) + _PAGE, region.nbytes - _PAGE, mmap.MADV_REMOVE)
+                    _free_pages(region.memory, self._payload_at, region.nbytes)
                     region.resident = False
 
     def header_for(self, region: _Region, seq: int, offset: int, nbytes: int, shared: bool = False) -> array.array:
@@ -443,10 +451,7 @@ class Channel:
         acknowledgement lets the sender write there again: a staged payload lives from the copy to this read."""
         region = _mapped[(self.pids[peer], header[3])]
         if not _keep_idle and header[0] == _MAGIC:
-            start = -(-header[4] // _PAGE) * _PAGE
-            end = (header[4] + header[5]) // _PAGE * _PAGE
-            if end > start:
-                _madvise(ctypes.addressof(region.memory) + start, end - start, mmap.MADV_REMOVE)
+            _free_pages(region.memory, header[4], header[4] + header[5])
         # x86-64: the reads before are ordered before this write (see the module's note)
         region.acks[self.rank] = header[1]
         _drop_pages(region.memory)
