@@ -37,7 +37,7 @@ reader maps its peers' regions and drops the pages it read once it acknowledged 
 its owner only. Regions stay mapped for the process's life, for the next step's messages of a similar size (a
 model's collectives repeat a few sizes); where the process returns freed memory to the kernel, their pages are
 freed between messages too (``connect``'s ``keep_idle_regions``). Payloads above
-:data:`LARGEST_MESSAGE_BYTES` per peer (units of a large model, where compute dominates) keep the sockets.
+:data:`LARGEST_MESSAGE_BYTES` per peer (4 MiB: units of a large model, where compute dominates) keep the sockets.
 
 Descriptors: a region's memfd stays open only until every peer has read a message there (and so mapped it);
 mappings keep none, and a group that never sends makes none. A process that creates thousands of groups (a
@@ -76,9 +76,14 @@ __all__ = [
 
 ENV_VAR = "FULLSHARD_CPU_SHM"
 
-LARGEST_MESSAGE_BYTES = 32 * 2**20
-"""A payload per peer above this goes through the sockets: a region costs its size in each process that maps
-it, for as long as it is kept, where the sockets hold nothing; above it the copies are a smaller part of a step."""
+LARGEST_MESSAGE_BYTES = 4 * 2**20
+"""A payload per peer above this goes through the sockets. A staged copy costs its size in memory from the send
+until the peer has read it, and its region stays for the next message of its size, where the sockets send from
+the caller's buffer and hold nothing; above this, the copies saved are a small part of a step. Measured
+(docs/benchmarks.md, twenty-first session): at 32 MiB, the 840M GPT's units (8-32 MiB per parameter and peer)
+went through regions and its peak RSS per rank rose by 33 MiB (a message's staged copy beside the output its
+reader fills); at 4 MiB the 840M peak is the sockets' to 1 MiB, and the medium GPT's step is the same within
+noise (only its 8 MiB root messages move back to the sockets)."""
 
 HEADER_BYTES = 64
 # The first word of a header: anything else (a released wait's filler) reads nothing. _MAGIC: no other reader reads
