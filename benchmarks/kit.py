@@ -30,6 +30,7 @@ from fullshard import FullyShardedDataParallel as OurFSDP
 from fullshard import MixedPrecision
 from fullshard.algorithms.checkpointing import checkpoint_module
 from fullshard.engine.collective_check import CHECK_VAR
+from fullshard.engine.local_step import ENV_VAR as LOCAL_STEP_ENV_VAR
 from fullshard.engine.p2p import ENV_VAR as P2P_ENV_VAR
 from fullshard.engine.shm import ENV_VAR as SHM_ENV_VAR
 from fullshard.testing.models import Block
@@ -293,6 +294,11 @@ _UNCHECKED = {CHECK_VAR: "0"}
 SOCKETS = ", sockets"
 _SOCKETS = {SHM_ENV_VAR: "0"}
 
+# ... and with this suffix with the optimizer stepping the DTensor parameters, as under torch FSDP2
+# (FULLSHARD_LOCAL_OPTIMIZER_STEP=0; the others step their local tensors, engine/local_step.py).
+DTENSOR_STEP = ", DTensor optimizer step"
+_DTENSOR_STEP = {LOCAL_STEP_ENV_VAR: "0"}
+
 # Entry points (``System.entry_point``).
 FSDP_CLASS, FULLY_SHARD = "FullyShardedDataParallel", "fully_shard"
 OUR_ENTRY_POINTS = (FSDP_CLASS, FULLY_SHARD)
@@ -339,6 +345,7 @@ SYSTEMS: dict[str, System] = {
         System(f"{OURS_FULLY_SHARD}{UNCHECKED}", ours_fully_shard, env=_UNCHECKED, **_ours_fs),
         System(f"{OURS_FSDP}{SOCKETS}", ours_fsdp, env=_SOCKETS, **_ours),
         System(f"{OURS_FULLY_SHARD}{SOCKETS}", ours_fully_shard, env=_SOCKETS, **_ours_fs),
+        System(f"{OURS_FULLY_SHARD}{DTENSOR_STEP}", ours_fully_shard, env=_DTENSOR_STEP, **_ours_fs),
         System(
             OURS_FSDP_BF16_ON_DEMAND,
             functools.partial(ours_fsdp, mixed_precision=BF16_MP, prefetch="none"),

@@ -83,7 +83,14 @@ from fullshard.algorithms.whole_pieces import (
     whole_spec,
 )
 from fullshard.algorithms.whole_pipeline import PipelinedSteps
-from fullshard.engine import WHOLE_STATES_KEY, add_step_check, local_tensor, model_params, owner_label
+from fullshard.engine import (
+    WHOLE_STATES_KEY,
+    add_step_check,
+    keep_dtensor_step,
+    local_tensor,
+    model_params,
+    owner_label,
+)
 
 __all__ = [
     "MATRIX_OPTIMIZERS",
@@ -141,6 +148,7 @@ class WholeParamStep(PipelinedSteps):
             optimizer.register_step_post_hook(self._after_step),
         ]
         setattr(optimizer, _ATTR, self)
+        keep_dtensor_step(optimizer)  # its hooks step DTensor parameters whole
 
     def _build(self) -> None:
         """Entries and owners for the optimizer's parameters as they are now (again after ``add_param_group``:

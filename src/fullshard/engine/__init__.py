@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # the table of what is imported from where, read by lazy_surf
     )
     from fullshard.engine.invariant import resolve as resolve_invariant_micro_batches
     from fullshard.engine.layout import ShardLayout
+    from fullshard.engine.local_step import exclude as keep_dtensor_step
     from fullshard.engine.names import clean_key
     from fullshard.engine.optim_state import (
         WHOLE_STATES_KEY,
@@ -152,6 +153,7 @@ __all__ = [
     "StateSpec",
     "WHOLE_STATES_KEY",
     "add_step_check",
+    "keep_dtensor_step",
     "clip_grad_norm_",
     "clip_module_grad_norm_",
     "expected_entries",

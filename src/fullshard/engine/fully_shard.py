@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fullshard.engine import grad_norm, invariant
+from fullshard.engine import grad_norm, invariant, local_step
 from fullshard.engine import state_dict as sd
 from fullshard.engine.api import (
     AppliedTwiceError,
@@ -479,6 +479,7 @@ def fully_shard(
         shard_placement_fn=shard_placement_fn,
         members=members,
     )
+    local_step.install()  # after build_unit retired the originals: the retired-parameter guard is the first hook
     where = f"fully_shard({type(module).__name__})"
     if micro_batches is not None and state.group is not None:
         invariant.validate_group(state.group, micro_batches, where)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fullshard.engine import collective_check, cpu_memory, invariant, shm, trace
+from fullshard.engine import collective_check, cpu_memory, invariant, local_step, shm, trace
 from fullshard.engine.agreement import check_same_order_on_all_ranks, check_same_units_on_all_ranks
 from fullshard.engine.api import BackwardPrefetch
 from fullshard.engine.frozen_backward import FrozenBackward
@@ -315,6 +315,7 @@ class UnitState:
             self.group.forget_cleared_unsharded_grads()
         order = ctx.order
         if self.is_root:
+            local_step.restore_all()  # an optimizer step that raised (see [Note: local optimizer steps])
             collective_check.note_forward()
             order.start_iteration()
             for state in ctx.states:  # a round a member never closed (it did not run) ends with the iteration
