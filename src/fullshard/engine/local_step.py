@@ -106,7 +106,11 @@ def _local_like(value: Any, param: DTensor) -> torch.Tensor | None:
     """``value``'s local tensor if it is a ``DTensor`` laid out as ``param``; else ``None``."""
     if not isinstance(value, DTensor):
         return None
-    if value._spec.placements != param._spec.placements or value._spec.mesh != param._spec.mesh:
+    spec, like = value._spec, param._spec
+    # Sharded gradients share their parameter's spec (mesh.ShardGroup.dtensor_like): no comparison for them.
+    if spec is not like and (
+        spec.placements != like.placements or (spec.mesh is not like.mesh and spec.mesh != like.mesh)
+    ):
         return None
     local = value._local_tensor
     return local if local.shape == param._local_tensor.shape else None
