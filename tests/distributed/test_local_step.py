@@ -87,6 +87,8 @@ def train(rank: int, name: str, local: bool, steps: int = 3) -> dict[str, Any]:
         backward(model, rank, step)
         optimizer.step()
         optimizer.zero_grad()
+        if step == 0:
+            kept = [optimizer.state[p] for p in params]  # a reference to a state dict stays the parameter's
     os.environ.pop(ENV_VAR)
     back = all_params(optimizer)
     state = {i: {k: as_compared(v) for k, v in optimizer.state[p].items()} for i, p in enumerate(params)}
@@ -96,6 +98,7 @@ def train(rank: int, name: str, local: bool, steps: int = 3) -> dict[str, Any]:
         "seen": {t.__name__ for t in seen},
         "back": len(back) == len(params) and {id(p) for p in back} == {id(p) for p in params},
         "state_keys": set(optimizer.state) == set(params),
+        "same_dicts": all(optimizer.state[p] is d for p, d in zip(params, kept, strict=True)),
         "osd_types": sorted({type(v).__name__ for s in optimizer.state_dict()["state"].values() for v in s.values()}),
     }
 
@@ -127,6 +130,7 @@ def test_local_step_is_the_dtensor_step(pool2: WorkerPool, name: str) -> None:
         assert ours["seen"] == {"Tensor"}, ours["seen"]  # the step computed on local tensors
         assert theirs["seen"] == {"DTensor"}, theirs["seen"]
         assert ours["back"] and ours["state_keys"]  # the DTensor parameters are back, and key the state
+        assert ours["same_dicts"] and theirs["same_dicts"]
         assert ours["osd_types"] == theirs["osd_types"]
         assert_same(ours, theirs)
 

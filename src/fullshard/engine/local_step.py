@@ -181,7 +181,12 @@ def _restore(optimizer: torch.optim.Optimizer) -> None:
     for p, local, before in swap.params:
         stepped = state.pop(local, None)
         if stepped:
-            state[p] = {k: _as_param_state(k, v, p, local, before) for k, v in stepped.items()}
+            restored = {k: _as_param_state(k, v, p, local, before) for k, v in stepped.items()}
+            if before is None:
+                state[p] = restored
+            else:  # the same dict object as before the step: a reference to it stays valid, as without the swap
+                before.clear()
+                before.update(restored)
         if local.grad is None:
             p.grad = None  # zero_grad() after a step that raised
         local.grad = None
