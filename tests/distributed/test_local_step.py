@@ -24,6 +24,7 @@ from fullshard.engine.local_step import ENV_VAR
 from fullshard.testing import WorkerPool
 from fullshard.testing.models import GPTConfig, TinyGPT, make_batch
 from fullshard.testing.parity import fully_shard_blocks
+from tests.distributed.test_switch_optimizer import param_groups
 
 CFG = GPTConfig()
 
@@ -41,13 +42,6 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] =
     "rmsprop centered": lambda g: torch.optim.RMSprop(g, lr=1e-3, centered=True, momentum=0.5),
     "asgd": lambda g: torch.optim.ASGD(g, lr=1e-2),
 }
-
-
-def groups(model: nn.Module) -> list[dict[str, Any]]:
-    """Decay and no-decay groups, as training scripts build them."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
 def sharded_model() -> nn.Module:
@@ -81,7 +75,7 @@ def train(rank: int, name: str, local: bool, steps: int = 3) -> dict[str, Any]:
     os.environ[ENV_VAR] = "1" if local else "0"
     model = sharded_model()
     params = list(model.parameters())
-    optimizer = OPTIMIZERS[name](groups(model))
+    optimizer = OPTIMIZERS[name](param_groups(model))
     seen = seen_by_step(optimizer)
     for step in range(steps):
         backward(model, rank, step)
@@ -206,7 +200,7 @@ def raised_step(rank: int, world: int) -> dict[str, Any]:
     want = train(rank, "adamw", local=True, steps=3)["params"]
     model = sharded_model()
     params = list(model.parameters())
-    optimizer = OPTIMIZERS["adamw"](groups(model))
+    optimizer = OPTIMIZERS["adamw"](param_groups(model))
     backward(model, rank, 0)
     optimizer.step()
     optimizer.zero_grad()
@@ -216,7 +210,7 @@ def raised_step(rank: int, world: int) -> dict[str, Any]:
     with contextlib.suppress(RuntimeError):
         optimizer.step()
     osd_types = sorted({type(v).__name__ for s in optimizer.state_dict()["state"].values() for v in s.values()})
-    restored = [id(p) for p in all_params(optimizer)] == [id(p) for g in groups(model) for p in g["params"]]
+    restored = [id(p) for p in all_params(optimizer)] == [id(p) for g in param_groups(model) for p in g["params"]]
     step1_grads_kept = all(p.grad is not None for p in params)
     # Raise again, then the loop goes on as a user's would: zero_grad(), then a forward that restores.
     optimizer.register_step_pre_hook(Raise())

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fullshard.engine.param import owner_label
+from fullshard.engine.mesh import ShardGroup
+from fullshard.engine.param import local_tensor, owner_label
 
 __all__ = ["ELEMENTWISE", "ENV_VAR", "exclude", "install", "restore_all"]
 
@@ -152,12 +153,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     for group in optimizer.param_groups:
         params = group["params"]
         swap.lists.append((group, params))
-        group["params"] = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        group["params"] = [local_tensor(p) for p in params]
     for p in sharded:
         local = p._local_tensor
         before = state.get(p)
         if before is not None:
-            state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in before.items()}
+            state[local] = {k: local_tensor(v) for k, v in before.items()}
         local.grad = None if p.grad is None else p.grad._local_tensor
         swap.params.append((p, local, before))
     _SWAPPED[optimizer] = swap
@@ -200,7 +201,5 @@ def _as_param_state(key: str, value: Any, param: DTensor, local: torch.Tensor, b
         return old
     new_per_element = isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
     if new_per_element and value.shape == local.shape:
-        return DTensor.from_local(
-            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        return ShardGroup.dtensor_like(value.contiguous(), param)
     return value
