@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import resource
 import statistics
@@ -296,14 +297,41 @@ def trace_steps(name: str, cfg: GPTConfig, batch: int, out_dir: str) -> None:
     console.print(f"Chrome traces: {', '.join(os.path.join(out_dir, f'trace_rank{r}.json') for r in range(WORLD))}")
 
 
+def _paired_ratios(results: list[dict[str, Any]], name: str, reference: str) -> list[float]:
+    """Per timed step of an interleaved run, ``name``'s step over ``reference``'s (the slowest rank's each)."""
+    pace = [max(times) for times in zip(*(r[name]["times"] for r in results))]
+    ref = [max(times) for times in zip(*(r[reference]["times"] for r in results))]
+    return [a / b for a, b in zip(pace, ref)]
+
+
 def _ratio(results: list[dict[str, Any]], name: str, reference: str, paired: bool) -> float:
     """``name``'s step time over ``reference``'s: the slowest rank sets each one's pace. Paired (interleaved
     runs): the median over steps of the ratio within each step; otherwise the ratio of the medians."""
     if not paired:
         return max(r[name]["step_s"] for r in results) / max(r[reference]["step_s"] for r in results)
-    pace = [max(times) for times in zip(*(r[name]["times"] for r in results))]
-    ref = [max(times) for times in zip(*(r[reference]["times"] for r in results))]
-    return statistics.median(a / b for a, b in zip(pace, ref))
+    return statistics.median(_paired_ratios(results, name, reference))
+
+
+def _paired_summary(results: list[dict[str, Any]], name: str, reference: str) -> str:
+    """``name``'s paired step ratio to ``reference``'s, its 95% interval beside it where one exists."""
+    ratios = _paired_ratios(results, name, reference)
+    interval = median_interval(ratios)
+    spread = f" (95% interval of the median {interval[0]:.3f}-{interval[1]:.3f})" if interval else ""
+    return f"{statistics.median(ratios):.3f}x{spread}"
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median: the order statistics ``j`` and ``n + 1 - j``
+    (1-based), the narrowest pair that the binomial(n, 1/2) law of "values below the median" gives at least
+    ``level`` coverage: ``P(j <= B <= n - j)``. No assumption on the noise's shape, only that the steps' ratios
+    are independent draws. None where no pair reaches ``level`` (fewer than 6 values at 95%)."""
+    n = len(values)
+    pmf = [math.comb(n, i) / 2**n for i in range(n + 1)]
+    ordered = sorted(values)
+    for j in range(n // 2, 0, -1):
+        if sum(pmf[j : n - j + 1]) >= level:
+            return ordered[j - 1], ordered[n - j]
+    return None
 
 
 def report_steps(results: list[dict[str, Any]], names: list[str], paired: bool = False) -> None:
@@ -363,11 +391,19 @@ def report_steps(results: list[dict[str, Any]], names: list[str], paired: bool =
         if native in names:
             ratio = max(r[name]["step_s"] for r in results) / max(r[native]["step_s"] for r in results)
             console.print(f"{name}: step time with the engine's collective choice / gloo's collectives: {ratio:.2f}")
+    if paired:  # the table's ratios to three places, with how far the noise leaves their medians
+        for name in names:
+            for reference in dict.fromkeys((system(name).baseline, ddp_name)):
+                if reference in names and reference != name and (reference != ddp_name or not system(name).bf16):
+                    console.print(f"{name}: {_paired_summary(results, name, reference)} {reference}'s step")
     for name in names:
         unchecked = name + UNCHECKED
         if unchecked in names:
-            ratio = _ratio(results, name, unchecked, paired)
-            console.print(f"{name}: step time with the in-step check / without it: {ratio:.3f}")
+            if paired:
+                summary = _paired_summary(results, name, unchecked)
+            else:
+                summary = f"{_ratio(results, name, unchecked, paired):.3f}"
+            console.print(f"{name}: step time with the in-step check / without it: {summary}")
     on_demand, prefetched = OURS_FSDP_BF16_ON_DEMAND, OURS_FSDP_BF16_PREFETCH_ALL
     if on_demand in names and prefetched in names:
         exposed = max(r[on_demand]["ag_wait_s"] for r in results)
