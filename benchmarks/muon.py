@@ -1,8 +1,13 @@
 """Matrix optimizers on shards: fullshard + Muon (whole-parameter steps) beside fullshard + AdamW and torch FSDP2
 + ``torch.optim.Muon``, on 2 gloo ranks.
 
-    python benchmarks/muon.py [--layers 8 --width 512 --batch 8 --steps 6] [--no-peak] [--out FILE.json]
+    python benchmarks/muon.py [--layers 8 --width 512 --batch 8 --accumulate 1 --steps 6] [--no-peak] [--out F]
     python benchmarks/muon.py --floor [--steps 6]   # Muon's own cost: unsharded, one process
+
+``--accumulate K``: every optimizer step takes K micro-batches of ``--batch`` sequences (forward and backward
+each, gradients reduced as they are made), as a run with a larger global batch than fits at once does. Muon's
+Newton-Schulz and its exchange are paid once per optimizer step, the forward and backward K times: the step
+ratio to AdamW against tokens per step.
 
 
 The rows (``kit.MATRIX_OPTIMIZER_ROWS``): each a kit system (one ``fully_shard`` unit per ``Block`` and the root)
@@ -128,11 +133,15 @@ def optimizers(model: nn.Module, optimizer: str) -> list[torch.optim.Optimizer]:
     return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-4)]
 
 
-def timed_step(model: nn.Module, opts: list[torch.optim.Optimizer], x: torch.Tensor, y: torch.Tensor) -> tuple:
-    """One training step: (seconds in all, seconds in the optimizers, the loss tensor)."""
+def timed_step(
+    model: nn.Module, opts: list[torch.optim.Optimizer], batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple:
+    """One optimizer step over ``batches`` (micro-batches whose gradients accumulate, each reduced as it is made, as
+    every system does by default): (seconds in all, seconds in the optimizers, the last micro-batch's loss)."""
     start = time.perf_counter()
-    loss = model(x, y)
-    loss.backward()
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
     mid = time.perf_counter()
     for opt in opts:
         opt.step()
@@ -148,7 +157,14 @@ def _shard(rank: int, world: int, cfg: GPTConfig, batch: int, seed: int) -> tupl
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def _timed(rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, batch: int, steps: int) -> dict:
+def _micro_batches(rank: int, world: int, cfg: GPTConfig, batch: int, step: int, accumulate: int) -> list[tuple]:
+    """This rank's share of each of the step's ``accumulate`` global micro-batches (seeds distinct across steps)."""
+    return [_shard(rank, world, cfg, batch, step * accumulate + k) for k in range(accumulate)]
+
+
+def _timed(
+    rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, batch: int, steps: int, accumulate: int
+) -> dict:
     """Every row side by side; per step and row: step and optimizer seconds, the phases, the loss."""
     torch.set_num_threads(1)
     built = [build(row, cfg) for row in rows]
@@ -156,14 +172,14 @@ def _timed(rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, b
     out: dict[str, dict[str, list[float]]] = {label(r): defaultdict(list) for r in rows}
     with timers.installed():
         for step in range(steps):
-            x, y = _shard(rank, world, cfg, batch, step)
+            batches = _micro_batches(rank, world, cfg, batch, step, accumulate)
             order = list(range(len(rows))) if step % 2 == 0 else list(range(len(rows)))[::-1]
             for i in order:
                 model, opts = built[i]
                 rec = out[label(rows[i])]
                 timers.seconds.clear()
                 dist.barrier()
-                step_s, optimizer_s, loss = timed_step(model, opts, x, y)
+                step_s, optimizer_s, loss = timed_step(model, opts, batches)
                 rec["step_s"].append(step_s)
                 rec["optimizer_s"].append(optimizer_s)
                 rec["loss"].append(loss.item())
@@ -172,7 +188,7 @@ def _timed(rank: int, world: int, rows: list[tuple[str, str]], cfg: GPTConfig, b
     return {k: dict(v) for k, v in out.items()}
 
 
-def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[str, float]]:
+def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int, accumulate: int) -> dict[str, dict[str, float]]:
     """Unsharded AdamW and Muon in this process, side by side on the same batches (see ``--floor``)."""
     torch.set_num_threads(1)
     rows: dict[str, tuple[nn.Module, list[torch.optim.Optimizer]]] = {}
@@ -184,11 +200,11 @@ def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[
     out: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in rows}
     with timers.installed():
         for step in range(steps):
-            x, y = make_batch(cfg, batch, seed=step)
+            batches = _micro_batches(0, 1, cfg, batch, step, accumulate)
             for name in list(rows) if step % 2 == 0 else list(rows)[::-1]:
                 model, opts = rows[name]
                 timers.seconds.clear()
-                step_s, optimizer_s, _ = timed_step(model, opts, x, y)
+                step_s, optimizer_s, _ = timed_step(model, opts, batches)
                 out[name]["step_s"].append(step_s)
                 out[name]["optimizer_s"].append(optimizer_s)
                 out[name][NS].append(timers.seconds.get(NS, 0.0))
@@ -204,13 +220,15 @@ def _floor(cfg: GPTConfig, batch: int, steps: int, warm: int) -> dict[str, dict[
     }
 
 
-def _peak(rank: int, world: int, row: tuple[str, str], cfg: GPTConfig, batch: int, steps: int) -> dict[str, int]:
+def _peak(
+    rank: int, world: int, row: tuple[str, str], cfg: GPTConfig, batch: int, steps: int, accumulate: int
+) -> dict[str, int]:
     torch.set_num_threads(1)
     base = rss_bytes()
     model, opts = build(row, cfg)
     for step in range(steps):
-        x, y = _shard(rank, world, cfg, batch, step)
-        model(x, y).backward()
+        for x, y in _micro_batches(rank, world, cfg, batch, step, accumulate):
+            model(x, y).backward()
         for opt in opts:
             opt.step()
         for opt in opts:
@@ -246,6 +264,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences of 64)")
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="micro-batches of --batch per optimizer step (Newton-Schulz is paid once per step)",
+    )
     parser.add_argument("--steps", type=int, default=6, help="steps per row, the first --warm left out")
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--peak-steps", type=int, default=2)
@@ -264,9 +289,10 @@ def main() -> None:
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     print(f"machine: {describe_machine()}")
     print(f"TinyGPT {args.layers} x {args.width} ({params / 1e6:.1f}M parameters), batch {args.batch} x 64, "
+          f"{args.accumulate} micro-batch(es) per step ({args.accumulate * args.batch * 64} tokens), "
           f"{args.world} gloo ranks, {args.steps} steps ({args.warm} warm-up)")  # fmt: skip
     if args.floor:
-        floor = _floor(cfg, args.batch, args.steps, min(args.warm, args.steps - 1))
+        floor = _floor(cfg, args.batch, args.steps, min(args.warm, args.steps - 1), args.accumulate)
         print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"{'unsharded, one process':42} {'step ms':>8} {'x':>5} {'optim':>7} {NS:>18}")
         for name, r in floor.items():
@@ -275,7 +301,9 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"machine": describe_machine(), "config": vars(args), "floor": floor}, f, indent=1)
         return
-    per_rank = on_fresh_ranks(_timed, rows, cfg, args.batch, args.steps, world=args.world, timeout_s=3 * 3600)
+    per_rank = on_fresh_ranks(
+        _timed, rows, cfg, args.batch, args.steps, args.accumulate, world=args.world, timeout_s=3 * 3600
+    )
     result = summarise(per_rank, rows, min(args.warm, args.steps - 1))
     peaks: dict[str, list[int]] = {}
     if not args.no_peak:
@@ -284,7 +312,9 @@ def main() -> None:
         # every buffer above 128 KiB it allocates.
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
         for row in rows:
-            ranks = on_fresh_ranks(_peak, row, cfg, args.batch, args.peak_steps, world=args.world, timeout_s=3600)
+            ranks = on_fresh_ranks(
+                _peak, row, cfg, args.batch, args.peak_steps, args.accumulate, world=args.world, timeout_s=3600
+            )
             peaks[label(row)] = [r["peak"] for r in ranks]
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average after: {load}")

@@ -1,6 +1,6 @@
 """``benchmarks/muon.py``'s smoke run: a tiny GPT, 2 gloo ranks, every row (fullshard + AdamW, fullshard + Muon
-with whole-parameter steps, pipelined and serial, torch FSDP2 + Muon), 2 steps and the peak-memory runs, so that
-the script the docs quote keeps running: the rows, the phase timers and the JSON it writes.
+with whole-parameter steps, pipelined and serial, torch FSDP2 + Muon), 2 steps of 2 accumulated micro-batches and
+the peak-memory runs, so that the script the docs quote keeps running: the rows, the phase timers and the JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def test_muon_benchmark_runs_on_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "muon.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "benchmarks" / "muon.py"), "--layers", "1", "--width", "32", "--heads",
-               "2", "--batch", "2", "--steps", "2", "--warm", "1", "--peak-steps", "1", "--out", str(out)]  # fmt: skip
+               "2", "--batch", "2", "--accumulate", "2", "--steps", "2", "--warm", "1", "--peak-steps", "1", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, env=env, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
