@@ -14,6 +14,9 @@ The rows (``kit.MATRIX_OPTIMIZER_ROWS``): each a kit system (one ``fully_shard``
 and an optimizer set-up as users write it:
 
 - ``adamw``: AdamW (lr 3e-4) on every parameter: the baseline of the ratios;
+- ``muon-whole``: fullshard's ``muon`` without the split step (``_can_split`` answers no): pipelined, the owner
+  receiving the parameter, gradient and momentum whole and sending back the parameter and momentum, as before
+  the split (``[Note: split Muon steps]``);
 - ``muon-serial``: fullshard's ``muon`` with the pipeline turned off (``_can_pipeline`` answers no): the exchange
   as it was before it, gather everything, step, scatter everything, for a before/after in the same run;
 - ``muon``: ``torch.optim.Muon`` (lr 0.02) on the blocks' 2-D matrices, AdamW on the rest (embeddings, norms,
@@ -120,6 +123,8 @@ def build(row: tuple[str, str], cfg: GPTConfig) -> tuple[nn.Module, list[torch.o
         hook = whole_param_step(model, opts[0])
         if optimizer == "muon-serial":  # the exchange as before the pipeline: gather all, step, scatter all
             hook._can_pipeline = lambda bucket: False  # type: ignore[method-assign]
+        if optimizer == "muon-whole":  # pipelined, whole tensors exchanged: as before the split step
+            hook._can_split = lambda bucket: False  # type: ignore[method-assign]
     return model, opts
 
 
@@ -283,7 +288,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
     rows = list(MATRIX_OPTIMIZER_ROWS)
-    rows.insert(2, (rows[1][0], "muon-serial"))  # fullshard + Muon without the pipeline, in the same run
+    rows[2:2] = [(rows[1][0], "muon-whole"), (rows[1][0], "muon-serial")]  # the paths before, in the same run
     if args.no_fsdp2:
         rows = [row for row in rows if system(row[0]).ours]
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())

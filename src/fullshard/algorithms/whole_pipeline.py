@@ -66,6 +66,10 @@ class PipelinedSteps:
         bucket.stepping = [e for e in bucket.entries if e.param.grad is not None]
         for e in bucket.stepping:
             self._specs[id(e.param)] = self._rest_spec(e)
+        if self._can_split(bucket):  # Muon's own state alone: only Newton-Schulz's input and output travel
+            self._split_step(bucket)
+            bucket.stepping = []
+            return
         dtypes = {id(e.param): self._piece_dtypes(e) for e in bucket.stepping}
         owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
         slots = max((len(es) for es in owned), default=0)

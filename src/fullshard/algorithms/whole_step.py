@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.algorithms.whole_muon import SplitMuonSteps
 from fullshard.algorithms.whole_owners import Bucket, Entry, assign_owners, is_muon, newton_schulz_cost, plan_owners
 from fullshard.algorithms.whole_pieces import (
     Kind,
@@ -129,7 +130,7 @@ def is_matrix_optimizer(optimizer: object) -> bool:
     return isinstance(optimizer, tuple(MATRIX_OPTIMIZERS))
 
 
-class WholeParamStep(PipelinedSteps):
+class WholeParamStep(SplitMuonSteps, PipelinedSteps):
     """Steps ``optimizer``'s sharded parameters whole, one owning rank each; see [Note: whole-parameter steps].
 
     Built by :func:`whole_param_step`; ``owners`` maps each sharded parameter's name to its owner's shard rank;
