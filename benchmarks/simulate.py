@@ -20,12 +20,13 @@ with the model's ``GPTConfig`` fields, so that a reader can rebuild the model it
 
 Matrix optimizers (``whole_param_step``, Muon on the blocks' 2-D matrices): from the same sharded model, each
 matrix's owner as the hook plans it (``plan_owners``: shapes only), and per shard rank the bytes of its two
-all-to-alls (fp32 parameter, gradient and momentum to the owners; parameter and momentum back, from the engine's
-own row layouts: what ``_nbytes`` sends), the whole tensors an owner holds during the step, and its Newton-Schulz
-FLOPs (5 iterations of ``X X^T``, ``A A`` and ``B X`` on the ``m x n`` matrix, ``m <= n``: ``2 (2 m^2 n + m^3)``
-each). Its second table gives the slowest rank's figures against the mean, and against the forward and backward
-FLOPs of the simulated batch (``6 Psi tokens``): owners are whole matrices, so once the shard group is larger
-than the number of matrices the slowest rank's Newton-Schulz stops falling with ``N`` (its largest matrix).
+all-to-alls (Muon's step split at Newton-Schulz: its bf16 input to the owners, its bf16 result back, from the
+engine's own row layouts: what ``nbytes`` sends), the whole tensors an owner holds during the step (the bf16
+inputs), and its Newton-Schulz FLOPs (5 iterations of ``X X^T``, ``A A`` and ``B X`` on the ``m x n`` matrix,
+``m <= n``: ``2 (2 m^2 n + m^3)`` each). Its second table gives the slowest rank's figures against the mean, and
+against the forward and backward FLOPs of the simulated batch (``6 Psi tokens``): owners are whole matrices, so
+once the shard group is larger than the number of matrices the slowest rank's Newton-Schulz stops falling with
+``N`` (its largest matrix).
 """
 
 from __future__ import annotations
@@ -93,17 +94,17 @@ def newton_schulz_flops(shape: tuple[int, ...]) -> int:
 
 
 def whole_step_plan(model: torch.nn.Module, shards: int, tokens: int) -> dict[str, float]:
-    """Per shard rank, what ``whole_param_step`` with Muon (one fp32 momentum) on the blocks' matrices costs;
+    """Per shard rank, what ``whole_param_step`` with Muon (split at Newton-Schulz) on the blocks' matrices costs;
     the slowest rank's figures and the means (see the module docstring)."""
     matrices = [i for i in model_params(model) if i.sp is not None and len(i.sp.shape) == 2 and "blocks" in i.fqn]
     owners = plan_owners([newton_schulz_cost(tuple(i.sp.shape)) for i in matrices], shards)
     gather_in, scatter_out, held, flops = ([0] * shards for _ in range(4))
     for info, owner in zip(matrices, owners, strict=True):
-        rows = [info.sp.layout.for_rank(r).local_numel * 4 for r in range(shards)]  # fp32 bytes per rank
+        rows = [info.sp.layout.for_rank(r).local_numel * 2 for r in range(shards)]  # bf16 bytes per rank
         off_owner = sum(rows) - rows[owner]
-        gather_in[owner] += 3 * off_owner  # parameter, gradient, momentum
-        scatter_out[owner] += 2 * off_owner  # parameter, momentum
-        held[owner] += 3 * 4 * math.prod(info.sp.shape)
+        gather_in[owner] += off_owner  # Newton-Schulz's bf16 input (the split step: [Note: split Muon steps])
+        scatter_out[owner] += off_owner  # its bf16 result
+        held[owner] += 2 * math.prod(info.sp.shape)
         flops[owner] += newton_schulz_flops(info.sp.shape)
     psi = sum(p.numel() for p in model.parameters())
     return {

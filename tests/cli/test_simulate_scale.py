@@ -71,5 +71,5 @@ def test_small_plans_match_the_formulas(tmp_path: Path) -> None:
         assert sum(ns) / shards <= w["ns_flops_max"] <= sum(ns) / shards + max(ns)
         numel = [p.numel() for p in matrices]
         assert w["held_bytes_max"] <= 12 * (sum(numel) / shards + max(numel))
-        assert w["gather_bytes_max"] * 2 == w["scatter_bytes_max"] * 3  # (param, grad, momentum) in, 2 of them out
+        assert w["gather_bytes_max"] == w["scatter_bytes_max"]  # Newton-Schulz's bf16 input in, its result out
         assert 0 < w["exchange_bytes_mean"] <= 5 * 4 * sum(numel) / shards
