@@ -220,6 +220,45 @@ def test_a_traceback_already_printed_on_this_machine_names_the_rank_that_printed
     assert worker._printed_by("Traceback...\nValueError: x") is None  # no launcher: every rank prints
 
 
+def _stop_a_timer_from_its_own_thread() -> list[BaseException]:
+    """torch's rendezvous keep-alive timer, stopped by its finalizer on its own thread (as a garbage collection
+    there does); what the thread raised."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    raised: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda args: raised.append(args.exc_value)
+    try:
+        box: dict[str, _PeriodicTimer] = {}
+        done = threading.Event()
+
+        def tick() -> None:
+            try:
+                box["timer"]._finalizer()  # what collecting the timer on this thread calls
+            finally:
+                done.set()
+
+        box["timer"] = _PeriodicTimer(timedelta(milliseconds=10), tick)
+        box["timer"].start()
+        assert done.wait(30)
+        box["timer"]._thread.join(30)
+        assert not box["timer"]._thread.is_alive()  # its loop ended
+    finally:
+        threading.excepthook = hook
+    return raised
+
+
+def test_a_rendezvous_timer_collected_on_its_own_thread_stops_without_a_traceback() -> None:
+    """[Note: a timer collected on its own thread]: torch's own stop joins the current thread and raises there
+    (the traceback CI once printed under a launcher's summary); under the launcher's patch it stops quietly."""
+    raised = _stop_a_timer_from_its_own_thread()
+    assert len(raised) == 1 and "cannot join current thread" in str(raised[0])
+    with shutdown.rendezvous_timers_stop_on_their_thread():
+        assert _stop_a_timer_from_its_own_thread() == []
+    assert "cannot join current thread" in str(_stop_a_timer_from_its_own_thread()[0])  # restored on exit
+
+
 def test_a_rank_still_running_when_another_timed_out_is_named_first() -> None:
     timed_out = _raised("DesyncError: [rank 0] waiting ... failed: Timed out waiting 5000ms for recv", 100.0)
     straggler = failures.Straggler(rank=1, local_rank=1, pid=4242, state="sleeping", killed=True)

@@ -17,7 +17,9 @@ have not come, and an owner holds about four of its matrices whole at a time (tw
 sent) instead of all of them. The kernels and their inputs are those of the unsharded step (one parameter per call,
 as Muon loops over them anyway), so it is bitwise the same; other optimizers (whose state may span parameters: a
 step counter per call, a shared preconditioner) keep the sequence of [Note: whole-parameter steps] in
-``whole_step.py``.
+``whole_step.py``. Where Muon's state is its momentum alone (``torch.optim.Muon`` as it is), ``_pipeline`` hands
+the bucket to the split step instead (``whole_muon.py``, [Note: split Muon steps]: only Newton-Schulz's bf16
+input and output travel); what follows here is then the path of a Muon whose state holds more.
 
 The class reads, and does not set up, ``WholeParamStep``'s ``optimizer``, ``_specs``, ``_known`` and ``_position``,
 and calls its exchange (``_post_gather``, ``_own_whole``, ``_post_scatter``, ``_finish_scatter``) and state

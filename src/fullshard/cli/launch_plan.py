@@ -279,7 +279,8 @@ def run_launch(plan: LaunchPlan) -> int:
             watch = shutdown.watching(status_dir, plan.local_world_size, plan.shutdown_timeout)
             agent = failures.readable_error_files()  # see [Note: an unreadable error file] in failures.py
             grace = shutdown.survivors_grace(plan.shutdown_timeout)  # [Note: the survivors' last words]
-            with env.patched(variables), _torch_logs(shown=plan.verbose), agent, grace, watch as stragglers:
+            timers = shutdown.rendezvous_timers_stop_on_their_thread()  # see the note there
+            with env.patched(variables), _torch_logs(shown=plan.verbose), agent, grace, timers, watch as stragglers:
                 torchrun.run(torchrun.parse_args(plan.argv))
         except ChildFailedError as exc:
             outcome = failures.describe_failures(exc.failures, plan.log_dir, stragglers.stragglers)

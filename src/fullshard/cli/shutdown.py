@@ -38,6 +38,17 @@ printed, the status folder removed. So the ``fullshard`` command (``cli.main.mai
 not ``cli`` itself, which tests invoke in their own process) ends like a worker ([Note: ending a worker] in
 ``worker.py``): :func:`exit_without_teardown` joins the non-daemon threads, runs the ``atexit`` handlers,
 flushes the streams and calls ``os._exit``.
+
+[Note: a timer collected on its own thread]
+torch's dynamic rendezvous (2.13) keeps its lease alive with a ``_PeriodicTimer``: a daemon thread calling a
+function every few seconds, stopped by a ``weakref.finalize`` that sets an event and joins the thread. When the
+launcher ends after a SIGTERM, the rendezvous handler and its timer become garbage; if the collection that frees
+them runs on the timer's own thread (a garbage collection starts on whichever thread allocates when it is due),
+the finalizer joins the current thread, and Python prints "Exception ignored in: <finalize object ...>" with a
+``RuntimeError: cannot join current thread`` traceback under the launcher's summary (seen once in CI, in the test
+of a SIGTERM without a handler). Nothing was wrong but the message. While the launcher runs,
+:func:`rendezvous_timers_stop_on_their_thread` gives the timers it starts a stop that, on the timer's own thread,
+only sets the event (the loop then ends by itself), and joins as before from any other thread.
 """
 
 from __future__ import annotations
@@ -57,7 +68,14 @@ from typing import NoReturn
 
 from fullshard.cli.failures import Straggler, read_identities, read_statuses
 
-__all__ = ["SURVIVORS_GRACE_S", "ShutdownWatch", "exit_without_teardown", "survivors_grace", "watching"]
+__all__ = [
+    "SURVIVORS_GRACE_S",
+    "ShutdownWatch",
+    "exit_without_teardown",
+    "rendezvous_timers_stop_on_their_thread",
+    "survivors_grace",
+    "watching",
+]
 
 POLL_S = 0.2
 SURVIVORS_GRACE_S = 5.0
@@ -161,6 +179,27 @@ def survivors_grace(shutdown_timeout: float | None) -> Iterator[None]:
         yield
     finally:
         SubprocessContext._close = close  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def rendezvous_timers_stop_on_their_thread() -> Iterator[None]:
+    """While open, a rendezvous keep-alive timer started then stops cleanly when it is collected on its own thread;
+    see [Note: a timer collected on its own thread]."""
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    stop = _PeriodicTimer.__dict__["_stop_thread"]
+
+    def stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
+        if thread is threading.current_thread():
+            stop_event.set()  # its loop ends after this call; nothing to wait for
+            return
+        stop.__func__(thread, stop_event)
+
+    _PeriodicTimer._stop_thread = staticmethod(stop_thread)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _PeriodicTimer._stop_thread = stop  # type: ignore[method-assign]
 
 
 def wait_for_survivors(handlers: dict[int, object], grace: float) -> bool:
