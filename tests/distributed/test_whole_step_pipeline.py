@@ -93,4 +93,4 @@ def test_split_muon_exchanges_only_bf16_newton_schulz_input_and_output(pool2: Wo
         assert received_in == sorted(2 * numels[n] for n in owned), (rank, owned, calls)
     # in and out, 2 bytes an element each way (an owner's own rows included: all_to_all sends them to itself)
     total = sum(numels.values())
-    assert sum(b for calls, _, _ in traces for b, _ in calls) == 2 * 2 * total  # in and out, 2 bytes an element
+    assert sum(b for calls, _, _ in traces for b, _ in calls) == 2 * 2 * total

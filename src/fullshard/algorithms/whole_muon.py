@@ -38,12 +38,12 @@ import torch.distributed as dist
 
 from fullshard.algorithms.whole_owners import Bucket, Entry
 from fullshard.algorithms.whole_pieces import as_bytes, concat, nbytes, rows_of
+from fullshard.algorithms.whole_pipeline import _AHEAD
 from fullshard.engine import local_tensor
 
 __all__ = ["SplitMuonSteps"]
 
 _MOMENTUM = "momentum_buffer"
-_AHEAD = 2  # owner slots whose gathers are in flight beyond the one being computed
 
 
 class SplitMuonSteps:
@@ -62,16 +62,19 @@ class SplitMuonSteps:
 
     def _split_step(self, bucket: Bucket) -> None:
         """Muon's step on every stepping matrix of ``bucket``: element-wise on the rows here, Newton-Schulz whole on
-        its owner, slot after slot with the exchange in the background."""
-        stepping = [e for e in bucket.entries if e.param.grad is not None]
-        inputs = {id(e.param): self._first_half(e) for e in stepping}  # bf16 rows of each Newton-Schulz input
-        owned = [[e for e in stepping if e.owner == o] for o in range(bucket.world)]
+        its owner, slot after slot with the exchange in the background. ``bucket.stepping``: the matrices with a
+        gradient (set by ``_pipeline``)."""
+        inputs = {id(e.param): self._first_half(e) for e in bucket.stepping}  # bf16 rows of each Newton-Schulz input
+        owned = [[e for e in bucket.stepping if e.owner == o] for o in range(bucket.world)]
         slots = max((len(es) for es in owned), default=0)
         me = bucket.rank
         gathers: list[tuple[list[Any], torch.Tensor | None]] = []  # per slot: its works, the whole input if mine
 
+        def slot(j: int) -> dict[int, Entry]:  # owner -> its j-th matrix
+            return {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+
         def post_gather(j: int) -> None:
-            to = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+            to = slot(j)
             send = concat([as_bytes(inputs[id(e.param)]) for _, e in sorted(to.items())])
             in_splits = [nbytes(to[o], me, torch.bfloat16) if o in to else 0 for o in range(bucket.world)]
             mine = to.get(me)
@@ -90,13 +93,13 @@ class SplitMuonSteps:
             gathers[j] = ([], None)
             if j + _AHEAD < slots:
                 post_gather(j + _AHEAD)
-            for e in (es[j] for es in owned if j < len(es)):
-                inputs.pop(id(e.param))  # sent
-            at = {o: es[j] for o, es in enumerate(owned) if j < len(es)}
+            at = slot(j)
+            for sent in at.values():
+                inputs.pop(id(sent.param))
             e = at.get(me)
             send, in_splits = torch.empty(0, dtype=torch.uint8), [0] * bucket.world
             if e is not None and whole is not None:
-                group = self.optimizer.param_groups[self._position[id(e.param)][0]]
+                group = self._group_of(e)
                 result = torch.optim._muon._zeropower_via_newtonschulz(
                     whole, group["ns_coefficients"], group["ns_steps"], group["eps"]
                 )
@@ -114,10 +117,13 @@ class SplitMuonSteps:
         while scatters:
             self._second_half(*scatters.pop(0))
 
+    def _group_of(self, e: Entry) -> dict[str, Any]:
+        return self.optimizer.param_groups[self._position[id(e.param)][0]]
+
     def _first_half(self, e: Entry) -> torch.Tensor:
         """Muon's element-wise steps before Newton-Schulz on this rank's rows: the momentum (in place) and the
         bf16 input, as rows."""
-        group = self.optimizer.param_groups[self._position[id(e.param)][0]]
+        group = self._group_of(e)
         momentum = group["momentum"]
         grad = local_tensor(e.param.grad).detach()
         buf = local_tensor(self.optimizer.state[e.param][_MOMENTUM])
@@ -136,7 +142,7 @@ class SplitMuonSteps:
             e = at[o]
             update = out.narrow(0, offset, out_splits[o]).view(torch.bfloat16)
             offset += out_splits[o]
-            group = self.optimizer.param_groups[self._position[id(e.param)][0]]
+            group = self._group_of(e)
             lr = torch.optim._muon._to_scalar(group["lr"])
             adjusted_lr = torch.optim._muon._adjust_lr(lr, group["adjust_lr_fn"], torch.Size(e.sp.shape))
             param = local_tensor(e.param)
